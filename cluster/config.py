@@ -1,0 +1,139 @@
+"""duet's deployment configuration: one validated pydantic model, loaded from YAML.
+
+Mistakes are rejected at load time with the dotted path of the bad field (``prefill.replicas:
+must be >= 1``), because a wrong config that starts anyway fails much later as a hang or an
+out-of-memory deep inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUILTIN_MODEL = "builtin"
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field and what to fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """Which model every worker serves, and the engine settings that must match across roles."""
+
+    name: str = Field(default="duet-tiny-llama", min_length=1)
+    path: str = Field(default=BUILTIN_MODEL, description="'builtin' or a local HF model directory")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int | None = Field(default=None, ge=16)
+    enforce_eager: bool = True
+    seed: int = 0
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, value: str) -> str:
+        if value != BUILTIN_MODEL and not (Path(value).expanduser() / "config.json").is_file():
+            raise ValueError(f"{value!r} is not a Hugging Face model directory (no config.json)")
+        return value
+
+
+class PoolConfig(_Strict):
+    """One pool of identical workers (prefill or decode)."""
+
+    replicas: int = Field(default=1, ge=1)
+    kv_cache_gib: float = Field(default=1.0, gt=0)
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    # CPU only: the core each worker's forward pass is pinned to (replica i gets cpu_cores[i]).
+    # vLLM would otherwise pin every engine to the machine's last core.
+    cpu_cores: list[int] | None = None
+    max_num_seqs: int = Field(default=64, ge=1)
+
+    @model_validator(mode="after")
+    def _one_core_per_replica(self) -> "PoolConfig":
+        if self.cpu_cores is not None and len(self.cpu_cores) < self.replicas:
+            raise ValueError(
+                f"cpu_cores lists {len(self.cpu_cores)} cores for {self.replicas} replicas; "
+                "give one core per replica or leave it out"
+            )
+        return self
+
+
+class KVTransferConfig(_Strict):
+    """How KV moves from prefill to decode workers."""
+
+    transport: Literal["nixl"] = "nixl"
+    buffer_device: Literal["cpu", "cuda"] = "cpu"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_base_port: int = Field(default=5600, ge=1024, le=65000)
+    # NIXL's UCX progress thread busy-polls a whole core per engine; off is faster on CPU.
+    nixl_progress_thread: bool = False
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # Seconds a prefill worker keeps KV for a decode worker that never pulls it (the decode side
+    # extends the lease by heartbeats while it is still waiting to pull).
+    kv_lease_s: int = Field(default=30, ge=6)
+
+
+class RayConfig(_Strict):
+    address: str = Field(default="local", description="'local' starts a private instance")
+    num_cpus: int | None = Field(default=None, ge=1)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=50051, ge=0, le=65535)
+    # Admission limit: requests beyond it get RESOURCE_EXHAUSTED instead of queueing unbounded.
+    max_inflight_requests: int = Field(default=128, ge=1)
+    worker_start_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class DuetConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    prefill: PoolConfig = PoolConfig(cpu_cores=[0])
+    decode: PoolConfig = PoolConfig(cpu_cores=[1])
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+    ray: RayConfig = RayConfig()
+    server: ServerConfig = ServerConfig()
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling)"
+        lines.append(f"  {where}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str = "config") -> DuetConfig:
+    """Validate an already-parsed mapping; raise ConfigError naming every bad field."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return DuetConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"{source} is invalid:\n{_format_errors(error)}") from None
+
+
+def load_config(path: str | Path | None = None) -> DuetConfig:
+    """Load and validate a YAML config; the embedded default when ``path`` is None."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    return parse_config(data, source=str(path))

@@ -1,0 +1,116 @@
+"""A running duet deployment: Ray, the worker pools, and the router's gRPC server.
+
+``duet serve`` and the test suite both start duet through :class:`Deployment`, so the tests run
+exactly what users run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from duet.cluster.config import DuetConfig
+from duet.cluster.engine import resolve_model_path
+from duet.decode_worker.worker import DecodeWorker
+from duet.prefill_worker.worker import PrefillWorker
+from duet.router.lifecycle import RequestLifecycle
+from duet.router.pools import PoolMember, WorkerPool
+from duet.router.server import DuetServicer, start_server
+from duet.router.status import ClusterView
+from duet.router.validation import ModelLimits
+
+logger = logging.getLogger(__name__)
+
+RAY_NAMESPACE = "duet"
+
+
+class WorkerStartError(RuntimeError):
+    """A worker's engine could not start; the message names the worker and the cause."""
+
+
+def start_ray(config: DuetConfig) -> None:
+    """Join or start Ray as configured (a no-op if this process is already connected)."""
+    if ray.is_initialized():
+        return
+    # Engines and the router log plenty on their own; Ray's per-task warnings about
+    # blocking start-up calls are noise here.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    if config.ray.address == "local":
+        ray.init(num_cpus=config.ray.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False)
+    else:
+        ray.init(address=config.ray.address, namespace=RAY_NAMESPACE)
+
+
+@dataclass
+class Deployment:
+    config: DuetConfig
+    prefill: WorkerPool = field(default_factory=lambda: WorkerPool("prefill"))
+    decode: WorkerPool = field(default_factory=lambda: WorkerPool("decode"))
+    server: Any = None
+    port: int = 0
+    cluster: ClusterView | None = None
+
+    async def start(self, port: int | None = None) -> "Deployment":
+        """Start workers and the gRPC server; ``port`` overrides the config (0 picks a free one)."""
+        start_ray(self.config)
+        resolve_model_path(self.config.model)  # create the built-in model once, not per worker
+        self._create_workers(PrefillWorker, self.prefill, self.config.prefill)
+        self._create_workers(DecodeWorker, self.decode, self.config.decode)
+        await self._wait_ready()
+        limits = ModelLimits(self.config.model.name, *await self.prefill.members[0].actor.model_limits.remote())
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(self.config.model)))
+        self.cluster = ClusterView(self.config.model.name, self.config.kv_transfer.transport, [self.prefill, self.decode])
+        servicer = DuetServicer(
+            RequestLifecycle(self.prefill, self.decode),
+            limits,
+            tokenizer,
+            self.cluster,
+            self.config.server.max_inflight_requests,
+        )
+        bind_port = self.config.server.port if port is None else port
+        self.server, self.port = await start_server(servicer, self.config.server.host, bind_port)
+        return self
+
+    def _create_workers(self, worker_class: type, pool: WorkerPool, pool_config: Any) -> None:
+        actor_class = ray.remote(worker_class)
+        for index in range(pool_config.replicas):
+            name = f"{pool.role}-{index}"
+            actor = actor_class.options(
+                name=f"duet-{name}",
+                num_cpus=pool_config.num_cpus,
+                num_gpus=pool_config.num_gpus,
+                max_concurrency=1000,
+            ).remote(name, self.config, index)
+            pool.members.append(PoolMember(name=name, actor=actor))
+
+    async def _wait_ready(self) -> None:
+        members = self.prefill.members + self.decode.members
+        timeout = self.config.server.worker_start_timeout_s
+        results = await asyncio.wait_for(
+            asyncio.gather(*(m.actor.start.remote() for m in members), return_exceptions=True), timeout
+        )
+        failures = [f"{m.name}: {_root_cause(r)}" for m, r in zip(members, results) if isinstance(r, BaseException)]
+        if failures:
+            raise WorkerStartError("workers failed to start:\n  " + "\n  ".join(failures))
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=2)
+        for member in self.prefill.members + self.decode.members:
+            try:
+                await member.actor.shutdown.remote()
+            except Exception:  # already dead: nothing to shut down
+                pass
+            ray.kill(member.actor)
+
+
+def _root_cause(error: BaseException) -> str:
+    cause = getattr(error, "cause", None) or error
+    return f"{type(cause).__name__}: {cause}"

@@ -1,0 +1,74 @@
+"""Engine arguments shared by every vLLM engine duet starts.
+
+Prefill, decode and the colocated reference engine must agree on everything that shapes the KV
+cache and the numerics (model, dtype, max length, block size, seed); building all of them here is
+what makes "disaggregated equals colocated, token for token" a property of the code, not of care.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from duet.cluster.config import BUILTIN_MODEL, ModelConfig
+
+_GIB = 1 << 30
+
+
+def resolve_model_path(model: ModelConfig) -> Path:
+    """The model directory on this machine, creating the built-in tiny model on first use."""
+    if model.path == BUILTIN_MODEL:
+        from duet.cluster.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model()
+    return Path(model.path).expanduser().resolve()
+
+
+def engine_kwargs(
+    model: ModelConfig,
+    *,
+    kv_cache_gib: float,
+    max_num_seqs: int = 64,
+    kv_transfer_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.AsyncEngineArgs`` / ``vllm.LLM``."""
+    kwargs: dict[str, Any] = {
+        "model": str(resolve_model_path(model)),
+        "served_model_name": model.name,
+        "dtype": model.dtype,
+        "enforce_eager": model.enforce_eager,
+        "seed": model.seed,
+        "max_num_seqs": max_num_seqs,
+        "kv_cache_memory_bytes": int(kv_cache_gib * _GIB),
+        "disable_log_stats": False,  # the workers read vLLM's metrics for status and tests
+    }
+    if model.max_model_len is not None:
+        kwargs["max_model_len"] = model.max_model_len
+    if kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config
+    return kwargs
+
+
+def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None) -> dict[str, str]:
+    """Environment for a vLLM CPU engine: an explicit KV cache size and, optionally, one core.
+
+    Without an explicit size the CPU worker demands 92% of NUMA node 0's memory free at start-up
+    and refuses to start beside another engine.
+    """
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
+    if cpu_core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+    return env
+
+
+def is_cpu_only() -> bool:
+    """True where vLLM runs on the CPU platform (the ``+cpu`` torch build, no GPU)."""
+    import torch
+
+    return "+cpu" in torch.__version__ or not torch.cuda.is_available()
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Set ``env`` in this process before an engine spawns its own processes (they inherit it)."""
+    os.environ.update(env)

@@ -1,0 +1,154 @@
+"""What every worker actor does around its vLLM engine: start it, track requests, report state.
+
+Prefill and decode workers differ only in the request they run (see prefill_worker/ and
+decode_worker/); engine start-up, KV side-channel reservation, abort, bookkeeping and metrics live
+here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from duet.cluster.config import DuetConfig, PoolConfig
+from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
+from duet.cluster.worker_api import WorkerStatus
+from duet.kv_transfer.config import Role, TransferEndpoint, engine_environment, kv_transfer_config
+from duet.kv_transfer.ports import PortReservation, reserve_ports
+
+logger = logging.getLogger(__name__)
+
+# vLLM metrics a worker reports, by Prometheus sample name (labels flattened into the key).
+_REPORTED_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_by_source_total",
+    "vllm:generation_tokens_total",
+)
+
+
+class EngineHost:
+    """Base of the worker actors: owns one ``AsyncLLM`` and the request bookkeeping around it."""
+
+    role: Role
+
+    def __init__(self, name: str, config: DuetConfig, replica_index: int) -> None:
+        self.name = name
+        self.config = config
+        self.replica_index = replica_index
+        self.engine: Any = None
+        self._state = "starting"
+        self._error = ""
+        self._ports: PortReservation | None = None
+        self._inflight: set[str] = set()
+        self._served = 0
+
+    @property
+    def pool(self) -> PoolConfig:
+        return self.config.prefill if self.role == "prefill" else self.config.decode
+
+    async def start(self) -> WorkerStatus:
+        """Create the engine; returns the ready status, or raises with the reason it failed."""
+        try:
+            self._start_engine()
+            self._state = "ready"
+        except Exception as error:  # reported to the launcher, which names the worker
+            self._state, self._error = "failed", f"{type(error).__name__}: {error}"
+            raise
+        return self.status()
+
+    def _start_engine(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        transfer = self.config.kv_transfer
+        self._ports = reserve_ports(transfer.side_channel_host, transfer.side_channel_base_port)
+        endpoint = TransferEndpoint(transfer.side_channel_host, self._ports.base_port)
+        cores = self.pool.cpu_cores
+        core = cores[self.replica_index] if cores and is_cpu_only() else None
+        env = engine_environment(transfer, endpoint, core)
+        if is_cpu_only():
+            env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
+        apply_environment(env)
+        self.kv_endpoint = f"{endpoint.host}:{endpoint.port}"
+        kwargs = engine_kwargs(
+            self.config.model,
+            kv_cache_gib=self.pool.kv_cache_gib,
+            max_num_seqs=self.pool.max_num_seqs,
+            kv_transfer_config=kv_transfer_config(transfer, self.role),
+        )
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def model_limits(self) -> tuple[int, int]:
+        """(max_model_len, vocab_size) as the engine resolved them from the model."""
+        model_config = self.engine.model_config
+        return model_config.max_model_len, model_config.get_vocab_size()
+
+    @contextmanager
+    def _tracked(self, request_id: str) -> Iterator[None]:
+        """Count a request as in flight for exactly as long as this worker is working on it."""
+        self._inflight.add(request_id)
+        try:
+            yield
+        finally:
+            self._inflight.discard(request_id)
+            self._served += 1
+
+    async def abort(self, request_id: str) -> None:
+        """Free a request's engine state (and its KV blocks); a no-op for unknown requests."""
+        if self.engine is not None:
+            await self.engine.abort(request_id)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once the engine holds no unfinished request (used after cancellations)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._inflight and self.engine.output_processor.get_num_unfinished_requests() == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    def status(self) -> WorkerStatus:
+        unfinished = 0
+        if self.engine is not None:
+            unfinished = self.engine.output_processor.get_num_unfinished_requests()
+        return WorkerStatus(
+            name=self.name,
+            role=self.role,
+            state=self._state,
+            kv_endpoint=getattr(self, "kv_endpoint", ""),
+            requests_served=self._served,
+            requests_inflight=len(self._inflight),
+            engine_unfinished=unfinished,
+            error=self._error,
+            engine_metrics=_read_engine_metrics(),
+        )
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self._ports is not None:
+            self._ports.release()
+        self._state = "stopped"
+
+
+def _read_engine_metrics() -> dict[str, float]:
+    """vLLM's own Prometheus samples in this process, keyed ``name{label=value}``."""
+    from prometheus_client import REGISTRY
+
+    values: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name not in _REPORTED_METRICS:
+                continue
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "engine")
+            )
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            values[key] = values.get(key, 0.0) + sample.value
+    return values

@@ -1,0 +1,144 @@
+"""The built-in tiny model: a Llama-architecture model and a byte-level BPE tokenizer made locally.
+
+duet must start on a fresh machine with no model hub, so its default model is created here,
+deterministically (fixed corpus, fixed seed), and cached under ``~/.cache/duet`` (or
+``$DUET_CACHE_DIR``). Its weights are random: the text it prints is not meaningful, but it is a
+real Hugging Face checkpoint that vLLM and transformers both load, which is what the serving path
+and the exactness tests need (greedy float32 output is a deterministic function of the weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_MODEL_NAME = "duet-tiny-llama"
+# Bumped whenever the recipe below changes, so that a stale cache is never served.
+_RECIPE_VERSION = 1
+_SEED = 1234
+
+_LLAMA_CONFIG = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+_TARGET_VOCAB_SIZE = 4096
+
+_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which "
+    "but have an they you were her she there been one all we their has would when if so no will "
+    "more can out other into time only some could them these may than first any new very my "
+    "made after most over did down also way many then before must through where much should "
+    "well people work about water long little world great under years between state never "
+    "house light place again because number small large point city country school order "
+    "system program question during government early around something family night "
+    "prefill decode cache token request router worker cluster engine model transfer memory "
+    "batch latency throughput serving prompt layer block stream scheduler replica placement"
+).split()
+
+
+def cache_dir() -> Path:
+    """Where created models live; ``DUET_CACHE_DIR`` overrides the default."""
+    return Path(os.environ.get("DUET_CACHE_DIR", Path.home() / ".cache" / "duet"))
+
+
+def tiny_model_dir() -> Path:
+    """The cache path of the current recipe (the recipe is part of the name)."""
+    recipe = json.dumps(
+        {"v": _RECIPE_VERSION, "seed": _SEED, "cfg": _LLAMA_CONFIG, "vocab": _TARGET_VOCAB_SIZE},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
+    return cache_dir() / f"{TINY_MODEL_NAME}-{digest}"
+
+
+def ensure_tiny_model() -> Path:
+    """Return the tiny model's directory, creating it on first use.
+
+    Creation writes to a temporary sibling directory and renames it into place, so concurrent
+    callers (several Ray actors starting at once) never see a half-written model.
+    """
+    target = tiny_model_dir()
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _write_tokenizer(staging)
+        _write_model(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _training_corpus() -> list[str]:
+    """A fixed pseudo-English corpus: seeded word sequences, identical on every machine."""
+    rng = random.Random(_SEED)
+    lines = []
+    for _ in range(20000):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        sentence = " ".join(words).capitalize() + rng.choice([".", ".", "?", "!", ","])
+        lines.append(sentence)
+    return lines
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TARGET_VOCAB_SIZE,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=_LLAMA_CONFIG["max_position_embeddings"],
+    )
+    fast.save_pretrained(out)
+
+
+def _write_model(out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+        **_LLAMA_CONFIG,
+    )
+    torch.manual_seed(_SEED)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    # Larger-than-default logits make greedy picks well separated, so exactness tests compare
+    # decisions, not float noise.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(out, safe_serialization=True)

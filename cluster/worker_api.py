@@ -1,0 +1,84 @@
+"""The contract between the router and the workers: plain dataclasses that cross Ray.
+
+The router never imports vLLM (it would add seconds to start-up and gigabytes to the process);
+it sends a :class:`SamplingSpec`, and the workers turn it into vLLM's ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+FinishReason = Literal["length", "stop", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What to generate. ``temperature == 0`` is greedy."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut-off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def for_prefill(self) -> "SamplingSpec":
+        """The prefill half: the same sampling, one token."""
+        return replace(self, max_tokens=1)
+
+    def to_vllm(self, kv_transfer_params: dict[str, Any] | None, cumulative: bool = False) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=list(self.stop) or None,
+            stop_token_ids=list(self.stop_token_ids) or None,
+            ignore_eos=self.ignore_eos,
+            output_kind=RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+        )
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What prefill hands on: the first token and where the decode side can pull the KV."""
+
+    first_token_id: int
+    first_text: str
+    num_prompt_tokens: int
+    # None when prefill already finished the request (EOS or stop on the first token).
+    kv_transfer_params: dict[str, Any] | None
+    finish_reason: FinishReason | None
+    worker: str
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    """New tokens since the previous chunk; the last chunk carries ``finish_reason``."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class WorkerStatus:
+    """A worker's state for ``duet status`` and the tests."""
+
+    name: str
+    role: str
+    state: str  # starting | ready | failed | stopped
+    kv_endpoint: str = ""
+    requests_served: int = 0
+    requests_inflight: int = 0
+    engine_unfinished: int = 0
+    error: str = ""
+    engine_metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,64 @@
+"""The router's view of the cluster: request counters and each worker's reported state."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from duet.cluster.worker_api import WorkerStatus
+from duet.router.pools import PoolMember, WorkerPool
+from duet.router.proto import duet_api_pb2 as pb
+
+# A worker that does not answer within this is shown as unreachable rather than stalling status.
+_STATUS_TIMEOUT_S = 5.0
+
+_TRANSFERRED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+_COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
+_KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+class ClusterView:
+    def __init__(self, model: str, transport: str, pools: list[WorkerPool]) -> None:
+        self.model = model
+        self.transport = transport
+        self.pools = pools
+        self.inflight = 0
+        self.outcomes: Counter[str] = Counter()
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+
+    async def status(self) -> pb.ClusterStatus:
+        pools = await asyncio.gather(*(self._pool_status(pool) for pool in self.pools))
+        return pb.ClusterStatus(
+            model=self.model,
+            pools=pools,
+            requests_served=self.outcomes["served"],
+            requests_inflight=self.inflight,
+            requests_failed=self.outcomes["failed"],
+            kv_transport=self.transport,
+        )
+
+    async def _pool_status(self, pool: WorkerPool) -> pb.Pool:
+        states = await asyncio.gather(*(_worker_status(member) for member in pool.members))
+        return pb.Pool(role=pool.role, workers=states)
+
+
+async def _worker_status(member: PoolMember) -> pb.WorkerState:
+    try:
+        status: WorkerStatus = await asyncio.wait_for(member.actor.status.remote(), _STATUS_TIMEOUT_S)
+    except Exception as error:
+        return pb.WorkerState(name=member.name, state="unreachable", error=f"{type(error).__name__}: {error}")
+    metrics = status.engine_metrics
+    return pb.WorkerState(
+        name=status.name,
+        role=status.role,
+        state=status.state,
+        kv_endpoint=status.kv_endpoint,
+        requests_served=status.requests_served,
+        requests_inflight=status.requests_inflight,
+        kv_cache_usage=metrics.get(_KV_USAGE, 0.0),
+        prompt_tokens_transferred=int(metrics.get(_TRANSFERRED, 0)),
+        prompt_tokens_computed=int(metrics.get(_COMPUTED, 0)),
+        error=status.error,
+    )

@@ -83,6 +83,8 @@ class KVTransferConfig(_Strict):
 class RayConfig(_Strict):
     address: str = Field(default="local", description="'local' starts a private instance")
     num_cpus: int | None = Field(default=None, ge=1)
+    # vLLM logs a lot from every worker; errors reach the user through duet's own messages.
+    worker_logs_to_driver: bool = False
 
 
 class ServerConfig(_Strict):

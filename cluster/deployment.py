@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +36,11 @@ def start_ray(config: DuetConfig) -> None:
     """Join or start Ray as configured (a no-op if this process is already connected)."""
     if ray.is_initialized():
         return
-    # Engines and the router log plenty on their own; Ray's per-task warnings about
-    # blocking start-up calls are noise here.
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    common = {"namespace": RAY_NAMESPACE, "log_to_driver": config.ray.worker_logs_to_driver}
     if config.ray.address == "local":
-        ray.init(num_cpus=config.ray.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False)
+        ray.init(num_cpus=config.ray.num_cpus, include_dashboard=False, **common)
     else:
-        ray.init(address=config.ray.address, namespace=RAY_NAMESPACE)
+        ray.init(address=config.ray.address, **common)
 
 
 @dataclass
@@ -54,6 +51,7 @@ class Deployment:
     server: Any = None
     port: int = 0
     cluster: ClusterView | None = None
+    servicer: DuetServicer | None = None
 
     async def start(self, port: int | None = None) -> "Deployment":
         """Start workers and the gRPC server; ``port`` overrides the config (0 picks a free one)."""
@@ -67,7 +65,7 @@ class Deployment:
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(self.config.model)))
         self.cluster = ClusterView(self.config.model.name, self.config.kv_transfer.transport, [self.prefill, self.decode])
-        servicer = DuetServicer(
+        self.servicer = DuetServicer(
             RequestLifecycle(self.prefill, self.decode),
             limits,
             tokenizer,
@@ -75,7 +73,7 @@ class Deployment:
             self.config.server.max_inflight_requests,
         )
         bind_port = self.config.server.port if port is None else port
-        self.server, self.port = await start_server(servicer, self.config.server.host, bind_port)
+        self.server, self.port = await start_server(self.servicer, self.config.server.host, bind_port)
         return self
 
     def _create_workers(self, worker_class: type, pool: WorkerPool, pool_config: Any) -> None:

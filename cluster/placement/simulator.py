@@ -1,0 +1,421 @@
+"""Discrete-event simulation of a disaggregated cluster and of a colocated baseline.
+
+Disaggregated: a request queues at the prefill replica with the least queued work, is prefilled
+in an FCFS batch (token budget), produces its first token (TTFT), reserves KV room at the
+decode replica with the least reserved KV, has its KV pulled over that replica's link (FIFO,
+``bytes / bandwidth``), then joins continuous batching; each step costs one decode-model step.
+Pipeline parallelism: a prefill replica takes a new batch every stage time; a decode replica runs
+``pp`` micro-batch lanes. TPOT is ``(finish - first token) / (output - 1)``, so transfer time
+counts against TPOT, as in DistServe.
+
+Colocated: vLLM without chunked prefill, as DistServe's baseline: waiting prefills run first,
+and every decode in the engine stalls while they do. That stall is the interference that
+disaggregation removes.
+
+All latencies come from :class:`~duet.cluster.placement.latency_model.EnginePerf`. With an SLO
+given, a run stops as soon as more requests have missed it than the attainment target allows:
+the optimizer only needs to know that a rate is too high, not by how much.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from duet.cluster.placement.latency_model import EnginePerf
+from duet.cluster.placement.trace import Trace
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise ValueError(f"SLO targets must be > 0 (ttft={self.ttft_s}, tpot={self.tpot_s})")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+
+    def only_ttft(self) -> Slo:
+        return Slo(self.ttft_s, math.inf, self.attainment)
+
+    def only_tpot(self) -> Slo:
+        return Slo(math.inf, self.tpot_s, self.attainment)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Engine scheduler limits (vLLM's ``max_num_batched_tokens`` and ``max_num_seqs``)."""
+
+    prefill_max_batch_tokens: int = 16384
+    max_num_seqs: int = 256
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Per-request TTFT and TPOT in seconds; inf where a request did not finish."""
+
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+    stopped_early: bool
+
+    def attainment(self, slo: Slo) -> float:
+        """Fraction of requests meeting both targets (a lower bound if the run stopped early)."""
+        return float(np.mean((self.ttft_s <= slo.ttft_s) & (self.tpot_s <= slo.tpot_s)))
+
+    def meets(self, slo: Slo) -> bool:
+        return not self.stopped_early and self.attainment(slo) >= slo.attainment
+
+    def summary(self, slo: Slo) -> dict[str, float]:
+        def pct(values: np.ndarray, q: float) -> float:
+            return float(np.percentile(values, q)) if len(values) else math.nan
+
+        return {
+            "requests": len(self.ttft_s),
+            "attainment": self.attainment(slo),
+            "ttft_attainment": float(np.mean(self.ttft_s <= slo.ttft_s)),
+            "tpot_attainment": float(np.mean(self.tpot_s <= slo.tpot_s)),
+            **{f"ttft_p{q}_s": pct(self.ttft_s, q) for q in (50, 90, 99)},
+            **{f"tpot_p{q}_s": pct(self.tpot_s, q) for q in (50, 90, 99)},
+        }
+
+
+class _Run:
+    """Event loop plus per-request outcomes; raises nothing, stops when the SLO is lost."""
+
+    def __init__(self, trace: Trace, slo: Slo | None) -> None:
+        self.arrival = trace.arrival_s.tolist()
+        self.inp = trace.input_len.tolist()
+        self.out = trace.output_len.tolist()
+        n = len(self.arrival)
+        self.first_token = [math.inf] * n
+        self.finish = [math.inf] * n
+        self.slo = slo
+        self.missed = [False] * n
+        self.misses = 0
+        self.allowed_misses = math.floor((1 - slo.attainment) * n + 1e-9) if slo else n
+        self.stopped = False
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable, tuple]] = []
+        self._seq = 0
+
+    def at(self, time: float, fn: Callable, *args: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (time, self._seq, fn, args))
+
+    def run(self) -> SimResult:
+        heap = self._heap
+        while heap and not self.stopped:
+            self.now, _, fn, args = heapq.heappop(heap)
+            fn(*args)
+        first = np.array(self.first_token)
+        finish = np.array(self.finish)
+        out = np.array(self.out)
+        with np.errstate(invalid="ignore"):
+            tpot = np.where(out > 1, (finish - first) / np.maximum(out - 1, 1), 0.0)
+        tpot = np.where(np.isfinite(finish), tpot, math.inf)
+        ttft = first - np.array(self.arrival)
+        return SimResult(ttft_s=ttft, tpot_s=tpot, stopped_early=self.stopped)
+
+    def _miss(self, i: int) -> None:
+        if not self.missed[i]:
+            self.missed[i] = True
+            self.misses += 1
+            if self.misses > self.allowed_misses:
+                self.stopped = True
+
+    def first_token_at(self, i: int) -> None:
+        self.first_token[i] = self.now
+        if self.slo and self.now - self.arrival[i] > self.slo.ttft_s:
+            self._miss(i)
+        if self.out[i] <= 1:
+            self.finish[i] = self.now
+
+    def finished(self, i: int) -> None:
+        self.finish[i] = self.now
+        if self.slo and (self.now - self.first_token[i]) / (self.out[i] - 1) > self.slo.tpot_s:
+            self._miss(i)
+
+    def never(self, i: int) -> None:
+        """A request that can never run (needs more KV than the engine has)."""
+        self._miss(i)
+
+
+class _Batch:
+    """Continuous-batching state of one decode loop: finishes found by step number, O(1)/step."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.size = 0
+        self.sum_context = 0
+        self.step_no = 0
+        self._finishing: dict[int, list[int]] = {}
+
+    def add(self, i: int) -> None:
+        """Join with the first token already produced; ``out - 1`` steps to go."""
+        run = self.run
+        self._finishing.setdefault(self.step_no + run.out[i] - 1, []).append(i)
+        self.size += 1
+        self.sum_context += run.inp[i] + 1
+
+    def step_done(self) -> list[int]:
+        self.step_no += 1
+        self.sum_context += self.size
+        done = self._finishing.pop(self.step_no, [])
+        for i in done:
+            self.size -= 1
+            self.sum_context -= self.run.inp[i] + self.run.out[i]
+            self.run.finished(i)
+        return done
+
+
+def _kv_need(run: _Run, i: int) -> int:
+    return run.inp[i] + run.out[i]
+
+
+class _PrefillServer:
+    def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig, done: Callable[[int], None]):
+        self.run, self.perf, self.done = run, perf, done
+        self.max_tokens = min(cfg.prefill_max_batch_tokens, perf.kv_capacity_tokens)
+        self.queue: deque[int] = deque()
+        self.queued_tokens = 0
+        self.busy = False
+
+    def submit(self, i: int) -> None:
+        self.queue.append(i)
+        self.queued_tokens += self.run.inp[i]
+        if not self.busy:
+            self._start()
+
+    def _start(self) -> None:
+        run, queue = self.run, self.queue
+        batch, total, sq = [], 0, 0
+        while queue and (not batch or total + run.inp[queue[0]] <= self.max_tokens):
+            n = run.inp[queue[0]]
+            batch.append(queue.popleft())
+            total += n
+            sq += n * n
+        if not batch:
+            self.busy = False
+            return
+        self.busy = True
+        latency = self.perf.prefill_latency_s(total, sq)
+        run.at(run.now + latency / self.perf.pp, self._start)
+        run.at(run.now + latency, self._finish, batch, total)
+
+    def _finish(self, batch: list[int], total: int) -> None:
+        self.queued_tokens -= total
+        for i in batch:
+            self.run.first_token_at(i)
+            if self.run.out[i] > 1:
+                self.done(i)
+
+
+class _DecodeServer:
+    def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig, bytes_per_s: float, kv_bytes: int):
+        self.run, self.perf = run, perf
+        self.capacity = perf.kv_capacity_tokens
+        self.reserved = 0
+        self.waiting: deque[int] = deque()
+        self.waiting_tokens = 0
+        self.link_free_at = 0.0
+        self.seconds_per_token = kv_bytes / bytes_per_s if bytes_per_s > 0 else math.inf
+        self.max_seqs = max(1, cfg.max_num_seqs // perf.pp)
+        self.lanes = [_Lane(run, self) for _ in range(perf.pp)]
+
+    @property
+    def load(self) -> float:
+        return (self.reserved + self.waiting_tokens) / self.capacity
+
+    def submit(self, i: int) -> None:
+        self.waiting.append(i)
+        self.waiting_tokens += _kv_need(self.run, i)
+        self.admit()
+
+    def admit(self) -> None:
+        """Reserve KV in FIFO order, then pull it over the link (vLLM allocates before pulling)."""
+        run = self.run
+        while self.waiting:
+            i = self.waiting[0]
+            need = _kv_need(run, i)
+            if self.reserved + need > self.capacity and need <= self.capacity:
+                return
+            self.waiting.popleft()
+            self.waiting_tokens -= need
+            if need > self.capacity:
+                run.never(i)
+                continue
+            self.reserved += need
+            if self.seconds_per_token == 0:
+                self._arrived(i)
+                continue
+            start = max(run.now, self.link_free_at)
+            self.link_free_at = start + run.inp[i] * self.seconds_per_token
+            run.at(self.link_free_at, self._arrived, i)
+
+    def _arrived(self, i: int) -> None:
+        min(self.lanes, key=_Lane.load).enqueue(i)
+
+    def release(self, done: list[int]) -> None:
+        self.reserved -= sum(_kv_need(self.run, i) for i in done)
+        if done and self.waiting:
+            self.admit()
+
+
+class _Lane:
+    """One decode micro-batch loop (a decode replica with pipeline depth pp has pp lanes)."""
+
+    def __init__(self, run: _Run, server: _DecodeServer):
+        self.run, self.server = run, server
+        self.batch = _Batch(run)
+        self.pending: deque[int] = deque()
+        self.stepping = False
+
+    def load(self) -> int:
+        return self.batch.size + len(self.pending)
+
+    def enqueue(self, i: int) -> None:
+        self.pending.append(i)
+        if not self.stepping:
+            self._step()
+
+    def _step(self) -> None:
+        batch, pending = self.batch, self.pending
+        while pending and batch.size < self.server.max_seqs:
+            batch.add(pending.popleft())
+        if batch.size == 0:
+            self.stepping = False
+            return
+        self.stepping = True
+        run = self.run
+        run.at(run.now + self.server.perf.decode_step_s(batch.size, batch.sum_context), self._done)
+
+    def _done(self) -> None:
+        self.server.release(self.batch.step_done())
+        self._step()
+
+
+def simulate_disaggregated(
+    trace: Trace,
+    prefill: Sequence[EnginePerf],
+    decode: Sequence[EnginePerf],
+    kv_bytes_per_token: int,
+    transfer_bytes_per_s: float = math.inf,
+    slo: Slo | None = None,
+    cfg: SimConfig = SimConfig(),
+) -> SimResult:
+    """Simulate prefill and decode pools; either may be empty to study one phase alone.
+
+    With no prefill replicas, requests reach decode at arrival (TTFT 0); with no decode
+    replicas, requests end at their first token (TPOT 0). The optimizer sizes each phase this
+    way (DistServe's algorithm 1), then checks the whole plan with both pools.
+    """
+    run = _Run(trace, slo)
+    decoders = [_DecodeServer(run, p, cfg, transfer_bytes_per_s, kv_bytes_per_token) for p in decode]
+
+    def to_decode(i: int) -> None:
+        if decoders:
+            min(decoders, key=lambda d: d.load).submit(i)
+        else:
+            run.finished(i)
+
+    prefillers = [_PrefillServer(run, p, cfg, to_decode) for p in prefill]
+
+    def arrive(i: int) -> None:
+        if prefillers:
+            min(prefillers, key=lambda p: p.queued_tokens).submit(i)
+        else:
+            run.first_token_at(i)
+            if run.out[i] > 1:
+                to_decode(i)
+
+    for i, t in enumerate(run.arrival):
+        run.at(t, arrive, i)
+    return run.run()
+
+
+class _ColocatedServer:
+    """One vLLM-style engine serving both phases, prefill first, no chunking."""
+
+    def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig):
+        self.run, self.perf, self.cfg = run, perf, cfg
+        self.batch = _Batch(run)
+        self.waiting: deque[int] = deque()
+        self.waiting_tokens = 0
+        self.reserved = 0
+        self.busy = False
+
+    @property
+    def load(self) -> float:
+        return self.reserved + self.waiting_tokens
+
+    def submit(self, i: int) -> None:
+        self.waiting.append(i)
+        self.waiting_tokens += _kv_need(self.run, i)
+        if not self.busy:
+            self._iterate()
+
+    def _iterate(self) -> None:
+        run, waiting = self.run, self.waiting
+        prefill, total, sq = [], 0, 0
+        while waiting:
+            i = waiting[0]
+            need = _kv_need(run, i)
+            if need > self.perf.kv_capacity_tokens:
+                waiting.popleft()
+                self.waiting_tokens -= need
+                run.never(i)
+                continue
+            if (
+                self.reserved + need > self.perf.kv_capacity_tokens
+                or (prefill and total + run.inp[i] > self.cfg.prefill_max_batch_tokens)
+                or self.batch.size + len(prefill) >= self.cfg.max_num_seqs
+            ):
+                break
+            prefill.append(waiting.popleft())
+            self.waiting_tokens -= need
+            self.reserved += need
+            total += run.inp[i]
+            sq += run.inp[i] ** 2
+        if prefill:
+            self.busy = True
+            run.at(run.now + self.perf.prefill_latency_s(total, sq), self._prefill_done, prefill)
+        elif self.batch.size:
+            self.busy = True
+            step = self.perf.decode_step_s(self.batch.size, self.batch.sum_context)
+            run.at(run.now + step, self._decode_done)
+        else:
+            self.busy = False
+
+    def _prefill_done(self, prefill: list[int]) -> None:
+        for i in prefill:
+            self.run.first_token_at(i)
+            if self.run.out[i] > 1:
+                self.batch.add(i)
+            else:
+                self.reserved -= _kv_need(self.run, i)
+        self._iterate()
+
+    def _decode_done(self) -> None:
+        self.reserved -= sum(_kv_need(self.run, i) for i in self.batch.step_done())
+        self._iterate()
+
+
+def simulate_colocated(
+    trace: Trace, engines: Sequence[EnginePerf], slo: Slo | None = None, cfg: SimConfig = SimConfig()
+) -> SimResult:
+    """Simulate colocated replicas (pp=1); requests go to the replica with the least KV load."""
+    if any(e.pp != 1 for e in engines):
+        raise ValueError("the colocated baseline models tensor parallelism only (pp=1)")
+    run = _Run(trace, slo)
+    servers = [_ColocatedServer(run, e, cfg) for e in engines]
+    for i, t in enumerate(run.arrival):
+        run.at(t, lambda i=i: min(servers, key=lambda s: s.load).submit(i))
+    return run.run()

@@ -1,0 +1,227 @@
+"""Request traces: the Azure and Mooncake files in ../shared/traces, and synthetic arrivals.
+
+A trace is arrival times plus input and output lengths; nothing else drives the simulator. The
+optimizer's rate bisection replays one trace at many rates: :meth:`Trace.at_rate` rescales the
+arrival times, which keeps a real trace's burstiness (and a synthetic one's random draws) fixed
+while the load changes, so two probes differ only in the rate.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A trace that cannot drive a simulation: unreadable, malformed or empty."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests sorted by arrival; times in seconds from the first arrival."""
+
+    name: str
+    arrival_s: np.ndarray
+    input_len: np.ndarray
+    output_len: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.arrival_s) == 0:
+            raise TraceError(f"trace {self.name!r} has no requests: nothing to simulate or plan for")
+        if not (len(self.arrival_s) == len(self.input_len) == len(self.output_len)):
+            raise TraceError(f"trace {self.name!r}: column lengths differ")
+        if np.any(self.input_len < 1) or np.any(self.output_len < 1):
+            raise TraceError(f"trace {self.name!r}: every request needs >= 1 input and output token")
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.arrival_s[-1] - self.arrival_s[0])
+
+    @property
+    def mean_rate(self) -> float:
+        """(n-1)/duration, as the traces README defines it; inf for a single burst."""
+        return (len(self) - 1) / self.duration_s if self.duration_s > 0 else math.inf
+
+    def at_rate(self, rate: float) -> Trace:
+        """The same requests with arrival times scaled to a mean rate of ``rate`` req/s."""
+        if rate <= 0:
+            raise TraceError(f"rate must be > 0, got {rate}")
+        if not math.isfinite(self.mean_rate):
+            return self
+        return self._replace(arrival_s=(self.arrival_s - self.arrival_s[0]) * (self.mean_rate / rate))
+
+    def head(self, n: int) -> Trace:
+        return self._replace(
+            arrival_s=self.arrival_s[:n], input_len=self.input_len[:n], output_len=self.output_len[:n]
+        )
+
+    def capped(self, max_input: int | None = None, max_output: int | None = None) -> Trace:
+        """Lengths clipped, for a model whose context is shorter than the trace's prompts."""
+        return self._replace(
+            input_len=np.minimum(self.input_len, max_input or np.iinfo(np.int64).max),
+            output_len=np.minimum(self.output_len, max_output or np.iinfo(np.int64).max),
+        )
+
+    def _replace(self, **changes: np.ndarray) -> Trace:
+        fields = {
+            "name": self.name,
+            "arrival_s": self.arrival_s,
+            "input_len": self.input_len,
+            "output_len": self.output_len,
+        }
+        return Trace(**(fields | changes))
+
+
+def _make(name: str, arrivals: Sequence[float], inputs: Sequence[int], outputs: Sequence[int]) -> Trace:
+    arr = np.asarray(arrivals, dtype=float)
+    order = np.argsort(arr, kind="stable")
+    start = arr[order][0] if len(arr) else 0.0
+    return Trace(
+        name=name,
+        arrival_s=arr[order] - start,
+        input_len=np.asarray(inputs, dtype=np.int64)[order],
+        output_len=np.asarray(outputs, dtype=np.int64)[order],
+    )
+
+
+def load_azure_csv(path: Path) -> Trace:
+    """Azure LLM inference trace: ``TIMESTAMP,ContextTokens,GeneratedTokens``."""
+    arrivals, inputs, outputs = [], [], []
+    with open(path, newline="") as f:
+        for lineno, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                # Seven fractional digits: datetime takes six.
+                stamp = row["TIMESTAMP"][:26]
+                arrivals.append(datetime.fromisoformat(stamp).timestamp())
+                inputs.append(int(row["ContextTokens"]))
+                outputs.append(int(row["GeneratedTokens"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TraceError(f"{path}:{lineno}: not an Azure trace row ({exc})") from exc
+    return _make(Path(path).name, arrivals, inputs, outputs)
+
+
+def load_mooncake_jsonl(path: Path) -> Trace:
+    """Mooncake FAST'25 trace: ``timestamp`` (ms), ``input_length``, ``output_length``."""
+    arrivals, inputs, outputs = [], [], []
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                arrivals.append(float(row["timestamp"]) / 1000.0)
+                inputs.append(int(row["input_length"]))
+                outputs.append(int(row["output_length"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TraceError(f"{path}:{lineno}: not a Mooncake trace row ({exc})") from exc
+    return _make(Path(path).name, arrivals, inputs, outputs)
+
+
+# ---- synthetic workloads ----
+
+
+def sharegpt_like_lengths(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Chatbot lengths shaped like DistServe's ShareGPT preprocessing (see docs/placement.md).
+
+    Long-tailed (lognormal) prompts around a mean of ~750 tokens and outputs around ~200, with
+    DistServe's filters applied: prompt + output < 2048 and at least 4 tokens each. The means
+    approximate DistServe's reported ShareGPT statistics; the lognormal shape is an assumption,
+    since the preprocessed dataset is not published.
+    """
+    inputs, outputs = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    while len(inputs) < n:
+        i = rng.lognormal(mean=math.log(750) - 0.5, sigma=1.0, size=2 * n).astype(np.int64)
+        o = rng.lognormal(mean=math.log(200) - 0.5, sigma=1.0, size=2 * n).astype(np.int64)
+        keep = (i >= 4) & (o >= 4) & (i + o < 2048)
+        inputs, outputs = np.concatenate([inputs, i[keep]]), np.concatenate([outputs, o[keep]])
+    return inputs[:n], outputs[:n]
+
+
+def arrivals(n: int, rate: float, rng: np.random.Generator, cv: float = 1.0) -> np.ndarray:
+    """Gamma inter-arrival times with coefficient of variation ``cv`` (cv=1 is Poisson)."""
+    if rate <= 0 or cv <= 0:
+        raise TraceError(f"synthetic arrivals need rate > 0 and cv > 0 (got rate={rate}, cv={cv})")
+    shape = 1.0 / cv**2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def synthetic(
+    n: int,
+    rate: float,
+    lengths: str = "sharegpt",
+    cv: float = 1.0,
+    seed: int = 0,
+) -> Trace:
+    """``lengths`` is ``sharegpt``, ``fixed:IN:OUT`` or ``uniform:IN_MAX:OUT_MAX``."""
+    if n < 1:
+        raise TraceError("a synthetic trace needs n >= 1 requests")
+    rng = np.random.default_rng(seed)
+    kind, *args = lengths.split(":")
+    try:
+        if kind == "sharegpt" and not args:
+            inputs, outputs = sharegpt_like_lengths(n, rng)
+        elif kind == "fixed" and len(args) == 2:
+            inputs, outputs = np.full(n, int(args[0])), np.full(n, int(args[1]))
+        elif kind == "uniform" and len(args) == 2:
+            inputs = rng.integers(1, int(args[0]) + 1, size=n)
+            outputs = rng.integers(1, int(args[1]) + 1, size=n)
+        else:
+            raise ValueError(lengths)
+    except ValueError:
+        raise TraceError(
+            f"unknown length distribution {lengths!r}: use sharegpt, fixed:IN:OUT or uniform:IN:OUT"
+        ) from None
+    arrival_kind = "poisson" if cv == 1.0 else f"gamma-cv{cv:g}"
+    return _make(f"synthetic-{kind}-{arrival_kind}", arrivals(n, rate, rng, cv), inputs, outputs)
+
+
+def load_trace(spec: str) -> Trace:
+    """A trace from a command-line spec.
+
+    ``path.csv`` (Azure), ``path.jsonl`` (Mooncake), or
+    ``synthetic:n=500,rate=4,lengths=sharegpt,cv=1,seed=0`` (Poisson when cv=1, else Gamma).
+    """
+    if spec.startswith("synthetic"):
+        params: dict[str, str] = {}
+        body = spec.partition(":")[2]
+        for item in filter(None, body.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise TraceError(f"synthetic trace parameter {item!r} is not key=value")
+            params[key.strip()] = value.strip()
+        unknown = set(params) - {"n", "rate", "lengths", "cv", "seed", "arrival"}
+        if unknown:
+            raise TraceError(f"unknown synthetic trace parameters: {', '.join(sorted(unknown))}")
+        try:
+            cv = float(params.get("cv", 1.0))
+            if params.get("arrival", "poisson" if cv == 1.0 else "gamma") == "poisson":
+                cv = 1.0
+            return synthetic(
+                n=int(params.get("n", 500)),
+                rate=float(params.get("rate", 1.0)),
+                lengths=params.get("lengths", "sharegpt"),
+                cv=cv,
+                seed=int(params.get("seed", 0)),
+            )
+        except ValueError as exc:
+            raise TraceError(f"bad synthetic trace spec {spec!r}: {exc}") from exc
+    path = Path(spec)
+    if not path.exists():
+        raise TraceError(f"trace file {path} does not exist")
+    if path.suffix == ".csv":
+        return load_azure_csv(path)
+    if path.suffix == ".jsonl":
+        return load_mooncake_jsonl(path)
+    raise TraceError(f"trace {path}: unknown format (expected .csv Azure or .jsonl Mooncake)")

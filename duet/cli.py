@@ -1,0 +1,206 @@
+"""The ``duet`` command line: serve, generate, status (and the planning commands).
+
+Every failure a user can cause ends with one line that says what to fix and exit status 2;
+tracebacks are for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+
+from duet.router.client import DEFAULT_TARGET, DuetClient, build_request
+from duet.router.proto import duet_api_pb2 as pb
+
+USAGE_ERROR = 2
+
+
+def _fail(message: str) -> int:
+    print(f"duet: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def _rpc_failure(error: grpc.RpcError, target: str) -> int:
+    code = error.code()
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (error.details() or "").lower():
+        return _fail(f"no duet server at {target} (start one with `duet serve`, or pass --target)")
+    return _fail(f"{code.name}: {error.details()}")
+
+
+# ---- serve -------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from duet.cluster.config import ConfigError, load_config, parse_config
+
+    try:
+        config = load_config(args.config)
+        if args.model:
+            model_dir = Path(args.model).expanduser().resolve()
+            overrides = {"path": str(model_dir), "name": args.model_name or model_dir.name}
+            data = config.model_dump()
+            data["model"].update(overrides)
+            config = parse_config(data, source="--model")
+    except ConfigError as error:
+        return _fail(str(error))
+    return asyncio.run(_run_deployment(config, args.port))
+
+
+async def _run_deployment(config, port: int | None) -> int:  # type: ignore[no-untyped-def]
+    from duet.cluster.deployment import Deployment, WorkerStartError
+
+    deployment = Deployment(config)
+    print(
+        f"duet: starting {config.prefill.replicas} prefill + {config.decode.replicas} decode worker(s) "
+        f"for {config.model.name} (this takes about a minute on CPU)...",
+        flush=True,
+    )
+    try:
+        await deployment.start(port=port)
+    except (WorkerStartError, OSError, TimeoutError) as error:
+        await deployment.stop()
+        return _fail(str(error))
+    print(f"duet: serving {config.model.name} on {config.server.host}:{deployment.port} (Ctrl-C stops)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    print("duet: stopping...", flush=True)
+    await deployment.stop()
+    return 0
+
+
+# ---- generate ----------------------------------------------------------------------------
+
+
+def _generate(args: argparse.Namespace) -> int:
+    request = build_request(
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or (),
+        ignore_eos=args.ignore_eos,
+        model=args.model,
+    )
+    with DuetClient(args.target) as client:
+        last = pb.GenerateResponse()
+        try:
+            for last in client.generate(request, timeout=args.timeout):
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+        except grpc.RpcError as error:
+            print(file=sys.stdout)
+            return _rpc_failure(error, args.target)
+        except KeyboardInterrupt:
+            print("\nduet: cancelled", file=sys.stderr)
+            return 130
+    usage = last.usage
+    print()
+    print(
+        f"[{pb.FinishReason.Name(last.finish_reason).removeprefix('FINISH_REASON_').lower()}: "
+        f"{usage.prompt_tokens} prompt + {usage.completion_tokens} generated tokens, "
+        f"TTFT {usage.ttft_s * 1000:.0f} ms, TPOT {usage.tpot_s * 1000:.1f} ms, "
+        f"{usage.prefill_worker} -> {usage.decode_worker or '(prefill only)'}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---- status ------------------------------------------------------------------------------
+
+
+def _status(args: argparse.Namespace) -> int:
+    with DuetClient(args.target) as client:
+        try:
+            status = client.status()
+        except grpc.RpcError as error:
+            return _rpc_failure(error, args.target)
+    if args.json:
+        from google.protobuf.json_format import MessageToJson
+
+        print(MessageToJson(status))
+        return 0
+    _print_status(status)
+    return 0
+
+
+def _print_status(status: pb.ClusterStatus) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"duet · {status.model} · KV transport {status.kv_transport}")
+    for column in ("pool", "worker", "state", "KV side channel", "served", "in flight", "KV used", "prompt tokens pulled / computed"):
+        table.add_column(column)
+    for pool in status.pools:
+        for worker in pool.workers:
+            table.add_row(
+                pool.role,
+                worker.name,
+                worker.state + (f" ({worker.error})" if worker.error else ""),
+                worker.kv_endpoint,
+                str(worker.requests_served),
+                str(worker.requests_inflight),
+                f"{worker.kv_cache_usage:.1%}",
+                f"{worker.prompt_tokens_transferred} / {worker.prompt_tokens_computed}",
+            )
+    console = Console()
+    console.print(table)
+    console.print(
+        f"requests: {status.requests_served} served, {status.requests_inflight} in flight, "
+        f"{status.requests_failed} failed"
+    )
+
+
+# ---- parser ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="duet", description="Disaggregated prefill/decode LLM serving.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="start duet (local Ray, workers, gRPC server)")
+    serve.add_argument("--config", help="deployment YAML (default: configs/local.yaml)")
+    serve.add_argument("--model", help="serve this local Hugging Face model directory instead")
+    serve.add_argument("--model-name", help="name clients use for --model (default: its directory name)")
+    serve.add_argument("--port", type=int, help="gRPC port (default: from the config, 50051)")
+    serve.set_defaults(handler=_serve)
+
+    generate = commands.add_parser("generate", help="stream a completion from a running duet")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--model", default="", help="model name to check against the server's")
+    generate.add_argument("--target", default=DEFAULT_TARGET)
+    generate.add_argument("--timeout", type=float, default=300.0)
+    generate.set_defaults(handler=_generate)
+
+    status = commands.add_parser("status", help="show the pools, each worker's state and requests served")
+    status.add_argument("--target", default=DEFAULT_TARGET)
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.set_defaults(handler=_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The gRPC surface: streaming, finish reasons, usage, status, health, reflection, backpressure."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from duet.router.client import build_request
+from duet.router.proto import duet_api_pb2 as pb
+
+
+def test_tokens_stream_one_message_per_step(client):
+    messages = list(client.generate(build_request("stream me", max_tokens=12, ignore_eos=True), timeout=60))
+    assert len(messages) >= 3, "tokens arrived in one batch instead of as they were decoded"
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in messages) == 12
+    assert messages[-1].usage.prefill_worker == "prefill-0"
+    assert messages[-1].usage.decode_worker == "decode-0"
+
+
+def test_stop_token_ends_with_stop(client):
+    ids, _ = client.generate_ids(build_request("stop here", max_tokens=8, ignore_eos=True), timeout=60)
+    stop_at = ids[3]
+    got, last = client.generate_ids(
+        build_request("stop here", max_tokens=8, ignore_eos=True, stop_token_ids=[stop_at]), timeout=60
+    )
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    assert got == ids[: ids.index(stop_at) + 1]
+
+
+def test_single_token_is_served_by_prefill_alone(client):
+    ids, last = client.generate_ids(build_request("one", max_tokens=1), timeout=60)
+    assert len(ids) == 1 and last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.decode_worker == ""
+
+
+def test_seeded_sampling_is_reproducible(client):
+    request = build_request("sample", max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    first, _ = client.generate_ids(request, timeout=60)
+    second, _ = client.generate_ids(request, timeout=60)
+    assert first == second and len(first) == 16
+
+
+def test_status_reports_pools_and_requests(client):
+    client.generate_ids(build_request("count me", max_tokens=2), timeout=60)
+    status = client.status()
+    assert status.model == "duet-tiny-llama" and status.kv_transport == "nixl"
+    roles = {pool.role: pool for pool in status.pools}
+    assert set(roles) == {"prefill", "decode"}
+    for pool in roles.values():
+        (worker,) = pool.workers
+        assert worker.state == "ready" and worker.requests_served >= 1
+        assert worker.kv_endpoint.startswith("127.0.0.1:")
+    assert roles["prefill"].workers[0].kv_endpoint != roles["decode"].workers[0].kv_endpoint
+    assert status.requests_served >= 1
+
+
+def test_health_service_reports_serving(deployment):
+    with grpc.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "duet.v1.Duet"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_service(deployment):
+    with grpc.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {service.name for reply in replies for service in reply.list_services_response.service}
+    assert {"duet.v1.Duet", "grpc.health.v1.Health"} <= names
+
+
+def test_overload_gets_resource_exhausted(client, deployment):
+    servicer = deployment.servicer
+    limit = servicer.max_inflight
+    servicer.max_inflight = 1
+    try:
+        long_stream = client.generate(
+            build_request(prompt_token_ids=[5] * 50, max_tokens=2000, ignore_eos=True), timeout=120
+        )
+        next(long_stream)  # admitted and running
+        with pytest.raises(grpc.RpcError) as raised:
+            list(client.generate(build_request("one more", max_tokens=2), timeout=30))
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        long_stream.cancel()
+    finally:
+        servicer.max_inflight = limit

@@ -153,7 +153,8 @@ def _print_status(status: pb.ClusterStatus) -> None:
                 f"{worker.kv_cache_usage:.1%}",
                 f"{worker.prompt_tokens_transferred} / {worker.prompt_tokens_computed}",
             )
-    console = Console()
+    # Piped output (scripts, CI logs) gets full rows instead of an 80-column squeeze.
+    console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
     console.print(
         f"requests: {status.requests_served} served, {status.requests_inflight} in flight, "

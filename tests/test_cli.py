@@ -1,0 +1,86 @@
+"""The ``duet`` command line, run as a user runs it (subprocesses of the installed script)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+DUET = shutil.which("duet") or os.path.join(os.path.dirname(sys.executable), "duet")
+
+
+def _duet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([DUET, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_text_and_reports_usage(deployment, client, tokenizer):
+    result = _duet("generate", "Hello duet", "--max-tokens", "8", "--ignore-eos", "--target", f"127.0.0.1:{deployment.port}")
+    assert result.returncode == 0, result.stderr
+    ids, _ = client.generate_ids(
+        __import__("duet.router.client", fromlist=["build_request"]).build_request("Hello duet", max_tokens=8, ignore_eos=True)
+    )
+    assert result.stdout.rstrip("\n") == tokenizer.decode(ids)
+    assert re.search(r"\[length: \d+ prompt \+ 8 generated tokens, TTFT \d+ ms", result.stderr)
+
+
+def test_generate_bad_input_is_one_line_error(deployment):
+    result = _duet("generate", "hi", "--max-tokens", "0", "--target", f"127.0.0.1:{deployment.port}")
+    assert result.returncode == 2
+    assert "INVALID_ARGUMENT: max_tokens: must be >= 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_status_shows_pools_workers_and_requests(deployment, client):
+    result = _duet("status", "--target", f"127.0.0.1:{deployment.port}")
+    assert result.returncode == 0, result.stderr
+    for text in ("prefill-0", "decode-0", "ready", "served"):
+        assert text in result.stdout
+
+
+def test_no_server_is_a_clear_error():
+    result = _duet("status", "--target", "127.0.0.1:1", timeout=60)
+    assert result.returncode == 2
+    assert "no duet server at 127.0.0.1:1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_rejects_bad_config_naming_the_field(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("decode:\n  replicas: -1\n")
+    result = _duet("serve", "--config", str(config), timeout=60)
+    assert result.returncode == 2
+    assert "decode.replicas" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_rejects_a_directory_that_is_not_a_model(tmp_path):
+    result = _duet("serve", "--model", str(tmp_path), timeout=60)
+    assert result.returncode == 2
+    assert "model.path" in result.stderr and "not a Hugging Face model directory" in result.stderr
+
+
+@pytest.mark.timeout(600)
+def test_serve_starts_serves_and_stops_on_sigint(deployment):
+    """The main job, end to end: `duet serve` as its own process (its own local Ray)."""
+    server = subprocess.Popen([DUET, "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + 480
+        while port is None and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            assert line, f"duet serve exited early with {server.wait()}"
+            match = re.search(r"serving duet-tiny-llama on 127\.0\.0\.1:(\d+)", line)
+            port = match and int(match.group(1))
+        assert port, "duet serve did not report that it is serving"
+        result = _duet("generate", "from a separate server", "--max-tokens", "5", "--ignore-eos", "--target", f"127.0.0.1:{port}")
+        assert result.returncode == 0 and "5 generated tokens" in result.stderr, result.stderr
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=120) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -1,0 +1,46 @@
+"""Config validation names the bad field and says what to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from duet.cluster.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
+
+
+def test_embedded_default_loads():
+    config = load_config()
+    assert config.prefill.replicas == 1 and config.decode.replicas == 1
+    assert config.kv_transfer.transport == "nixl" and config.model.dtype == "float32"
+    assert DEFAULT_CONFIG_PATH.name == "local.yaml"
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"prefill": {"replicas": 0}}, "prefill.replicas"),
+        ({"decode": {"kv_cache_gib": -1}}, "decode.kv_cache_gib"),
+        ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport"),
+        ({"model": {"dtype": "int3"}}, "model.dtype"),
+        ({"model": {"path": "/no/such/model"}}, "model.path"),
+        ({"server": {"port": 70000}}, "server.port"),
+        ({"prefill": {"replicas": 2, "cpu_cores": [0]}}, "prefill"),
+        ({"decode": {"replcas": 2}}, "decode.replcas"),
+    ],
+)
+def test_bad_field_is_named(data, field):
+    with pytest.raises(ConfigError) as raised:
+        parse_config(data)
+    assert f"  {field}:" in str(raised.value)
+
+
+def test_unreadable_and_malformed_files_are_reported(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("prefill: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(scalar)

@@ -78,15 +78,23 @@ class Deployment:
 
     def _create_workers(self, worker_class: type, pool: WorkerPool, pool_config: Any) -> None:
         actor_class = ray.remote(worker_class)
+
+        def create(index: int) -> Any:
+            return actor_class.options(
+                num_cpus=pool_config.num_cpus, num_gpus=pool_config.num_gpus, max_concurrency=1000
+            ).remote(f"{pool.role}-{index}", self.config, index)
+
+        async def restart(member: PoolMember) -> None:
+            """Replace a dead worker with a fresh actor and engine on the same replica slot."""
+            ray.kill(member.actor, no_restart=True)
+            index = pool.members.index(member)
+            replacement = create(index)
+            await asyncio.wait_for(replacement.start.remote(), self.config.server.worker_start_timeout_s)
+            member.actor = replacement
+
+        pool.restart = restart
         for index in range(pool_config.replicas):
-            name = f"{pool.role}-{index}"
-            actor = actor_class.options(
-                name=f"duet-{name}",
-                num_cpus=pool_config.num_cpus,
-                num_gpus=pool_config.num_gpus,
-                max_concurrency=1000,
-            ).remote(name, self.config, index)
-            pool.members.append(PoolMember(name=name, actor=actor))
+            pool.members.append(PoolMember(name=f"{pool.role}-{index}", actor=create(index)))
 
     async def _wait_ready(self) -> None:
         members = self.prefill.members + self.decode.members

@@ -25,11 +25,15 @@ class DecodeWorker(EngineHost):
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingSpec,
-        kv_transfer_params: dict[str, Any],
+        kv_transfer_params: dict[str, Any] | None,
         first_token_id: int,
         first_text: str,
     ) -> AsyncIterator[DecodeChunk]:
-        """Stream the tokens after the first, as chunks of new token ids and text."""
+        """Stream the tokens after the first, as chunks of new token ids and text.
+
+        Without ``kv_transfer_params`` the engine computes the prompt itself (the fallback when a
+        KV hand-off failed or timed out).
+        """
         params = sampling.to_vllm(kv_transfer_params=kv_transfer_params, cumulative=True)
         sent_tokens, sent_text = 1, first_text
         with self._tracked(request_id):

@@ -146,7 +146,9 @@ def _print_status(status: pb.ClusterStatus) -> None:
             table.add_row(
                 pool.role,
                 worker.name,
-                worker.state + (f" ({worker.error})" if worker.error else ""),
+                worker.state
+                + (f", restarted {worker.restarts}x" if worker.restarts else "")
+                + (f" ({worker.error})" if worker.error else ""),
                 worker.kv_endpoint,
                 str(worker.requests_served),
                 str(worker.requests_inflight),

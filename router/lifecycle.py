@@ -1,8 +1,17 @@
-"""One request's life: prefill, hand-off, decode, stream back, finish or cancel.
+"""One request's life: prefill, hand-off, decode, stream back, finish or cancel, survive failures.
 
 The router streams the prefill worker's first token to the client at once (that is the TTFT
-disaggregation is for), then relays the decode worker's stream. Cancellation at any point aborts
-the request on whichever workers hold it, so neither keeps KV blocks for a client that left.
+disaggregation is for), then relays the decode worker's stream.
+
+Failures end in a defined outcome within a bound, never a hang:
+- a worker that dies (its actor or its engine) is replaced by the pool, and the request resumes
+  on a ready worker from where the client's stream stands: the tokens already sent become part
+  of the prompt of a new prefill/decode round, so the client sees one uninterrupted stream;
+- a KV hand-off that does not produce the decode worker's first tokens within
+  ``transfer_timeout_s`` is abandoned and the decode worker recomputes the prompt itself;
+- after ``max_attempts`` failed rounds the client gets UNAVAILABLE with the reason.
+Cancellation at any point aborts the request on whichever worker holds it, so neither keeps KV
+blocks for a client that left.
 """
 
 from __future__ import annotations
@@ -10,26 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator
 
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 
-from duet.cluster.worker_api import DecodeChunk, FinishReason, PrefillResult
+from duet.cluster.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """One message for the client: new tokens, and on the last event the finish and usage."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None = None
-    usage: "Usage | None" = None
+# vLLM errors raised inside a live actor that mean its engine is gone.
+_ENGINE_DEAD = ("EngineDeadError",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,33 @@ class Usage:
     decode_worker: str
 
 
+@dataclass(frozen=True)
+class StreamEvent:
+    """One message for the client: new tokens, and on the last event the finish and usage."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class WorkerFailed(RuntimeError):
+    """A worker died or lost its engine while serving a round; the round can be retried."""
+
+
+class RequestFailed(RuntimeError):
+    """The request cannot be completed; the message says why (sent as UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 3
+    # How long a round waits for a ready worker (covers a replacement engine starting).
+    worker_wait_s: float = 600.0
+    # Bound on the KV hand-off: from launching decode to its first chunk.
+    transfer_timeout_s: float = 30.0
+
+
 class _Clock:
     """TTFT and TPOT as the client experiences them, measured at the router."""
 
@@ -53,84 +83,125 @@ class _Clock:
         self.tokens = 0
 
     def tokens_sent(self, count: int) -> None:
+        if not count:
+            return
         now = time.perf_counter()
-        if count and self.first is None:
+        if self.first is None:
             self.first = now
-        if count:
-            self.last = now
+        self.last = now
         self.tokens += count
 
     def usage(self, prompt_tokens: int, prefill: str, decode: str) -> Usage:
         first = self.first if self.first is not None else self.last
-        tpot = (self.last - first) / (self.tokens - 1) if self.tokens > 1 else 0.0
         return Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=self.tokens,
             ttft_s=first - self.start,
-            tpot_s=tpot,
+            tpot_s=(self.last - first) / (self.tokens - 1) if self.tokens > 1 else 0.0,
             e2e_s=time.perf_counter() - self.start,
             prefill_worker=prefill,
             decode_worker=decode,
         )
 
 
+@dataclass
+class _Round:
+    """One prefill/decode attempt at the part of the request not yet streamed."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    prefill_worker: str = ""
+    decode_worker: str = ""
+
+
 class RequestLifecycle:
     """Runs requests across a prefill pool and a decode pool."""
 
-    def __init__(self, prefill: WorkerPool, decode: WorkerPool) -> None:
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool, policy: RetryPolicy | None = None) -> None:
         self.prefill_pool = prefill
         self.decode_pool = decode
+        self.policy = policy or RetryPolicy()
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
-        prefill_worker = self.prefill_pool.pick()
-        result = await self._prefill(prefill_worker, request)
-        clock.tokens_sent(1)
-        if result.finish_reason is not None:
-            yield StreamEvent(
-                [result.first_token_id],
-                result.first_text,
-                result.finish_reason,
-                clock.usage(result.num_prompt_tokens, result.worker, ""),
+        sent: list[int] = []
+        last_failure: WorkerFailed | None = None
+        for attempt in range(self.policy.max_attempts):
+            round_ = _Round(
+                request_id=request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}",
+                prompt_token_ids=request.prompt_token_ids + sent,
+                sampling=replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent)),
             )
-            return
-        yield StreamEvent([result.first_token_id], result.first_text)
-        decode_worker = self.decode_pool.pick()
-        finish: FinishReason = "error"
-        async for chunk in self._decode(decode_worker, request, result):
-            clock.tokens_sent(len(chunk.token_ids))
-            if chunk.finish_reason is not None:
-                finish = chunk.finish_reason
-                yield StreamEvent(
-                    chunk.token_ids,
-                    chunk.text,
-                    finish,
-                    clock.usage(result.num_prompt_tokens, result.worker, decode_worker.name),
-                )
-                return
-            yield StreamEvent(chunk.token_ids, chunk.text)
-        raise RuntimeError(f"decode worker {decode_worker.name} ended the stream without finishing")
+            try:
+                async for token_ids, text, finish in self._run_round(round_):
+                    sent.extend(token_ids)
+                    clock.tokens_sent(len(token_ids))
+                    if finish is None:
+                        yield StreamEvent(token_ids, text)
+                        continue
+                    usage = clock.usage(len(request.prompt_token_ids), round_.prefill_worker, round_.decode_worker)
+                    yield StreamEvent(token_ids, text, finish, usage)
+                    return
+            except WorkerFailed as failure:
+                logger.warning("request %s: %s; resuming after %d tokens", request.request_id, failure, len(sent))
+                last_failure = failure
+        raise RequestFailed(f"gave up after {self.policy.max_attempts} attempts: {last_failure}")
 
-    async def _prefill(self, worker: PoolMember, request: ValidatedRequest) -> PrefillResult:
+    async def _run_round(self, round_: _Round) -> AsyncIterator[tuple[list[int], str, FinishReason | None]]:
+        prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s)
+        round_.prefill_worker = prefill_worker.name
+        result = await self._prefill(prefill_worker, round_)
+        yield [result.first_token_id], result.first_text, result.finish_reason
+        if result.finish_reason is not None:
+            return
+        decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
+        round_.decode_worker = decode_worker.name
+        chunks = self._decode(decode_worker, round_, result, result.kv_transfer_params)
+        try:
+            first = await asyncio.wait_for(anext(chunks), self.policy.transfer_timeout_s)
+        except TimeoutError:
+            await chunks.aclose()
+            logger.warning(
+                "request %s: KV hand-off to %s exceeded %.1f s; recomputing the prompt on the decode side",
+                round_.request_id, decode_worker.name, self.policy.transfer_timeout_s,
+            )
+            round_.request_id += "-recompute"
+            chunks = self._decode(decode_worker, round_, result, kv_transfer_params=None)
+            first = await anext(chunks)
+        try:
+            yield first.token_ids, first.text, first.finish_reason
+            async for chunk in chunks:
+                yield chunk.token_ids, chunk.text, chunk.finish_reason
+        finally:
+            await chunks.aclose()  # runs the decode side's abort if the client left early
+
+    async def _prefill(self, worker: PoolMember, round_: _Round) -> PrefillResult:
         worker.inflight += 1
-        ref = worker.actor.prefill.remote(request.request_id, request.prompt_token_ids, request.sampling)
+        ref = worker.actor.prefill.remote(round_.request_id, round_.prompt_token_ids, round_.sampling)
         try:
             return await ref
         except asyncio.CancelledError:
-            await _abort(worker, request.request_id, ref)
+            await _abort(worker, round_.request_id, ref)
             raise
+        except (RayActorError, RayTaskError) as error:
+            raise self._worker_failure(self.prefill_pool, worker, error) from error
         finally:
             worker.inflight -= 1
 
     async def _decode(
-        self, worker: PoolMember, request: ValidatedRequest, prefill: PrefillResult
+        self,
+        worker: PoolMember,
+        round_: _Round,
+        prefill: PrefillResult,
+        kv_transfer_params: dict[str, Any] | None,
     ) -> AsyncIterator[DecodeChunk]:
         worker.inflight += 1
         stream = worker.actor.generate.options(num_returns="streaming").remote(
-            request.request_id,
-            request.prompt_token_ids,
-            request.sampling,
-            prefill.kv_transfer_params,
+            round_.request_id,
+            round_.prompt_token_ids,
+            round_.sampling,
+            kv_transfer_params,
             prefill.first_token_id,
             prefill.first_text,
         )
@@ -140,10 +211,22 @@ class RequestLifecycle:
                 chunk: DecodeChunk = await ref
                 finished = chunk.finish_reason is not None
                 yield chunk
+            if not finished:
+                raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing")
+        except (RayActorError, RayTaskError) as error:
+            raise self._worker_failure(self.decode_pool, worker, error) from error
         finally:
             worker.inflight -= 1
-            if not finished:  # cancelled, or the consumer stopped early
-                await _abort(worker, request.request_id, stream)
+            if not finished:  # cancelled, timed out, failed, or the consumer stopped early
+                await _abort(worker, round_.request_id, stream)
+
+    @staticmethod
+    def _worker_failure(pool: WorkerPool, worker: PoolMember, error: BaseException) -> BaseException:
+        """Classify an error from a worker call: a dead worker is retried, anything else is not."""
+        if isinstance(error, RayTaskError) and type(error.cause).__name__ not in _ENGINE_DEAD:
+            return RequestFailed(f"{pool.role} worker {worker.name}: {error.cause}")
+        pool.mark_failed(worker, error)
+        return WorkerFailed(f"{pool.role} worker {worker.name} failed ({type(error).__name__})")
 
 
 async def _abort(worker: PoolMember, request_id: str, task: object) -> None:
@@ -153,6 +236,6 @@ async def _abort(worker: PoolMember, request_id: str, task: object) -> None:
     except Exception:  # already finished, or not cancellable: the abort below still frees it
         pass
     try:
-        await asyncio.shield(worker.actor.abort.remote(request_id))
+        await asyncio.wait_for(asyncio.shield(worker.actor.abort.remote(request_id)), 10)
     except Exception as error:  # a dead worker has nothing left to free
         logger.warning("abort of %s on %s failed: %s", request_id, worker.name, error)

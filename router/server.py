@@ -19,7 +19,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from duet.router.lifecycle import RequestLifecycle, StreamEvent
+from duet.router.lifecycle import RequestFailed, RequestLifecycle, StreamEvent
+from duet.router.pools import NoWorkerAvailable
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.status import ClusterView
@@ -90,9 +91,12 @@ class DuetServicer:
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
+        except (RequestFailed, NoWorkerAvailable) as error:
+            logger.warning("request %s failed: %s", validated.request_id, error)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {error}")
         except Exception as error:
             logger.exception("request %s failed", validated.request_id)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {error}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {validated.request_id} failed: {error}")
         finally:
             self.cluster.inflight -= 1
             self.cluster.count(outcome)

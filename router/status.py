@@ -40,15 +40,19 @@ class ClusterView:
         )
 
     async def _pool_status(self, pool: WorkerPool) -> pb.Pool:
-        states = await asyncio.gather(*(_worker_status(member) for member in pool.members))
+        states = await asyncio.gather(*(_worker_status(pool.role, member) for member in pool.members))
         return pb.Pool(role=pool.role, workers=states)
 
 
-async def _worker_status(member: PoolMember) -> pb.WorkerState:
+async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
+    if member.state != "ready":  # dead or being replaced: the router knows more than the actor
+        return pb.WorkerState(name=member.name, role=role, state=member.state, error=member.error, restarts=member.restarts)
     try:
         status: WorkerStatus = await asyncio.wait_for(member.actor.status.remote(), _STATUS_TIMEOUT_S)
     except Exception as error:
-        return pb.WorkerState(name=member.name, state="unreachable", error=f"{type(error).__name__}: {error}")
+        return pb.WorkerState(
+            name=member.name, role=role, state="unreachable", error=f"{type(error).__name__}: {error}", restarts=member.restarts
+        )
     metrics = status.engine_metrics
     return pb.WorkerState(
         name=status.name,
@@ -61,4 +65,5 @@ async def _worker_status(member: PoolMember) -> pb.WorkerState:
         prompt_tokens_transferred=int(metrics.get(_TRANSFERRED, 0)),
         prompt_tokens_computed=int(metrics.get(_COMPUTED, 0)),
         error=status.error,
+        restarts=member.restarts,
     )

@@ -103,7 +103,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error")
+    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class WorkerState(_message.Message):
     PROMPT_TOKENS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -124,7 +125,8 @@ class WorkerState(_message.Message):
     prompt_tokens_transferred: int
     prompt_tokens_computed: int
     error: str
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    restarts: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("role", "workers")

@@ -1,0 +1,99 @@
+"""Failures end as designed, within a bound, and the next requests succeed.
+
+These kill real worker actors of the shared deployment; the router replaces them (a new actor
+and engine), so the tests that follow still have a full deployment.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import replace
+
+import ray
+from conftest import worker_status
+
+from duet.cluster.worker_api import SamplingSpec
+from duet.router.client import build_request
+
+COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 700) for _ in range(length)]
+
+
+def test_prefill_killed_before_decode_pulls(client, deployment, reference):
+    """Decode recomputes the prompt (kv_load_failure_policy=recompute), then the router replaces the worker."""
+    prompt = _prompt(700, seed=1)
+    spec = SamplingSpec(max_tokens=16, ignore_eos=True)
+    expected = reference.greedy([prompt], max_tokens=16, ignore_eos=True)[0]
+    prefill = deployment.prefill.members[0]
+    result = ray.get(prefill.actor.prefill.remote("fault-prefill", prompt, spec))
+    ray.kill(prefill.actor, no_restart=True)
+
+    decode = deployment.decode.members[0].actor
+    computed_before = worker_status(deployment, "decode").engine_metrics.get(COMPUTED, 0)
+    started = time.monotonic()
+    stream = decode.generate.options(num_returns="streaming").remote(
+        "fault-prefill", prompt, spec, result.kv_transfer_params, result.first_token_id, result.first_text
+    )
+    tokens = [result.first_token_id] + [t for ref in stream for t in ray.get(ref).token_ids]
+    elapsed = time.monotonic() - started
+    assert tokens == expected
+    assert elapsed < 15, f"decode took {elapsed:.1f} s to give up on the dead prefill worker"
+    computed = worker_status(deployment, "decode").engine_metrics.get(COMPUTED, 0) - computed_before
+    assert computed > 0, "decode claims it pulled KV from a dead worker"
+
+    # The router finds the dead worker on the next request, replaces it, and serves the request.
+    ids, last = client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True), timeout=600)
+    assert ids == expected
+    assert prefill.state == "ready" and prefill.restarts == 1
+    assert worker_status(deployment, "prefill").state == "ready"
+
+
+def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment, reference):
+    prompt = _prompt(4000, seed=2)
+    expected = reference.greedy([prompt], max_tokens=24, ignore_eos=True)[0]
+    decode = deployment.decode.members[0]
+    restarts = decode.restarts
+    received: list[int] = []
+    first_token = threading.Event()
+
+    def consume() -> None:
+        for message in client.generate(build_request(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True), timeout=600):
+            received.extend(message.token_ids)
+            first_token.set()
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert first_token.wait(120), "prefill never produced the first token"
+    ray.kill(decode.actor, no_restart=True)  # the hand-off to this worker is under way
+    consumer.join(600)
+    assert not consumer.is_alive()
+    assert received == expected, "the resumed stream differs from an uninterrupted one"
+    assert decode.restarts == restarts + 1 and decode.state == "ready"
+
+
+def test_transfer_timeout_falls_back_to_recompute(client, deployment, reference):
+    lifecycle = deployment.servicer.lifecycle
+    policy = lifecycle.policy
+    lifecycle.policy = replace(policy, transfer_timeout_s=0.0)  # every hand-off exceeds it
+    try:
+        prompt = _prompt(1000, seed=3)
+        started = time.monotonic()
+        ids, last = client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True), timeout=120)
+        elapsed = time.monotonic() - started
+    finally:
+        lifecycle.policy = policy
+    assert ids == reference.greedy([prompt], max_tokens=16, ignore_eos=True)[0]
+    assert elapsed < 30
+    for role in ("prefill", "decode"):
+        deadline = time.monotonic() + 20
+        while (status := worker_status(deployment, role)).engine_unfinished or status.requests_inflight:
+            assert time.monotonic() < deadline, f"{role} still holds the timed-out request"
+            time.sleep(0.1)
+    ids, _ = client.generate_ids(build_request("next one", max_tokens=4, ignore_eos=True), timeout=60)
+    assert len(ids) == 4

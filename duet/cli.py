@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--target", default=DEFAULT_TARGET)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(handler=_status)
+
+    from duet.cluster.placement.commands import register_commands
+
+    register_commands(commands)  # plan, simulate, profile
     return parser
 
 

@@ -21,6 +21,7 @@ from typing import Literal
 import numpy as np
 
 from duet.cluster.placement.latency_model import EnginePerf, LatencyModel
+from duet.cluster.placement.plan import Plan
 from duet.cluster.placement.simulator import (
     SimConfig,
     SimResult,
@@ -222,3 +223,18 @@ def evaluate(ctx: SearchContext, cand: Candidate, floor_rps: float = 0.0) -> Eva
             return result("below-best", floor_rps)
         lo = floor_rps
     return result("ok", max_rate(meets, lo, max(bound, lo * 2), ctx.rel_tol))
+
+
+def plan_deployment(plan: Plan, models: dict[str, LatencyModel]) -> Deployment:
+    """The engines a plan deploys, for simulating the plan as written (``duet simulate``)."""
+    engine_p = models[plan.prefill.gpu_type].engine(
+        plan.prefill.tensor_parallel, plan.prefill.pipeline_parallel
+    )
+    engine_d = models[plan.decode.gpu_type].engine(
+        plan.decode.tensor_parallel, plan.decode.pipeline_parallel
+    )
+    return Deployment(
+        prefill=(engine_p,) * plan.prefill.replicas,
+        decode=(engine_d,) * plan.decode.replicas,
+        transfer_bytes_per_s=plan.kv_transfer.bandwidth_gbs * 1e9,
+    )

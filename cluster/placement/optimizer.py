@@ -254,13 +254,12 @@ class _Planner:
     # -- high affinity --
 
     def size_high_affinity(self, evals: list[Evaluation]) -> _Sizing:
-        pre, dec = self._ranked(evals, "prefill")[:6], self._ranked(evals, "decode")[:6]
+        pre, dec = self._ranked(evals, "prefill"), self._ranked(evals, "decode")
         self._require_feasible(evals, pre, dec)
         options = []
         for p in pre:
             for d in dec:
-                n_p = math.ceil(self.rate / p.goodput_rps)
-                n_d = math.ceil(self.rate / d.goodput_rps)
+                n_p, n_d = self._pool_sizes(p, d, self.rate)
                 cost = self._cost(p.candidate, n_p) + self._cost(d.candidate, n_d)
                 if self._fits(self._need_pools(p.candidate, n_p, d.candidate, n_d)):
                     options.append((cost, p, n_p, d, n_d))
@@ -315,28 +314,38 @@ class _Planner:
             s = grown
         return s
 
-    def _over_budget_pools(self, pre: list[Evaluation], dec: list[Evaluation]) -> str:
-        p, d = pre[0], dec[0]
-        n_p, n_d = math.ceil(self.rate / p.goodput_rps), math.ceil(self.rate / d.goodput_rps)
-        need = self._need_pools(p.candidate, n_p, d.candidate, n_d)
+    def _pool_sizes(self, p: Evaluation, d: Evaluation, rate: float) -> tuple[int, int]:
+        return math.ceil(rate / p.goodput_rps), math.ceil(rate / d.goodput_rps)
 
+    def _max_rate_within_budget(self, p: Evaluation, d: Evaluation) -> float:
+        """The highest rate whose pools of ``p`` and ``d`` still fit the cluster."""
         def fits_at(rate: float) -> bool:
-            return self._fits(
-                self._need_pools(
-                    p.candidate, math.ceil(rate / p.goodput_rps), d.candidate, math.ceil(rate / d.goodput_rps)
-                )
-            )
+            n_p, n_d = self._pool_sizes(p, d, rate)
+            return self._fits(self._need_pools(p.candidate, n_p, d.candidate, n_d))
 
         lo, hi = 0.0, self.rate
+        if not fits_at(min(p.goodput_rps, d.goodput_rps)):
+            return 0.0
         while hi - lo > self.rate * 1e-3:
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
-        have = {t: self.cluster.gpu_count(t) for t in need}
+        return lo
+
+    def _over_budget_pools(self, pre: list[Evaluation], dec: list[Evaluation]) -> str:
+        have = {t: self.cluster.gpu_count(t) for t in self.cluster.gpu_types}
+        best_rate, p, d = max(((self._max_rate_within_budget(p, d), p, d) for p in pre for d in dec), key=lambda x: x[0])
+        if best_rate == 0.0:
+            return (
+                f"even one replica of each SLO-meeting prefill and decode configuration needs more "
+                f"GPUs than the cluster has ({have}); the smallest prefill is "
+                f"[{min(pre, key=lambda e: e.candidate.gpus).candidate.describe()}]. Add GPUs or relax the SLO."
+            )
+        n_p, n_d = self._pool_sizes(p, d, self.rate)
         return (
             f"target rate {self.rate:.3g} req/s needs {n_p} x [{p.candidate.describe()}] + {n_d} x "
-            f"[{d.candidate.describe()}] = {dict(need)} GPUs, but the cluster has {have}. "
-            f"Closest feasible: --rate {lo:.3g} (the most these pools serve within the budget), "
-            f"or add GPUs."
+            f"[{d.candidate.describe()}] = {p.candidate.gpus * n_p + d.candidate.gpus * n_d} GPUs, but "
+            f"the cluster has {have}. Closest feasible: --rate {best_rate:.3g} (the most these pools "
+            f"serve within the budget), or add GPUs."
         )
 
     # -- low affinity --
@@ -379,28 +388,30 @@ class _Planner:
         if not tried:
             return f"no {kind} configuration fits the cluster's GPUs for {self.cluster.model}"
         pct = f"{slo.attainment:.0%}"
+        headroom = 1.25  # the unloaded latency leaves no room for any queueing
         if kind == "prefill":
             best = min(tried, key=lambda e: e.unloaded_ttft_s)
             what = f"TTFT <= {slo.ttft_s:g} s"
-            fix = f"ttft={_round_up(best.unloaded_ttft_s)},tpot={slo.tpot_s:g}"
+            fix = f"ttft={_round_up(best.unloaded_ttft_s * headroom)},tpot={slo.tpot_s:g}"
             reach = f"TTFT {best.unloaded_ttft_s:.3g} s"
         elif kind == "decode":
             best = min(tried, key=lambda e: e.unloaded_tpot_s)
             what = f"TPOT <= {slo.tpot_s:g} s"
-            fix = f"ttft={slo.ttft_s:g},tpot={_round_up(best.unloaded_tpot_s)}"
+            fix = f"ttft={slo.ttft_s:g},tpot={_round_up(best.unloaded_tpot_s * headroom)}"
             reach = f"TPOT {best.unloaded_tpot_s:.3g} s"
         else:
             best = min(tried, key=lambda e: max(e.unloaded_ttft_s / slo.ttft_s, e.unloaded_tpot_s / slo.tpot_s))
             what = f"TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s:g} s"
             fix = (
-                f"ttft={_round_up(max(best.unloaded_ttft_s, slo.ttft_s))},"
-                f"tpot={_round_up(max(best.unloaded_tpot_s, slo.tpot_s))}"
+                f"ttft={_round_up(max(best.unloaded_ttft_s * headroom, slo.ttft_s))},"
+                f"tpot={_round_up(max(best.unloaded_tpot_s * headroom, slo.tpot_s))}"
             )
             reach = f"TTFT {best.unloaded_ttft_s:.3g} s, TPOT {best.unloaded_tpot_s:.3g} s"
         return (
             f"SLO infeasible: no {kind} configuration meets {what} for {pct} of requests even with "
             f"no queueing. The closest, [{best.candidate.describe()}], reaches {reach} at {pct}. "
-            f"Closest feasible option: --slo {fix} --attainment {slo.attainment:g}"
+            f"Closest feasible option (with {headroom - 1:.0%} headroom for queueing): "
+            f"--slo {fix} --attainment {slo.attainment:g}"
         )
 
     def expected(self, s: _Sizing) -> tuple[Expected, str]:
@@ -485,7 +496,7 @@ def _round_up(seconds: float) -> str:
     if seconds <= 0 or not math.isfinite(seconds):
         return f"{seconds:g}"
     scale = 10 ** (math.floor(math.log10(seconds)) - 1)
-    return f"{math.ceil(seconds / scale * (1 + 1e-9)) * scale:.3g}"
+    return f"{math.ceil(seconds / scale - 1e-9) * scale:.3g}"
 
 
 def explain(plan: Plan, s: _Sizing, evals: list[Evaluation], slo: Slo) -> list[str]:
@@ -554,7 +565,7 @@ def optimize(
     algorithm: Algorithm = "both",
     objective: Objective = "gpus",
     workers: int | None = None,
-    search_requests: int = 400,
+    search_requests: int = 1000,
     verify_requests: int = 4000,
     baseline: bool = True,
     sim: SimConfig = SimConfig(),

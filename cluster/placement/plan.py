@@ -135,6 +135,19 @@ class Plan(_Strict):
             raise ValueError(f"GPUs held by more than one replica or pool: {shown}")
         return self
 
+    def summary(self) -> str:
+        """One line: algorithm, pools, and the simulated goodput, for CLIs and benchmarks."""
+        pools = ", ".join(
+            f"{role} {p.replicas} x tp={p.tensor_parallel} pp={p.pipeline_parallel} [{p.gpu_type}]"
+            for role, p in (("prefill", self.prefill), ("decode", self.decode))
+        )
+        e = self.expected
+        return (
+            f"{self.algorithm}, {self.gpus} GPUs: {pools}; at {e.rate_rps:.3g} req/s attainment "
+            f"{e.attainment:.1%} (TTFT {e.ttft_attainment:.1%}, TPOT {e.tpot_attainment:.1%}), "
+            f"goodput {e.goodput_rps:.3g} req/s = {e.goodput_per_gpu:.3g} per GPU"
+        )
+
     def save(self, path: Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
 

@@ -148,32 +148,90 @@ class _Run:
         self._miss(i)
 
 
-class _Batch:
-    """Continuous-batching state of one decode loop: finishes found by step number, O(1)/step."""
+class _DecodeLoop:
+    """Continuous batching of one decode loop, advanced in closed form between finishes.
 
-    def __init__(self, run: _Run) -> None:
-        self.run = run
+    With a fixed batch, step ``k`` costs ``A + k*B`` (context grows by one token per sequence
+    per step), so a run of steps up to the next finish is one event. A request that wants to
+    join mid-run interrupts the run at the next step boundary, exactly where a step-by-step
+    loop would have admitted it.
+    """
+
+    def __init__(self, run: _Run, perf: EnginePerf, on_boundary: Callable[[list[int]], None]):
+        self.run, self.perf, self.on_boundary = run, perf, on_boundary
         self.size = 0
         self.sum_context = 0
         self.step_no = 0
         self._finishing: dict[int, list[int]] = {}
+        self._finish_steps: list[int] = []
+        self.running = False
+        self._epoch = 0
+        self._t0 = self._a = self._b = 0.0
+        self._planned = 0
 
     def add(self, i: int) -> None:
         """Join with the first token already produced; ``out - 1`` steps to go."""
         run = self.run
-        self._finishing.setdefault(self.step_no + run.out[i] - 1, []).append(i)
+        step = self.step_no + run.out[i] - 1
+        if step not in self._finishing:
+            self._finishing[step] = []
+            heapq.heappush(self._finish_steps, step)
+        self._finishing[step].append(i)
         self.size += 1
         self.sum_context += run.inp[i] + 1
 
-    def step_done(self) -> list[int]:
-        self.step_no += 1
-        self.sum_context += self.size
-        done = self._finishing.pop(self.step_no, [])
-        for i in done:
-            self.size -= 1
-            self.sum_context -= self.run.inp[i] + self.run.out[i]
-            self.run.finished(i)
-        return done
+    def start(self) -> None:
+        """Run steps until the next finish (the batch must not be empty)."""
+        n, ctx = self.size, self.sum_context
+        self._a = self.perf.decode_step_s(n, ctx)
+        self._b = self.perf.decode_step_s(n, ctx + n) - self._a
+        self._t0 = self.run.now
+        self._planned = self._finish_steps[0] - self.step_no
+        self._schedule(self._planned)
+
+    def interrupt(self) -> None:
+        """End the current run at the next step boundary (someone is waiting to join)."""
+        if not self.running:
+            return
+        done = self._steps_done_by(self.run.now)
+        if done + 1 < self._planned:
+            self._schedule(done + 1)
+
+    def _end(self, k: int) -> float:
+        return self._t0 + k * self._a + self._b * k * (k - 1) / 2
+
+    def _steps_done_by(self, t: float) -> int:
+        elapsed, a, b = t - self._t0, self._a, self._b
+        if b > 0:
+            k = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * elapsed)) / b)
+        else:
+            k = int(elapsed / a)
+        while k > 0 and self._end(k) > t:
+            k -= 1
+        while self._end(k + 1) <= t:
+            k += 1
+        return k
+
+    def _schedule(self, k: int) -> None:
+        self.running = True
+        self._epoch += 1
+        self.run.at(self._end(k), self._fire, self._epoch, k)
+
+    def _fire(self, epoch: int, k: int) -> None:
+        if epoch != self._epoch:
+            return
+        self.running = False
+        self.step_no += k
+        self.sum_context += self.size * k
+        done: list[int] = []
+        if self._finish_steps and self._finish_steps[0] == self.step_no:
+            heapq.heappop(self._finish_steps)
+            done = self._finishing.pop(self.step_no)
+            for i in done:
+                self.size -= 1
+                self.sum_context -= self.run.inp[i] + self.run.out[i]
+                self.run.finished(i)
+        self.on_boundary(done)
 
 
 def _kv_need(run: _Run, i: int) -> int:
@@ -273,33 +331,28 @@ class _Lane:
     """One decode micro-batch loop (a decode replica with pipeline depth pp has pp lanes)."""
 
     def __init__(self, run: _Run, server: _DecodeServer):
-        self.run, self.server = run, server
-        self.batch = _Batch(run)
+        self.server = server
+        self.loop = _DecodeLoop(run, server.perf, self._boundary)
         self.pending: deque[int] = deque()
-        self.stepping = False
 
     def load(self) -> int:
-        return self.batch.size + len(self.pending)
+        return self.loop.size + len(self.pending)
 
     def enqueue(self, i: int) -> None:
         self.pending.append(i)
-        if not self.stepping:
-            self._step()
+        if self.loop.running:
+            self.loop.interrupt()
+        else:
+            self._boundary([])
 
-    def _step(self) -> None:
-        batch, pending = self.batch, self.pending
-        while pending and batch.size < self.server.max_seqs:
-            batch.add(pending.popleft())
-        if batch.size == 0:
-            self.stepping = False
-            return
-        self.stepping = True
-        run = self.run
-        run.at(run.now + self.server.perf.decode_step_s(batch.size, batch.sum_context), self._done)
-
-    def _done(self) -> None:
-        self.server.release(self.batch.step_done())
-        self._step()
+    def _boundary(self, done: list[int]) -> None:
+        if done:
+            self.server.release(done)
+        loop, pending = self.loop, self.pending
+        while pending and loop.size < self.server.max_seqs:
+            loop.add(pending.popleft())
+        if loop.size:
+            loop.start()
 
 
 def simulate_disaggregated(
@@ -346,11 +399,11 @@ class _ColocatedServer:
 
     def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig):
         self.run, self.perf, self.cfg = run, perf, cfg
-        self.batch = _Batch(run)
+        self.loop = _DecodeLoop(run, perf, self._decode_boundary)
         self.waiting: deque[int] = deque()
         self.waiting_tokens = 0
         self.reserved = 0
-        self.busy = False
+        self.prefilling = False
 
     @property
     def load(self) -> float:
@@ -359,7 +412,9 @@ class _ColocatedServer:
     def submit(self, i: int) -> None:
         self.waiting.append(i)
         self.waiting_tokens += _kv_need(self.run, i)
-        if not self.busy:
+        if self.loop.running:
+            self.loop.interrupt()
+        elif not self.prefilling:
             self._iterate()
 
     def _iterate(self) -> None:
@@ -376,7 +431,7 @@ class _ColocatedServer:
             if (
                 self.reserved + need > self.perf.kv_capacity_tokens
                 or (prefill and total + run.inp[i] > self.cfg.prefill_max_batch_tokens)
-                or self.batch.size + len(prefill) >= self.cfg.max_num_seqs
+                or self.loop.size + len(prefill) >= self.cfg.max_num_seqs
             ):
                 break
             prefill.append(waiting.popleft())
@@ -385,26 +440,23 @@ class _ColocatedServer:
             total += run.inp[i]
             sq += run.inp[i] ** 2
         if prefill:
-            self.busy = True
+            self.prefilling = True
             run.at(run.now + self.perf.prefill_latency_s(total, sq), self._prefill_done, prefill)
-        elif self.batch.size:
-            self.busy = True
-            step = self.perf.decode_step_s(self.batch.size, self.batch.sum_context)
-            run.at(run.now + step, self._decode_done)
-        else:
-            self.busy = False
+        elif self.loop.size:
+            self.loop.start()
 
     def _prefill_done(self, prefill: list[int]) -> None:
+        self.prefilling = False
         for i in prefill:
             self.run.first_token_at(i)
             if self.run.out[i] > 1:
-                self.batch.add(i)
+                self.loop.add(i)
             else:
                 self.reserved -= _kv_need(self.run, i)
         self._iterate()
 
-    def _decode_done(self) -> None:
-        self.reserved -= sum(_kv_need(self.run, i) for i in self.batch.step_done())
+    def _decode_boundary(self, done: list[int]) -> None:
+        self.reserved -= sum(_kv_need(self.run, i) for i in done)
         self._iterate()
 
 

@@ -1,0 +1,195 @@
+"""``duet plan``, ``duet simulate`` and ``duet profile``: thin argparse shells over the pure core.
+
+Each handler returns an exit code. Bad input (a config, trace, SLO or plan that cannot be used)
+prints one clear message to stderr and returns 2; it never shows a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from duet.cluster.placement.cluster_spec import ClusterSpec, ClusterSpecError
+from duet.cluster.placement.goodput import Deployment, SearchContext, max_rate, plan_deployment, simulate
+from duet.cluster.placement.latency_model import LatencyModelError
+from duet.cluster.placement.models import UnknownModelError
+from duet.cluster.placement.optimizer import InfeasibleError, optimize
+from duet.cluster.placement.plan import Plan, PlanError, validate_against
+from duet.cluster.placement.simulator import SimResult, Slo
+from duet.cluster.placement.trace import Trace, TraceError, load_trace
+
+EXIT_BAD_INPUT = 2
+_BAD_INPUT = (
+    ClusterSpecError,
+    TraceError,
+    PlanError,
+    InfeasibleError,
+    LatencyModelError,
+    UnknownModelError,
+    ValueError,
+)
+
+
+def register_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``plan``, ``simulate`` and ``profile`` to duet's CLI."""
+    plan = subparsers.add_parser("plan", help="size and place prefill/decode pools for an SLO")
+    _workload_args(plan)
+    plan.add_argument("--algorithm", choices=["high-affinity", "low-affinity", "both"], default="both")
+    plan.add_argument("--objective", choices=["gpus", "cost", "power"], default="gpus")
+    plan.add_argument("--workers", type=int, help="search processes (default: CPU count)")
+    plan.add_argument("--search-requests", type=int, default=1000, help="trace prefix per probe")
+    plan.add_argument("--no-baseline", action="store_true", help="skip the colocated baseline")
+    plan.add_argument("--out", type=Path, default=Path("plan.yaml"))
+    plan.set_defaults(handler=_guarded("plan", _plan))
+
+    sim = subparsers.add_parser("simulate", help="simulate a plan (and a colocated baseline) on a trace")
+    _workload_args(sim)
+    sim.add_argument("--plan", type=Path, required=True)
+    sim.add_argument("--goodput", action="store_true", help="also find the highest rate meeting the SLO")
+    sim.add_argument(
+        "--colocated-tp", type=int, help="also simulate colocated engines of this TP on the same GPUs"
+    )
+    sim.set_defaults(handler=_guarded("simulate", _simulate))
+
+    prof = subparsers.add_parser("profile", help="measure the engine here and fit the latency model")
+    prof.add_argument("--model", default="tiny", help="'tiny' (duet's built-in model) or a path")
+    prof.add_argument("--out", type=Path, default=Path("profile.yaml"))
+    prof.add_argument("--grid", choices=["small", "default"], default="default")
+    prof.add_argument("--kv-cache-gib", type=float, default=1.0)
+    prof.add_argument("--cpus", help="pin the engine to these cores, e.g. '0' (what each engine gets)")
+    prof.set_defaults(handler=_guarded("profile", _profile))
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, required=True, help="cluster.yaml")
+    p.add_argument(
+        "--trace",
+        required=True,
+        help="Azure .csv, Mooncake .jsonl, or synthetic:n=2000,rate=4,lengths=sharegpt,cv=1",
+    )
+    p.add_argument("--slo", required=True, help="ttft=SECONDS,tpot=SECONDS")
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--rate", type=float, help="target req/s (default: the trace's own rate)")
+    p.add_argument("--max-input", type=int, help="clip prompt lengths (short-context models)")
+    p.add_argument("--max-output", type=int, help="clip output lengths")
+
+
+def _guarded(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except _BAD_INPUT as exc:
+            print(f"duet {name}: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+
+    return handler
+
+
+def parse_slo(text: str, attainment: float) -> Slo:
+    """``ttft=0.25,tpot=0.1`` (seconds) into an :class:`Slo`."""
+    values: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("ttft", "tpot"):
+            raise ValueError(f"--slo {text!r}: expected ttft=SECONDS,tpot=SECONDS")
+        try:
+            values[key] = float(value.rstrip("s"))
+        except ValueError:
+            raise ValueError(f"--slo {text!r}: {value!r} is not a number of seconds") from None
+    missing = {"ttft", "tpot"} - set(values)
+    if missing:
+        raise ValueError(f"--slo {text!r}: missing {', '.join(sorted(missing))}")
+    return Slo(values["ttft"], values["tpot"], attainment)
+
+
+def _workload(args: argparse.Namespace) -> tuple[ClusterSpec, Trace, Slo]:
+    cluster = ClusterSpec.load(args.config)
+    slo = parse_slo(args.slo, args.attainment)
+    trace = load_trace(args.trace).capped(args.max_input, args.max_output)
+    return cluster, trace, slo
+
+
+def _plan(args: argparse.Namespace) -> int:
+    cluster, trace, slo = _workload(args)
+    result = optimize(
+        cluster,
+        trace,
+        slo,
+        rate=args.rate,
+        algorithm=args.algorithm,
+        objective=args.objective,
+        workers=args.workers,
+        search_requests=args.search_requests,
+        baseline=not args.no_baseline,
+    )
+    plan = result.plan
+    validate_against(plan, cluster)
+    plan.save(args.out)
+    print(f"plan: {plan.summary()}")
+    s = plan.search
+    print(
+        f"search: {s.configs_evaluated} configurations evaluated, {s.configs_pruned} pruned, "
+        f"{s.simulations} simulations, {s.wall_s:.2f} s on {s.workers} worker(s)"
+    )
+    for line in plan.explanation:
+        print(f"  {line}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    cluster, trace, slo = _workload(args)
+    plan = Plan.load(args.plan)
+    validate_against(plan, cluster)
+    rate = trace.mean_rate if args.rate is None else args.rate
+    if not math.isfinite(rate):
+        raise TraceError(f"trace {trace.name!r} has no arrival rate: give --rate")
+    models = {t: cluster.latency_model(t) for t in {plan.prefill.gpu_type, plan.decode.gpu_type}}
+    ctx = SearchContext(
+        trace=trace,
+        slo=slo,
+        models=models,
+        kv_bytes_per_token=cluster.model_spec.kv_bytes_per_token,
+        network_bytes_per_s=cluster.network_gbs * 1e9,
+        nvlink_bytes_per_s={},
+    )
+    runs = [("disaggregated plan", plan_deployment(plan, models), plan.gpus)]
+    if args.colocated_tp:
+        tp = args.colocated_tp
+        engine = models[plan.prefill.gpu_type].engine(tp, 1)
+        runs.append((f"colocated tp={tp}", Deployment((engine,) * (plan.gpus // tp), (), colocated=True), plan.gpus))
+    print(f"trace {trace.name}: {len(trace)} requests at {rate:.3g} req/s; SLO {args.slo} @ {slo.attainment:.0%}")
+    for name, dep, gpus in runs:
+        _report(name, simulate(ctx, dep, rate, None), slo)
+        if args.goodput:
+            lo = rate / 100
+            ok = lambda r, dep=dep: simulate(ctx, dep, r, slo).meets(slo)  # noqa: E731
+            goodput = max_rate(ok, lo, rate, ctx.rel_tol) if ok(lo) else 0.0
+            print(f"  goodput {goodput:.3g} req/s = {goodput / gpus:.3g} req/s per GPU ({gpus} GPUs)")
+    return 0
+
+
+def _report(name: str, result: SimResult, slo: Slo) -> None:
+    s = result.summary(slo)
+    print(
+        f"{name}: attainment {s['attainment']:.1%} (TTFT {s['ttft_attainment']:.1%}, "
+        f"TPOT {s['tpot_attainment']:.1%})\n"
+        f"  TTFT p50/p90/p99 {s['ttft_p50_s']:.3f}/{s['ttft_p90_s']:.3f}/{s['ttft_p99_s']:.3f} s, "
+        f"TPOT p50/p90/p99 {s['tpot_p50_s']:.3f}/{s['tpot_p90_s']:.3f}/{s['tpot_p99_s']:.3f} s"
+    )
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from duet.cluster.placement.profiler import DEFAULT_GRID, SMALL_GRID, profile_engine
+
+    grid = SMALL_GRID if args.grid == "small" else DEFAULT_GRID
+    cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else None
+    model, report = profile_engine(args.model, grid, kv_cache_gib=args.kv_cache_gib, cpus=cpus)
+    model.save(args.out)
+    print(report)
+    print(f"wrote {args.out}")
+    return 0

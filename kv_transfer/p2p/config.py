@@ -1,0 +1,52 @@
+"""Settings of the p2p connector, read from ``kv_connector_extra_config``.
+
+Every knob has a default so that only the decode side's listen address must be configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+EXTRA_KEY_PREFIX = "p2p_"
+
+
+@dataclass(frozen=True)
+class P2pConfig:
+    """Transport settings; each field is read from ``kv_connector_extra_config["p2p_<name>"]``."""
+
+    # Address the decode worker listens on (its TCPStore); TP rank r listens on port + r.
+    host: str = "127.0.0.1"
+    port: int = 18600
+    # Decode side: longest wait from a decode request's load start to a complete staged KV.
+    transfer_timeout_s: float = 30.0
+    # Decode side: how long staged KV nobody has asked for stays before it is freed.
+    lease_s: float = 60.0
+    # Decode side: bound on staged (received, not yet consumed) KV bytes.
+    staging_bytes: int = 1 << 30
+    # Decode side: how long the receiver waits for staging space before dropping a transfer.
+    staging_wait_s: float = 2.0
+    # Prefill side: bound on KV bytes queued for sending to one decode worker.
+    send_queue_bytes: int = 1 << 30
+    # Both: TCPStore connect and process-group rendezvous limit.
+    connect_timeout_s: float = 5.0
+    # Both: a link with no message for this long is dead (the sender sends keepalives).
+    link_timeout_s: float = 20.0
+    keepalive_s: float = 2.0
+    # Prefill side: after a failed handshake, chunks for that peer are dropped for this long.
+    reconnect_backoff_s: float = 1.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> P2pConfig:
+        """Build from vLLM's extra config, converting values to each field's type."""
+        extra = extra or {}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            key = EXTRA_KEY_PREFIX + f.name
+            if key in extra:
+                values[f.name] = type(getattr(cls, f.name))(extra[key])
+        return cls(**values)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        """The inverse of :meth:`from_extra_config`."""
+        return {EXTRA_KEY_PREFIX + f.name: getattr(self, f.name) for f in fields(self)}

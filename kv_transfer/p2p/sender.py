@@ -1,0 +1,187 @@
+"""Prefill side: one thread per decode worker that ships queued KV chunks over its link.
+
+The forward thread only gathers a layer's new tokens into a contiguous buffer and enqueues it
+(:meth:`PeerSender.submit`), so sending overlaps the rest of the prefill forward. The link is
+built on the first chunk, kept alive with keepalives, and torn down on any error; queued
+chunks of a broken link are dropped and reported, never retried into a stale staging entry.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from duet.kv_transfer.p2p import link as p2p_link
+from duet.kv_transfer.p2p.config import P2pConfig
+from duet.kv_transfer.p2p.stats import TransferStats
+from duet.kv_transfer.p2p.wire import Header, Kind
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Chunk:
+    """One layer's KV for tokens [start, start + n) of one transfer."""
+
+    header: Header
+    data: torch.Tensor
+    ready: torch.cuda.Event | None  # set when ``data`` was produced on a CUDA stream
+    last: bool  # the transfer's final chunk
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class PeerSender:
+    """Owns the link to one decode worker and a byte-bounded queue of chunks for it."""
+
+    def __init__(self, host: str, port: int, me: str, device: torch.device, cfg: P2pConfig, stats: TransferStats):
+        self.peer = f"{host}:{port}"
+        self._host, self._port, self._me = host, port, me
+        self._device = device
+        self._cfg = cfg
+        self._stats = stats
+        self._queue: collections.deque[Chunk] = collections.deque()
+        self._queued_bytes = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self._link: p2p_link.PeerLink | None = None
+        self._down_until = 0.0
+        self._failed_tids: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name=f"duet-p2p-send-{self.peer}", daemon=True)
+        self._thread.start()
+
+    def submit(self, chunk: Chunk) -> None:
+        """Queue a chunk; waits for queue space up to the link timeout, then drops the transfer."""
+        tid = chunk.header.tid
+        deadline = time.monotonic() + self._cfg.link_timeout_s
+        with self._cond:
+            while self._queued_bytes + chunk.nbytes > self._cfg.send_queue_bytes and self._queue:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop:
+                    self._drop(chunk, "send queue full")
+                    return
+                self._cond.wait(left)
+            if tid in self._failed_tids or time.monotonic() < self._down_until:
+                self._drop(chunk, "peer unreachable")
+                return
+            self._queue.append(chunk)
+            self._queued_bytes += chunk.nbytes
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread and tear the link down (the peer's receiver sees BYE or an error)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self._cfg.link_timeout_s)
+
+    def _drop(self, chunk: Chunk, reason: str) -> None:
+        """Fail the chunk's transfer once; later chunks of it are dropped until its last one."""
+        tid = chunk.header.tid
+        with self._cond:
+            if tid not in self._failed_tids:
+                self._stats.send_failed(tid, self.peer, reason)
+                self._failed_tids.add(tid)
+            if chunk.last:
+                self._failed_tids.discard(tid)
+
+    def _next(self) -> Chunk | None:
+        """The next chunk, or None when a keepalive is due (or on stop)."""
+        with self._cond:
+            if not self._queue and not self._stop:
+                self._cond.wait(self._cfg.keepalive_s)
+            if not self._queue:
+                return None
+            chunk = self._queue.popleft()
+            self._queued_bytes -= chunk.nbytes
+            self._cond.notify_all()
+            return chunk
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._next()
+            if chunk is None:
+                if self._stop:
+                    break
+                self._keepalive()
+                continue
+            self._send(chunk)
+        if self._link is not None:
+            try:
+                self._link.send_header(Header(Kind.BYE))
+            except RuntimeError:
+                pass  # the peer is gone already
+            self._link.close()
+
+    def _keepalive(self) -> None:
+        if self._link is None:
+            return
+        try:
+            self._link.send_header(Header(Kind.KEEPALIVE))
+        except RuntimeError as e:
+            self._broken(f"keepalive failed: {e}")
+
+    def _send(self, chunk: Chunk) -> None:
+        tid = chunk.header.tid
+        with self._cond:
+            failed = tid in self._failed_tids
+        if failed:
+            self._drop(chunk, "earlier chunk failed")
+            return
+        if self._link is None and not self._connect():
+            self._drop(chunk, "handshake failed")
+            return
+        assert self._link is not None
+        if chunk.ready is not None:
+            chunk.ready.synchronize()
+        start = time.monotonic()
+        try:
+            self._link.send_header(chunk.header)
+            self._link.send(chunk.data)
+        except RuntimeError as e:
+            self._drop(chunk, f"send failed: {e}")
+            self._broken(str(e))
+            return
+        self._stats.chunk_sent(tid, self.peer, chunk.nbytes, start, time.monotonic(), chunk.last)
+
+    def _connect(self) -> bool:
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            self._link = p2p_link.connect(
+                self._host,
+                self._port,
+                self._me,
+                self._device,
+                timedelta(seconds=self._cfg.connect_timeout_s),
+                timedelta(seconds=self._cfg.link_timeout_s),
+            )
+        except (RuntimeError, TimeoutError, OSError) as e:
+            logger.warning("p2p handshake with %s failed: %s", self.peer, e)
+            self._stats.count("handshake_failures")
+            self._down_until = time.monotonic() + self._cfg.reconnect_backoff_s
+            return False
+        self._stats.count("handshakes")
+        return True
+
+    def _broken(self, reason: str) -> None:
+        """Tear the link down and drop everything queued for it."""
+        logger.warning("p2p link to %s broke: %s", self.peer, reason)
+        self._stats.count("link_failures")
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        with self._cond:
+            dropped, self._queue = self._queue, collections.deque()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+        for chunk in dropped:
+            self._drop(chunk, "link broke")

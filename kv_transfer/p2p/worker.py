@@ -1,0 +1,189 @@
+"""Worker-side half of the connector: streams layers out (prefill) and fills blocks (decode).
+
+Prefill: ``save_kv_layer`` runs right after each attention layer wrote its KV; it copies the
+step's new tokens of that layer into a contiguous buffer and queues it for the peer's sender
+thread, so the transfer of layer i overlaps the compute of layers i+1.. and of later steps.
+
+Decode: the listener lands chunks in staging as they arrive; a decode request's load is
+registered in ``start_load_kv`` and finished in ``get_transfer_results`` once its staged KV is
+complete (copied into its blocks), failed, cancelled or past the transfer timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from duet.kv_transfer.p2p import kv_layout
+from duet.kv_transfer.p2p.config import P2pConfig
+from duet.kv_transfer.p2p.metadata import LoadSpec, P2pMetadata
+from duet.kv_transfer.p2p.receiver import Listener
+from duet.kv_transfer.p2p.sender import Chunk, PeerSender
+from duet.kv_transfer.p2p.staging import StagingArea
+from duet.kv_transfer.p2p.stats import TransferStats
+from duet.kv_transfer.p2p.wire import Header, Kind
+
+
+@dataclass
+class _PendingLoad:
+    spec: LoadSpec
+    started: float
+    deadline: float
+
+
+class P2pWorker:
+    """Per-worker state of the p2p connector."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, cfg: P2pConfig, is_producer: bool, is_consumer: bool, rank: int
+    ):
+        self._vllm_config = vllm_config
+        self._engine_id = engine_id
+        self._cfg = cfg
+        self._is_producer = is_producer
+        self._is_consumer = is_consumer
+        self._rank = rank
+        self._block_size = vllm_config.cache_config.block_size
+        self.stats = TransferStats()
+        self._layer_index: dict[str, int] = {}
+        self._device = torch.device("cpu")
+        self._senders: dict[tuple[str, int], PeerSender] = {}
+        self._listener: Listener | None = None
+        self._staging: StagingArea | None = None
+        self._pending: dict[str, _PendingLoad] = {}
+        self._cancelled: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Fix the layer order (both engines run the same model) and start the listener."""
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._device = next(iter(kv_caches.values())).device
+        if self._is_consumer:
+            self._staging = StagingArea(self._cfg.staging_bytes, self._cfg.lease_s, self._device)
+            self._listener = Listener(
+                self._cfg.host, self._cfg.port + self._rank, self._device, self._staging, self._cfg, self.stats
+            )
+
+    # -- prefill side ---------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: P2pMetadata) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not meta.saves:
+            return
+        for spec in meta.saves:
+            first, last = kv_layout.block_span(spec.start, spec.end, self._block_size)
+            data = kv_layout.gather(kv_layer, spec.block_ids[first:last])
+            ready = None
+            if data.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            header = Header(
+                Kind.KV,
+                tid=spec.tid,
+                layer=layer,
+                num_layers=len(self._layer_index),
+                start_block=first,
+                num_blocks=last - first,
+                tokens_end=spec.end,
+                total_tokens=spec.total_tokens,
+                block_shape=tuple(data.shape[1:]),
+                dtype=data.dtype,
+            )
+            last = spec.last and layer == len(self._layer_index) - 1
+            self._sender(spec.peer.host, spec.peer.port + self._rank).submit(Chunk(header, data, ready, last))
+
+    def wait_for_save(self, meta: P2pMetadata) -> None:
+        """Runs after the step's forward: stamps the forward end of transfers it completed."""
+        now = time.monotonic()
+        for spec in meta.saves:
+            if spec.last:
+                self.stats.forward_ended(spec.tid, f"{spec.peer.host}:{spec.peer.port + self._rank}", now)
+
+    def _sender(self, host: str, port: int) -> PeerSender:
+        key = (host, port)
+        sender = self._senders.get(key)
+        if sender is None:
+            me = f"{self._engine_id}/rank{self._rank}"
+            sender = self._senders[key] = PeerSender(host, port, me, self._device, self._cfg, self.stats)
+        return sender
+
+    # -- decode side ----------------------------------------------------------------------
+
+    def start_load_kv(self, meta: P2pMetadata) -> None:
+        if self._staging is None:
+            return
+        now = time.monotonic()
+        for spec in meta.loads:
+            deadline = now + self._cfg.transfer_timeout_s
+            self._pending[spec.req_id] = _PendingLoad(spec, now, deadline)
+            self._staging.extend(spec.tid, deadline)
+        for tid in meta.releases:
+            self._staging.release(tid)
+        self._cancelled.update(meta.cancels)
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        if self._staging is None:
+            return results
+        now = time.monotonic()
+        for entry in self._staging.expire(now):
+            self.stats.count("expired")
+            self.stats.received(entry.tid, entry.nbytes, now - entry.created, "lease expired")
+        for req_id, load in list(self._pending.items()):
+            outcome = self._try_finish(req_id, load, now)
+            if outcome is None:
+                continue
+            del self._pending[req_id]
+            results.finished_recving.add(req_id)
+            if outcome not in ("loaded", "cancelled"):
+                results.failed_recving.add(req_id)
+                self.stats.count("load_failures")
+        return results
+
+    def _try_finish(self, req_id: str, load: _PendingLoad, now: float) -> str | None:
+        """'loaded', 'cancelled', a failure reason, or None while the transfer is in flight."""
+        spec = load.spec
+        assert self._staging is not None
+        if req_id in self._cancelled:
+            self._cancelled.discard(req_id)
+            self._staging.release(spec.tid)
+            return "cancelled"
+        entry = self._staging.get(spec.tid)
+        if entry is not None and entry.failure is not None:
+            outcome = entry.failure
+        elif entry is not None and entry.complete:
+            outcome = self._copy_in(spec, entry.layers, entry.total_tokens)
+        elif now >= load.deadline:
+            outcome = "transfer timed out"
+        else:
+            return None
+        self._staging.release(spec.tid)
+        nbytes = entry.nbytes if entry is not None else 0
+        self.stats.received(spec.tid, nbytes, now - load.started, outcome)
+        if outcome == "loaded":
+            self.stats.count("loaded_transfers")
+        return outcome
+
+    def _copy_in(self, spec: LoadSpec, layers: list[torch.Tensor], total_tokens: int) -> str:
+        end = spec.start + spec.num_tokens
+        if end > total_tokens or len(layers) != len(self._layer_index):
+            return "staged KV does not match the request"
+        first, last = kv_layout.block_span(spec.start, end, self._block_size)
+        if len(spec.block_ids) < last:
+            return "too few blocks allocated"
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        for name, i in self._layer_index.items():
+            view = forward_context[name].kv_cache
+            kv_layout.scatter(view, spec.block_ids[first:last], layers[i][first:last])
+        return "loaded"
+
+    def shutdown(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

@@ -47,21 +47,28 @@ class PoolConfig(_Strict):
     """One pool of identical workers (prefill or decode)."""
 
     replicas: int = Field(default=1, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1)
+    pipeline_parallel: int = Field(default=1, ge=1)
     kv_cache_gib: float = Field(default=1.0, gt=0)
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=0.0, ge=0)
     # CPU only: the core each worker's forward pass is pinned to (replica i gets cpu_cores[i]).
     # vLLM would otherwise pin every engine to the machine's last core.
     cpu_cores: list[int] | None = None
+    # Cluster node (index into the Ray cluster's nodes, sorted by address) for each replica, as
+    # a placement plan assigns them; None lets Ray choose.
+    nodes: list[int] | None = None
     max_num_seqs: int = Field(default=64, ge=1)
 
     @model_validator(mode="after")
-    def _one_core_per_replica(self) -> "PoolConfig":
-        if self.cpu_cores is not None and len(self.cpu_cores) < self.replicas:
-            raise ValueError(
-                f"cpu_cores lists {len(self.cpu_cores)} cores for {self.replicas} replicas; "
-                "give one core per replica or leave it out"
-            )
+    def _one_entry_per_replica(self) -> "PoolConfig":
+        for name in ("cpu_cores", "nodes"):
+            listed = getattr(self, name)
+            if listed is not None and len(listed) < self.replicas:
+                raise ValueError(
+                    f"{name} lists {len(listed)} entries for {self.replicas} replicas; "
+                    "give one per replica or leave it out"
+                )
         return self
 
 

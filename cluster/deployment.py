@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.cluster.config import DuetConfig
 from duet.cluster.engine import resolve_model_path
@@ -78,10 +79,14 @@ class Deployment:
 
     def _create_workers(self, worker_class: type, pool: WorkerPool, pool_config: Any) -> None:
         actor_class = ray.remote(worker_class)
+        node_ids = _plan_node_ids(pool.role, pool_config.nodes)
 
         def create(index: int) -> Any:
+            options: dict[str, Any] = {}
+            if node_ids is not None:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_ids[index], soft=False)
             return actor_class.options(
-                num_cpus=pool_config.num_cpus, num_gpus=pool_config.num_gpus, max_concurrency=1000
+                num_cpus=pool_config.num_cpus, num_gpus=pool_config.num_gpus, max_concurrency=1000, **options
             ).remote(f"{pool.role}-{index}", self.config, index)
 
         async def restart(member: PoolMember) -> None:
@@ -115,6 +120,19 @@ class Deployment:
             except Exception:  # already dead: nothing to shut down
                 pass
             ray.kill(member.actor)
+
+
+def _plan_node_ids(role: str, nodes: list[int] | None) -> list[str] | None:
+    """Ray node ids for a plan's node indices (alive nodes sorted by address, as documented)."""
+    if nodes is None:
+        return None
+    alive = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+    missing = sorted({index for index in nodes if index >= len(alive)})
+    if missing:
+        raise WorkerStartError(
+            f"the {role} pool is placed on node(s) {missing}, but the Ray cluster has {len(alive)} node(s)"
+        )
+    return [alive[index]["NodeID"] for index in nodes]
 
 
 def _root_cause(error: BaseException) -> str:

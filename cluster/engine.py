@@ -30,6 +30,8 @@ def engine_kwargs(
     *,
     kv_cache_gib: float,
     max_num_seqs: int = 64,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
     kv_transfer_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.AsyncEngineArgs`` / ``vllm.LLM``."""
@@ -40,6 +42,8 @@ def engine_kwargs(
         "enforce_eager": model.enforce_eager,
         "seed": model.seed,
         "max_num_seqs": max_num_seqs,
+        "tensor_parallel_size": tensor_parallel,
+        "pipeline_parallel_size": pipeline_parallel,
         "kv_cache_memory_bytes": int(kv_cache_gib * _GIB),
         "disable_log_stats": False,  # the workers read vLLM's metrics for status and tests
     }

@@ -66,7 +66,9 @@ class EngineHost:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         transfer = self.config.kv_transfer
-        self._ports = reserve_ports(transfer.side_channel_host, transfer.side_channel_base_port)
+        # vLLM offsets each rank's side-channel port from the base: one port per rank.
+        ranks = self.pool.tensor_parallel * self.pool.pipeline_parallel
+        self._ports = reserve_ports(transfer.side_channel_host, transfer.side_channel_base_port, ranks)
         endpoint = TransferEndpoint(transfer.side_channel_host, self._ports.base_port)
         cores = self.pool.cpu_cores
         core = cores[self.replica_index] if cores and is_cpu_only() else None
@@ -79,6 +81,8 @@ class EngineHost:
             self.config.model,
             kv_cache_gib=self.pool.kv_cache_gib,
             max_num_seqs=self.pool.max_num_seqs,
+            tensor_parallel=self.pool.tensor_parallel,
+            pipeline_parallel=self.pool.pipeline_parallel,
             kv_transfer_config=kv_transfer_config(transfer, self.role),
         )
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

@@ -39,15 +39,20 @@ def _rpc_failure(error: grpc.RpcError, target: str) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from duet.cluster.config import ConfigError, load_config, parse_config
 
+    from duet.cluster.placement.plan import Plan, PlanError
+    from duet.cluster.plan_deploy import apply_plan
+
     try:
         config = load_config(args.config)
+        if args.plan:
+            config = apply_plan(config, Plan.load(args.plan))
         if args.model:
             model_dir = Path(args.model).expanduser().resolve()
             overrides = {"path": str(model_dir), "name": args.model_name or model_dir.name}
             data = config.model_dump()
             data["model"].update(overrides)
             config = parse_config(data, source="--model")
-    except ConfigError as error:
+    except (ConfigError, PlanError) as error:
         return _fail(str(error))
     return asyncio.run(_run_deployment(config, args.port))
 
@@ -173,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="start duet (local Ray, workers, gRPC server)")
     serve.add_argument("--config", help="deployment YAML (default: configs/local.yaml)")
+    serve.add_argument("--plan", help="deploy this placement plan (from `duet plan`) as is")
     serve.add_argument("--model", help="serve this local Hugging Face model directory instead")
     serve.add_argument("--model-name", help="name clients use for --model (default: its directory name)")
     serve.add_argument("--port", type=int, help="gRPC port (default: from the config, 50051)")

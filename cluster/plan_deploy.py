@@ -1,0 +1,50 @@
+"""Turn a placement plan (``duet plan``'s output) into the deployment config ``duet serve`` runs.
+
+The plan is deployed as written: pool sizes, parallelism, and each replica's node. On a CPU node
+the plan's "GPU" indices are core indices, so each replica's engine is pinned to the first core
+of its first stage; on GPU nodes Ray assigns the devices inside the node.
+"""
+
+from __future__ import annotations
+
+from duet.cluster.config import ConfigError, DuetConfig, parse_config
+from duet.cluster.placement.plan import Plan, Pool
+
+CPU_GPU_TYPES = ("cpu", "cpu-core")
+
+
+class PlanDeployError(ConfigError):
+    """A plan that cannot be deployed with this config; says what differs."""
+
+
+def _pool_overrides(pool: Pool) -> dict[str, object]:
+    first_stages = [replica.stages[0] for replica in pool.placement]
+    overrides: dict[str, object] = {
+        "replicas": pool.replicas,
+        "tensor_parallel": pool.tensor_parallel,
+        "pipeline_parallel": pool.pipeline_parallel,
+        "nodes": [stage.node for stage in first_stages],
+    }
+    if pool.gpu_type in CPU_GPU_TYPES:
+        overrides["cpu_cores"] = [stage.gpus[0] for stage in first_stages]
+        overrides["num_gpus"] = 0
+    else:
+        overrides["cpu_cores"] = None
+        overrides["num_gpus"] = pool.tensor_parallel * pool.pipeline_parallel
+    return overrides
+
+
+def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
+    """``config`` with its pools replaced by the plan's; the model names must agree."""
+    if plan.model != config.model.name:
+        raise PlanDeployError(
+            f"the plan is for model {plan.model!r} but the config serves {config.model.name!r}; "
+            "plan with the served model's name or pass the matching --config"
+        )
+    data = config.model_dump()
+    for role, pool in (("prefill", plan.prefill), ("decode", plan.decode)):
+        data[role].update(_pool_overrides(pool))
+    try:
+        return parse_config(data, source="plan")
+    except ConfigError as error:
+        raise PlanDeployError(str(error)) from None

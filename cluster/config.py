@@ -75,10 +75,17 @@ class PoolConfig(_Strict):
 class KVTransferConfig(_Strict):
     """How KV moves from prefill to decode workers."""
 
-    transport: Literal["nixl"] = "nixl"
+    # nixl: vLLM's NixlConnector (UCX; pull). nccl: duet's P2pConnector (torch.distributed
+    # send/recv, NCCL on GPUs and gloo on CPUs; pushes each layer during prefill).
+    transport: Literal["nixl", "nccl"] = "nixl"
     buffer_device: Literal["cpu", "cuda"] = "cpu"
     side_channel_host: str = "127.0.0.1"
     side_channel_base_port: int = Field(default=5600, ge=1024, le=65000)
+    # nccl: first port a decode worker tries for its receiver (one port per rank).
+    p2p_base_port: int = Field(default=18600, ge=1024, le=65000)
+    # Bound on a KV hand-off (from launching decode to its first tokens); past it the decode
+    # worker recomputes the prompt itself.
+    handoff_timeout_s: float = Field(default=30.0, gt=0)
     # NIXL's UCX progress thread busy-polls a whole core per engine; off is faster on CPU.
     nixl_progress_thread: bool = False
     load_failure_policy: Literal["recompute", "fail"] = "recompute"

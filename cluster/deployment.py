@@ -18,7 +18,8 @@ from duet.cluster.config import DuetConfig
 from duet.cluster.engine import resolve_model_path
 from duet.decode_worker.worker import DecodeWorker
 from duet.prefill_worker.worker import PrefillWorker
-from duet.router.lifecycle import RequestLifecycle
+from duet.kv_transfer.config import TRANSPORTS
+from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.server import DuetServicer, start_server
 from duet.router.status import ClusterView
@@ -66,8 +67,18 @@ class Deployment:
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(self.config.model)))
         self.cluster = ClusterView(self.config.model.name, self.config.kv_transfer.transport, [self.prefill, self.decode])
+        transfer = self.config.kv_transfer
+        lifecycle = RequestLifecycle(
+            self.prefill,
+            self.decode,
+            RetryPolicy(
+                worker_wait_s=self.config.server.worker_start_timeout_s,
+                transfer_timeout_s=transfer.handoff_timeout_s,
+            ),
+            decode_before_prefill=TRANSPORTS[transfer.transport].pushes_to_decode,
+        )
         self.servicer = DuetServicer(
-            RequestLifecycle(self.prefill, self.decode),
+            lifecycle,
             limits,
             tokenizer,
             self.cluster,
@@ -94,8 +105,8 @@ class Deployment:
             ray.kill(member.actor, no_restart=True)
             index = pool.members.index(member)
             replacement = create(index)
-            await asyncio.wait_for(replacement.start.remote(), self.config.server.worker_start_timeout_s)
-            member.actor = replacement
+            status = await asyncio.wait_for(replacement.start.remote(), self.config.server.worker_start_timeout_s)
+            member.actor, member.kv_endpoint = replacement, status.kv_endpoint
 
         pool.restart = restart
         for index in range(pool_config.replicas):
@@ -110,6 +121,8 @@ class Deployment:
         failures = [f"{m.name}: {_root_cause(r)}" for m, r in zip(members, results) if isinstance(r, BaseException)]
         if failures:
             raise WorkerStartError("workers failed to start:\n  " + "\n  ".join(failures))
+        for member, status in zip(members, results):
+            member.kv_endpoint = status.kv_endpoint
 
     async def stop(self) -> None:
         if self.server is not None:

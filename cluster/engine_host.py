@@ -16,7 +16,14 @@ from typing import Any, Iterator
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
 from duet.cluster.worker_api import WorkerStatus
-from duet.kv_transfer.config import Role, TransferEndpoint, engine_environment, kv_transfer_config
+from duet.kv_transfer.config import (
+    TRANSPORTS,
+    Role,
+    TransferEndpoint,
+    base_port,
+    engine_environment,
+    kv_transfer_config,
+)
 from duet.kv_transfer.ports import PortReservation, reserve_ports
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ class EngineHost:
         self._ports: PortReservation | None = None
         self._inflight: set[str] = set()
         self._served = 0
+        self.kv_endpoint = ""
 
     @property
     def pool(self) -> PoolConfig:
@@ -66,24 +74,26 @@ class EngineHost:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         transfer = self.config.kv_transfer
-        # vLLM offsets each rank's side-channel port from the base: one port per rank.
-        ranks = self.pool.tensor_parallel * self.pool.pipeline_parallel
-        self._ports = reserve_ports(transfer.side_channel_host, transfer.side_channel_base_port, ranks)
-        endpoint = TransferEndpoint(transfer.side_channel_host, self._ports.base_port)
+        endpoint = None
+        if self.role in TRANSPORTS[transfer.transport].listening_roles:
+            # vLLM offsets each rank's port from the base: one port per rank.
+            ranks = self.pool.tensor_parallel * self.pool.pipeline_parallel
+            self._ports = reserve_ports(transfer.side_channel_host, base_port(transfer), ranks)
+            endpoint = TransferEndpoint(transfer.side_channel_host, self._ports.base_port)
+            self.kv_endpoint = str(endpoint)
         cores = self.pool.cpu_cores
         core = cores[self.replica_index] if cores and is_cpu_only() else None
         env = engine_environment(transfer, endpoint, core)
         if is_cpu_only():
             env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
         apply_environment(env)
-        self.kv_endpoint = f"{endpoint.host}:{endpoint.port}"
         kwargs = engine_kwargs(
             self.config.model,
             kv_cache_gib=self.pool.kv_cache_gib,
             max_num_seqs=self.pool.max_num_seqs,
             tensor_parallel=self.pool.tensor_parallel,
             pipeline_parallel=self.pool.pipeline_parallel,
-            kv_transfer_config=kv_transfer_config(transfer, self.role),
+            kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint),
         )
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
@@ -124,7 +134,7 @@ class EngineHost:
             name=self.name,
             role=self.role,
             state=self._state,
-            kv_endpoint=getattr(self, "kv_endpoint", ""),
+            kv_endpoint=self.kv_endpoint,
             requests_served=self._served,
             requests_inflight=len(self._inflight),
             engine_unfinished=unfinished,

@@ -1,10 +1,17 @@
-"""vLLM KV-transfer settings for each worker role.
+"""vLLM KV-transfer settings for each worker role, for each transport duet supports.
 
 The engine sees KV transfer through two channels: ``kv_transfer_config`` (which connector, which
 role, where buffers live, what to do when a load fails) and environment variables that must be in
-place before vLLM spawns its engine processes (the side-channel address, and duet's own knobs read
-by :mod:`duet.kv_transfer.vllm_plugin`). This module builds both from duet's config so that the
-prefill and decode sides can never disagree.
+place before vLLM spawns its engine processes (NIXL's side-channel address, and duet's own knobs
+read by :mod:`duet.kv_transfer.vllm_plugin`). This module builds both from duet's config so that
+the prefill and decode sides can never disagree.
+
+Transports differ in one way the router must know (``Transport.pushes_to_decode``):
+- ``nixl`` (vLLM's NixlConnector) is pull-based: prefill keeps the KV and publishes where it is;
+  the decode worker, chosen after prefill, reads it.
+- ``nccl`` (duet's P2pConnector, torch.distributed send/recv: NCCL on GPUs, gloo on CPUs) is
+  push-based and streams each layer during prefill, so the decode worker is chosen first and its
+  address goes into the prefill request.
 """
 
 from __future__ import annotations
@@ -24,15 +31,52 @@ ENV_WORKER_CPU_CORE = "DUET_WORKER_CPU_CORE"
 
 
 @dataclass(frozen=True)
+class Transport:
+    name: str
+    # The decode worker must be chosen before prefill, and its address passed to prefill.
+    pushes_to_decode: bool
+    # Which role listens on a port (NIXL: both, for handshakes; p2p: the receiving decode side).
+    listening_roles: tuple[Role, ...]
+
+
+TRANSPORTS = {
+    "nixl": Transport("nixl", pushes_to_decode=False, listening_roles=("prefill", "decode")),
+    "nccl": Transport("nccl", pushes_to_decode=True, listening_roles=("decode",)),
+}
+
+
+@dataclass(frozen=True)
 class TransferEndpoint:
-    """Where a worker's KV side channel listens; reported in ``duet status``."""
+    """Where a worker's KV channel listens; reported in ``duet status``."""
 
     host: str
     port: int
 
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
 
-def kv_transfer_config(settings: KVTransferConfig, role: Role) -> dict[str, Any]:
+
+def base_port(settings: KVTransferConfig) -> int:
+    """First port a listening worker tries to reserve for its transport."""
+    return settings.side_channel_base_port if settings.transport == "nixl" else settings.p2p_base_port
+
+
+def kv_transfer_config(
+    settings: KVTransferConfig, role: Role, endpoint: TransferEndpoint | None
+) -> dict[str, Any]:
     """The ``kv_transfer_config`` dict for an engine of ``role``."""
+    if settings.transport == "nccl":
+        from duet.kv_transfer.p2p.config import P2pConfig
+        from duet.kv_transfer.p2p.params import kv_transfer_config as p2p_kv_transfer_config
+
+        listen = endpoint or TransferEndpoint(settings.side_channel_host, settings.p2p_base_port)
+        p2p = P2pConfig(
+            host=listen.host,
+            port=listen.port,
+            transfer_timeout_s=settings.handoff_timeout_s,
+            lease_s=float(settings.kv_lease_s),
+        )
+        return p2p_kv_transfer_config(_CONNECTOR_ROLE[role], p2p, kv_load_failure_policy=settings.load_failure_policy)
     return {
         "kv_connector": "NixlConnector",
         "kv_role": _CONNECTOR_ROLE[role],
@@ -43,14 +87,27 @@ def kv_transfer_config(settings: KVTransferConfig, role: Role) -> dict[str, Any]
 
 
 def engine_environment(
-    settings: KVTransferConfig, endpoint: TransferEndpoint, cpu_core: int | None
+    settings: KVTransferConfig, endpoint: TransferEndpoint | None, cpu_core: int | None
 ) -> dict[str, str]:
     """Environment a worker must set before it creates its engine."""
-    env = {
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": endpoint.host,
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(endpoint.port),
-        ENV_NIXL_PROGRESS_THREAD: "1" if settings.nixl_progress_thread else "0",
-    }
+    if settings.transport != "nixl":
+        return {}
+    env = {ENV_NIXL_PROGRESS_THREAD: "1" if settings.nixl_progress_thread else "0"}
+    if endpoint is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = endpoint.host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(endpoint.port)
     if cpu_core is not None:
         env[ENV_WORKER_CPU_CORE] = str(cpu_core)
     return env
+
+
+def prefill_request_params(settings: KVTransferConfig, decode_endpoint: str | None) -> dict[str, Any]:
+    """``kv_transfer_params`` that make a prefill request keep (nixl) or send (nccl) its KV."""
+    if settings.transport == "nccl":
+        from duet.kv_transfer.p2p.params import PeerAddress, prefill_request_params as p2p_params
+
+        if not decode_endpoint:
+            raise ValueError("the nccl transport needs the decode worker's address before prefill")
+        host, port = decode_endpoint.rsplit(":", 1)
+        return p2p_params(PeerAddress(host, int(port)))
+    return {"do_remote_decode": True}

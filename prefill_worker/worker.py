@@ -1,8 +1,9 @@
 """The prefill worker: a Ray actor whose vLLM engine is a KV producer.
 
-It runs the prompt, samples the first token, and keeps the prompt's KV blocks until a decode
-worker pulls them (or the lease expires). It returns the first token and the transfer
-parameters, nothing more: the decode side does everything after.
+It runs the prompt and samples the first token. With the nixl transport it keeps the prompt's
+KV blocks until a decode worker pulls them (or the lease expires); with nccl it streams each
+layer to the chosen decode worker while prefill runs. It returns the first token and the
+transfer parameters, nothing more: the decode side does everything after.
 """
 
 from __future__ import annotations
@@ -11,20 +12,28 @@ from typing import Any
 
 from duet.cluster.engine_host import EngineHost
 from duet.cluster.worker_api import PrefillResult, SamplingSpec
+from duet.kv_transfer.config import prefill_request_params
 
 
 class PrefillWorker(EngineHost):
     role = "prefill"
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        decode_endpoint: str | None = None,
     ) -> PrefillResult:
-        """Prefill ``prompt_token_ids``; KV stays here for the decode worker to pull."""
+        """Prefill ``prompt_token_ids``; its KV is kept for (nixl) or sent to (nccl) decode.
+
+        ``decode_endpoint`` names the decode worker for push transports, which stream the KV
+        to it while prefill runs.
+        """
         # Asking for remote decode only matters if a decode step will follow.
         wants_decode = sampling.max_tokens > 1
-        params = sampling.for_prefill().to_vllm(
-            kv_transfer_params={"do_remote_decode": True} if wants_decode else None
-        )
+        transfer = prefill_request_params(self.config.kv_transfer, decode_endpoint) if wants_decode else None
+        params = sampling.for_prefill().to_vllm(kv_transfer_params=transfer)
         final: Any = None
         with self._tracked(request_id):
             async for output in self.engine.generate(

@@ -118,10 +118,18 @@ class _Round:
 class RequestLifecycle:
     """Runs requests across a prefill pool and a decode pool."""
 
-    def __init__(self, prefill: WorkerPool, decode: WorkerPool, policy: RetryPolicy | None = None) -> None:
+    def __init__(
+        self,
+        prefill: WorkerPool,
+        decode: WorkerPool,
+        policy: RetryPolicy | None = None,
+        decode_before_prefill: bool = False,
+    ) -> None:
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.policy = policy or RetryPolicy()
+        # Push transports stream KV during prefill, so the decode worker is chosen first.
+        self.decode_before_prefill = decode_before_prefill
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
@@ -149,13 +157,17 @@ class RequestLifecycle:
         raise RequestFailed(f"gave up after {self.policy.max_attempts} attempts: {last_failure}")
 
     async def _run_round(self, round_: _Round) -> AsyncIterator[tuple[list[int], str, FinishReason | None]]:
+        decode_worker = None
+        if self.decode_before_prefill:
+            decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
         prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s)
         round_.prefill_worker = prefill_worker.name
-        result = await self._prefill(prefill_worker, round_)
+        result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if decode_worker else None)
         yield [result.first_token_id], result.first_text, result.finish_reason
         if result.finish_reason is not None:
             return
-        decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
+        if decode_worker is None:
+            decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
         round_.decode_worker = decode_worker.name
         chunks = self._decode(decode_worker, round_, result, result.kv_transfer_params)
         try:
@@ -176,9 +188,9 @@ class RequestLifecycle:
         finally:
             await chunks.aclose()  # runs the decode side's abort if the client left early
 
-    async def _prefill(self, worker: PoolMember, round_: _Round) -> PrefillResult:
+    async def _prefill(self, worker: PoolMember, round_: _Round, decode_endpoint: str | None) -> PrefillResult:
         worker.inflight += 1
-        ref = worker.actor.prefill.remote(round_.request_id, round_.prompt_token_ids, round_.sampling)
+        ref = worker.actor.prefill.remote(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
         try:
             return await ref
         except asyncio.CancelledError:

@@ -26,6 +26,7 @@ class PoolMember:
     name: str
     actor: Any  # a Ray ActorHandle
     state: str = "ready"  # ready | restarting | failed
+    kv_endpoint: str = ""  # where its KV transfer channel listens (host:port), once started
     inflight: int = 0
     restarts: int = 0
     error: str = ""

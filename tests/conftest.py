@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Iterator
+from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -41,18 +42,54 @@ def duet_config() -> DuetConfig:
 
 
 @pytest.fixture(scope="session")
-def deployment(duet_config: DuetConfig) -> Iterator[Any]:
-    from duet.cluster.deployment import Deployment, start_ray
+def ray_session() -> Iterator[None]:
+    """One local Ray for the whole run, shared by the deployment and the connector tests.
 
-    start_ray(duet_config)  # in the main thread, where Ray expects to be initialised
-    loop = BackgroundLoop()
-    running = loop.run(Deployment(duet_config).start(port=0), timeout=900)
-    yield running
-    loop.run(running.stop(), timeout=120)
-    loop.close()
+    Logical CPUs are generous because test engines coexist with the deployment's; the
+    connector tests' actor module (tests/kv_transfer/engine_actor.py) must be importable in
+    Ray's worker processes.
+    """
     import ray
 
+    from duet.cluster.deployment import RAY_NAMESPACE
+
+    actor_modules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kv_transfer")
+    pythonpath = os.pathsep.join(filter(None, [actor_modules, os.environ.get("PYTHONPATH")]))
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace=RAY_NAMESPACE,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+    )
+    yield
     ray.shutdown()
+
+
+@contextmanager
+def _running_deployment(config: DuetConfig) -> Iterator[Any]:
+    """A started Deployment on a free port, stopped on exit (workers killed, server closed)."""
+    from duet.cluster.deployment import Deployment
+
+    loop = BackgroundLoop()
+    running = loop.run(Deployment(config).start(port=0), timeout=900)
+    try:
+        yield running
+    finally:
+        loop.run(running.stop(), timeout=120)
+        loop.close()
+
+
+@pytest.fixture(scope="session")
+def running_deployment(ray_session: None) -> Callable[[DuetConfig], Any]:
+    """For tests that need a deployment with another config: ``with running_deployment(cfg) as d``."""
+    return _running_deployment
+
+
+@pytest.fixture(scope="session")
+def deployment(ray_session: None, duet_config: DuetConfig) -> Iterator[Any]:
+    with _running_deployment(duet_config) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")
@@ -97,9 +134,13 @@ def tokenizer(deployment: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model_path(deployment.config.model)))
 
 
-def worker_status(deployment: Any, role: str) -> Any:
+@pytest.fixture(scope="session")
+def worker_status(deployment: Any) -> Callable[[str], Any]:
     """A worker's own report (engine state, in-flight requests, vLLM metrics), straight from Ray."""
     import ray
 
-    pool = deployment.prefill if role == "prefill" else deployment.decode
-    return ray.get(pool.members[0].actor.status.remote())
+    def report(role: str) -> Any:
+        pool = deployment.prefill if role == "prefill" else deployment.decode
+        return ray.get(pool.members[0].actor.status.remote())
+
+    return report

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import worker_status
 
 from duet.router.client import build_request
 
@@ -47,11 +46,11 @@ def test_short_text_prompts_match_colocated(client, reference, tokenizer):
         assert last.usage.tpot_s > 0
 
 
-def test_long_prompts_match_colocated_and_kv_is_transferred(client, reference, deployment):
+def test_long_prompts_match_colocated_and_kv_is_transferred(client, reference, worker_status):
     prompts = [p for length in (1501, 1777, 2048) for p in _random_prompts(1, length, 700, seed=length)]
-    before = worker_status(deployment, "decode").engine_metrics
+    before = worker_status("decode").engine_metrics
     got = _disaggregated(client, prompts, max_tokens=24)
-    after = worker_status(deployment, "decode").engine_metrics
+    after = worker_status("decode").engine_metrics
     assert got == reference.greedy(prompts, max_tokens=24, ignore_eos=True)
     transferred = after.get(TRANSFERRED, 0) - before.get(TRANSFERRED, 0)
     computed = after.get(COMPUTED, 0) - before.get(COMPUTED, 0)

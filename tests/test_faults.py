@@ -12,7 +12,6 @@ import time
 from dataclasses import replace
 
 import ray
-from conftest import worker_status
 
 from duet.cluster.worker_api import SamplingSpec
 from duet.router.client import build_request
@@ -25,7 +24,7 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 700) for _ in range(length)]
 
 
-def test_prefill_killed_before_decode_pulls(client, deployment, reference):
+def test_prefill_killed_before_decode_pulls(client, deployment, reference, worker_status):
     """Decode recomputes the prompt (kv_load_failure_policy=recompute), then the router replaces the worker."""
     prompt = _prompt(700, seed=1)
     spec = SamplingSpec(max_tokens=16, ignore_eos=True)
@@ -35,7 +34,7 @@ def test_prefill_killed_before_decode_pulls(client, deployment, reference):
     ray.kill(prefill.actor, no_restart=True)
 
     decode = deployment.decode.members[0].actor
-    computed_before = worker_status(deployment, "decode").engine_metrics.get(COMPUTED, 0)
+    computed_before = worker_status("decode").engine_metrics.get(COMPUTED, 0)
     started = time.monotonic()
     stream = decode.generate.options(num_returns="streaming").remote(
         "fault-prefill", prompt, spec, result.kv_transfer_params, result.first_token_id, result.first_text
@@ -44,14 +43,14 @@ def test_prefill_killed_before_decode_pulls(client, deployment, reference):
     elapsed = time.monotonic() - started
     assert tokens == expected
     assert elapsed < 15, f"decode took {elapsed:.1f} s to give up on the dead prefill worker"
-    computed = worker_status(deployment, "decode").engine_metrics.get(COMPUTED, 0) - computed_before
+    computed = worker_status("decode").engine_metrics.get(COMPUTED, 0) - computed_before
     assert computed > 0, "decode claims it pulled KV from a dead worker"
 
     # The router finds the dead worker on the next request, replaces it, and serves the request.
     ids, last = client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True), timeout=600)
     assert ids == expected
     assert prefill.state == "ready" and prefill.restarts == 1
-    assert worker_status(deployment, "prefill").state == "ready"
+    assert worker_status("prefill").state == "ready"
 
 
 def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment, reference):
@@ -77,7 +76,7 @@ def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment,
     assert decode.restarts == restarts + 1 and decode.state == "ready"
 
 
-def test_transfer_timeout_falls_back_to_recompute(client, deployment, reference):
+def test_transfer_timeout_falls_back_to_recompute(client, deployment, reference, worker_status):
     lifecycle = deployment.servicer.lifecycle
     policy = lifecycle.policy
     lifecycle.policy = replace(policy, transfer_timeout_s=0.0)  # every hand-off exceeds it
@@ -92,7 +91,7 @@ def test_transfer_timeout_falls_back_to_recompute(client, deployment, reference)
     assert elapsed < 30
     for role in ("prefill", "decode"):
         deadline = time.monotonic() + 20
-        while (status := worker_status(deployment, role)).engine_unfinished or status.requests_inflight:
+        while (status := worker_status(role)).engine_unfinished or status.requests_inflight:
             assert time.monotonic() < deadline, f"{role} still holds the timed-out request"
             time.sleep(0.1)
     ids, _ = client.generate_ids(build_request("next one", max_tokens=4, ignore_eos=True), timeout=60)

@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import os
 import socket
+from collections.abc import Callable
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+@pytest.fixture(scope="session")
+def free_port() -> Callable[[], int]:
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick
 
 
 @pytest.fixture(scope="session")
-def ray_runtime():
-    import ray
-
-    here = os.path.dirname(os.path.abspath(__file__))  # actors import engine_actor from here
-    env = {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    yield
-    ray.shutdown()
+def ray_runtime(ray_session: None) -> None:
+    """The suite's shared Ray (tests/conftest.py), which can import engine_actor."""
 
 
 @pytest.fixture(scope="session")

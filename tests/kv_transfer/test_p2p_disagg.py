@@ -17,7 +17,6 @@ import ray
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.params import PeerAddress, kv_transfer_config, prefill_request_params
 
-from conftest import free_port
 from engine_actor import EngineActor
 
 MAX_TOKENS = 16
@@ -36,7 +35,7 @@ def prompt(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def engines(ray_runtime, tiny_model):
+def engines(ray_runtime, tiny_model, free_port):
     port = free_port()
     cfg = P2pConfig(port=port, transfer_timeout_s=5.0)
     prefill = EngineActor.remote(tiny_model, kv_transfer_config("kv_producer", cfg, engine_id="prefill-0"))
@@ -131,12 +130,11 @@ def _raw_gloo(rank: int, port: int, nbytes: int, out) -> None:
         out.put(sorted(times)[len(times) // 2])
 
 
-def raw_gloo_seconds(nbytes: int) -> float:
+def raw_gloo_seconds(nbytes: int, port: int) -> float:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
     procs = [ctx.Process(target=_raw_gloo, args=(r, port, nbytes, out)) for r in (1, 0)]
     for p in procs:
         p.start()
@@ -145,7 +143,7 @@ def raw_gloo_seconds(nbytes: int) -> float:
     return out.get(timeout=5)
 
 
-def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt):
+def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt, free_port):
     """The 4,000-token transfer starts before the prefill forward ends; report its bandwidth
     next to a raw gloo send/recv of the same bytes measured in the same run."""
     prefill, decode, peer = engines
@@ -156,7 +154,7 @@ def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt):
     (rec,) = [r for r in settled_stats(prefill, p)["connector"]["records"] if r["side"] == "send"]
     assert rec["failure"] is None and rec["chunks"] % 4 == 0  # one chunk per layer per step
     assert rec["send_start"] < rec["forward_end"]  # layer 0 left while later layers computed
-    raw_s = raw_gloo_seconds(rec["bytes"])
+    raw_s = raw_gloo_seconds(rec["bytes"], free_port())
     print(
         f"\n4000-token prompt: {rec['bytes'] / 2**20:.1f} MiB in {rec['chunks']} layer chunks, "
         f"first-to-last send {rec['duration_s'] * 1e3:.1f} ms, in send calls {rec['busy_s'] * 1e3:.1f} ms "
@@ -167,7 +165,7 @@ def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt):
     )
 
 
-def test_unreachable_decode_peer_recomputes(engines, prompt):
+def test_unreachable_decode_peer_recomputes(engines, prompt, free_port):
     """Prefill pointed at a port nobody listens on: the prefill still answers, the decode
     request's load fails after the transfer timeout and vLLM recomputes (policy "recompute")."""
     prefill, decode, _ = engines

@@ -92,6 +92,9 @@ class KVTransferConfig(_Strict):
     # Seconds a prefill worker keeps KV for a decode worker that never pulls it (the decode side
     # extends the lease by heartbeats while it is still waiting to pull).
     kv_lease_s: int = Field(default=30, ge=6)
+    # nccl: stream each layer's KV while prefill computes the next (False: send it all after
+    # the prefill, the baseline `duet bench transfer` compares against).
+    layerwise: bool = True
 
 
 class RayConfig(_Strict):
@@ -106,6 +109,9 @@ class ServerConfig(_Strict):
     port: int = Field(default=50051, ge=0, le=65535)
     # Admission limit: requests beyond it get RESOURCE_EXHAUSTED instead of queueing unbounded.
     max_inflight_requests: int = Field(default=128, ge=1)
+    # Prometheus endpoint (/metrics): request metrics and every worker's vLLM metrics.
+    # 0 picks a free port; null disables it.
+    metrics_port: int | None = Field(default=9400, ge=0, le=65535)
     worker_start_timeout_s: float = Field(default=600.0, gt=0)
 
 

@@ -20,6 +20,7 @@ from duet.decode_worker.worker import DecodeWorker
 from duet.prefill_worker.worker import PrefillWorker
 from duet.kv_transfer.config import TRANSPORTS
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
+from duet.router.metrics import start_metrics_server
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.server import DuetServicer, start_server
 from duet.router.status import ClusterView
@@ -54,6 +55,7 @@ class Deployment:
     port: int = 0
     cluster: ClusterView | None = None
     servicer: DuetServicer | None = None
+    _metrics_server: Any = None
 
     async def start(self, port: int | None = None) -> "Deployment":
         """Start workers and the gRPC server; ``port`` overrides the config (0 picks a free one)."""
@@ -67,6 +69,12 @@ class Deployment:
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(self.config.model)))
         self.cluster = ClusterView(self.config.model.name, self.config.kv_transfer.transport, [self.prefill, self.decode])
+        server_config = self.config.server
+        if server_config.metrics_port is not None:
+            self.cluster.metrics, metrics_port, self._metrics_server = start_metrics_server(
+                server_config.host, server_config.metrics_port, self.cluster.pools
+            )
+            self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         transfer = self.config.kv_transfer
         lifecycle = RequestLifecycle(
             self.prefill,
@@ -127,6 +135,8 @@ class Deployment:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop(grace=2)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         for member in self.prefill.members + self.decode.members:
             try:
                 await member.actor.shutdown.remote()

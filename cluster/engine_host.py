@@ -28,14 +28,8 @@ from duet.kv_transfer.ports import PortReservation, reserve_ports
 
 logger = logging.getLogger(__name__)
 
-# vLLM metrics a worker reports, by Prometheus sample name (labels flattened into the key).
-_REPORTED_METRICS = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:prompt_tokens_by_source_total",
-    "vllm:generation_tokens_total",
-)
+# Labels every sample of one engine shares; dropped when flattening for status reports.
+_ENGINE_LABELS = ("model_name", "engine")
 
 
 class EngineHost:
@@ -142,6 +136,13 @@ class EngineHost:
             engine_metrics=_read_engine_metrics(),
         )
 
+    def metrics_text(self) -> str:
+        """This worker's vLLM metrics in Prometheus text format (scraped through the router)."""
+        from prometheus_client import REGISTRY, generate_latest
+
+        lines = generate_latest(REGISTRY).decode().splitlines()
+        return "\n".join(line for line in lines if "vllm:" in line) + "\n"
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
@@ -152,17 +153,15 @@ class EngineHost:
 
 
 def _read_engine_metrics() -> dict[str, float]:
-    """vLLM's own Prometheus samples in this process, keyed ``name{label=value}``."""
+    """vLLM's own Prometheus samples in this process (no buckets), keyed ``name{label=value}``."""
     from prometheus_client import REGISTRY
 
     values: dict[str, float] = {}
     for family in REGISTRY.collect():
         for sample in family.samples:
-            if sample.name not in _REPORTED_METRICS:
+            if not sample.name.startswith("vllm:") or sample.name.endswith(("_bucket", "_created")):
                 continue
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "engine")
-            )
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in _ENGINE_LABELS)
             key = f"{sample.name}{{{labels}}}" if labels else sample.name
             values[key] = values.get(key, 0.0) + sample.value
     return values

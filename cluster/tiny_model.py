@@ -53,30 +53,38 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DUET_CACHE_DIR", Path.home() / ".cache" / "duet"))
 
 
-def tiny_model_dir() -> Path:
+def _llama_config(context: int | None) -> dict:
+    if context is None:
+        return _LLAMA_CONFIG
+    return {**_LLAMA_CONFIG, "max_position_embeddings": context}
+
+
+def tiny_model_dir(context: int | None = None) -> Path:
     """The cache path of the current recipe (the recipe is part of the name)."""
     recipe = json.dumps(
-        {"v": _RECIPE_VERSION, "seed": _SEED, "cfg": _LLAMA_CONFIG, "vocab": _TARGET_VOCAB_SIZE},
+        {"v": _RECIPE_VERSION, "seed": _SEED, "cfg": _llama_config(context), "vocab": _TARGET_VOCAB_SIZE},
         sort_keys=True,
     )
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     return cache_dir() / f"{TINY_MODEL_NAME}-{digest}"
 
 
-def ensure_tiny_model() -> Path:
+def ensure_tiny_model(context: int | None = None) -> Path:
     """Return the tiny model's directory, creating it on first use.
 
+    ``context`` overrides the maximum sequence length (4,096) for a long-context variant with
+    otherwise identical weights, used by the KV-transfer benchmark's 32k-token prompts.
     Creation writes to a temporary sibling directory and renames it into place, so concurrent
     callers (several Ray actors starting at once) never see a half-written model.
     """
-    target = tiny_model_dir()
+    target = tiny_model_dir(context)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_tokenizer(staging)
-        _write_model(staging)
+        _write_tokenizer(staging, _llama_config(context))
+        _write_model(staging, _llama_config(context))
         try:
             staging.rename(target)
         except OSError:
@@ -98,7 +106,7 @@ def _training_corpus() -> list[str]:
     return lines
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, llama_config: dict) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -118,12 +126,12 @@ def _write_tokenizer(out: Path) -> None:
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
-        model_max_length=_LLAMA_CONFIG["max_position_embeddings"],
+        model_max_length=llama_config["max_position_embeddings"],
     )
     fast.save_pretrained(out)
 
 
-def _write_model(out: Path) -> None:
+def _write_model(out: Path, llama_config: dict) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -133,7 +141,7 @@ def _write_model(out: Path) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         torch_dtype="float32",
-        **_LLAMA_CONFIG,
+        **llama_config,
     )
     torch.manual_seed(_SEED)
     model = LlamaForCausalLM(config).to(torch.float32)

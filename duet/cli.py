@@ -12,11 +12,15 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from duet.router.client import DEFAULT_TARGET, DuetClient, build_request
 from duet.router.proto import duet_api_pb2 as pb
+
+if TYPE_CHECKING:
+    from duet.cluster.config import DuetConfig
 
 USAGE_ERROR = 2
 
@@ -38,7 +42,6 @@ def _rpc_failure(error: grpc.RpcError, target: str) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from duet.cluster.config import ConfigError, load_config, parse_config
-
     from duet.cluster.placement.plan import Plan, PlanError
     from duet.cluster.plan_deploy import apply_plan
 
@@ -46,18 +49,21 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         if args.plan:
             config = apply_plan(config, Plan.load(args.plan))
+        data = config.model_dump()
         if args.model:
             model_dir = Path(args.model).expanduser().resolve()
-            overrides = {"path": str(model_dir), "name": args.model_name or model_dir.name}
-            data = config.model_dump()
-            data["model"].update(overrides)
-            config = parse_config(data, source="--model")
+            data["model"].update(path=str(model_dir), name=args.model_name or model_dir.name)
+        if args.port is not None:
+            data["server"]["port"] = args.port
+        if args.metrics_port is not None:
+            data["server"]["metrics_port"] = args.metrics_port
+        config = parse_config(data, source="command line")
     except (ConfigError, PlanError) as error:
         return _fail(str(error))
-    return asyncio.run(_run_deployment(config, args.port))
+    return asyncio.run(_run_deployment(config))
 
 
-async def _run_deployment(config, port: int | None) -> int:  # type: ignore[no-untyped-def]
+async def _run_deployment(config: "DuetConfig") -> int:
     from duet.cluster.deployment import Deployment, WorkerStartError
 
     deployment = Deployment(config)
@@ -67,11 +73,17 @@ async def _run_deployment(config, port: int | None) -> int:  # type: ignore[no-u
         flush=True,
     )
     try:
-        await deployment.start(port=port)
+        await deployment.start()
     except (WorkerStartError, OSError, TimeoutError) as error:
         await deployment.stop()
         return _fail(str(error))
-    print(f"duet: serving {config.model.name} on {config.server.host}:{deployment.port} (Ctrl-C stops)", flush=True)
+    metrics = deployment.cluster.metrics_endpoint if deployment.cluster else ""
+    print(
+        f"duet: serving {config.model.name} on {config.server.host}:{deployment.port}"
+        + (f", metrics on http://{metrics}/metrics" if metrics else "")
+        + " (Ctrl-C stops)",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -144,7 +156,10 @@ def _print_status(status: pb.ClusterStatus) -> None:
     from rich.table import Table
 
     table = Table(title=f"duet · {status.model} · KV transport {status.kv_transport}")
-    for column in ("pool", "worker", "state", "KV side channel", "served", "in flight", "KV used", "prompt tokens pulled / computed"):
+    for column in (
+        "pool", "worker", "state", "KV channel", "served", "in flight", "KV used",
+        "prompt tokens transferred / computed", "KV transfers (MiB, GiB/s, failed)",
+    ):
         table.add_column(column)
     for pool in status.pools:
         for worker in pool.workers:
@@ -159,13 +174,26 @@ def _print_status(status: pb.ClusterStatus) -> None:
                 str(worker.requests_inflight),
                 f"{worker.kv_cache_usage:.1%}",
                 f"{worker.prompt_tokens_transferred} / {worker.prompt_tokens_computed}",
+                _transfer_cell(worker),
             )
+    if status.metrics_endpoint:
+        table.caption = f"Prometheus: http://{status.metrics_endpoint}/metrics"
     # Piped output (scripts, CI logs) gets full rows instead of an 80-column squeeze.
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
     console.print(
         f"requests: {status.requests_served} served, {status.requests_inflight} in flight, "
         f"{status.requests_failed} failed"
+    )
+
+
+def _transfer_cell(worker: pb.WorkerState) -> str:
+    if not worker.kv_transfers and not worker.kv_transfer_failures:
+        return "-"
+    rate = worker.kv_transfer_bytes / worker.kv_transfer_seconds / 2**30 if worker.kv_transfer_seconds else 0.0
+    return (
+        f"{worker.kv_transfers} ({worker.kv_transfer_bytes / 2**20:.1f} MiB, {rate:.2f} GiB/s, "
+        f"{worker.kv_transfer_failures} failed)"
     )
 
 
@@ -181,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--plan", help="deploy this placement plan (from `duet plan`) as is")
     serve.add_argument("--model", help="serve this local Hugging Face model directory instead")
     serve.add_argument("--model-name", help="name clients use for --model (default: its directory name)")
-    serve.add_argument("--port", type=int, help="gRPC port (default: from the config, 50051)")
+    serve.add_argument("--port", type=int, help="gRPC port (default: from the config, 50051; 0 picks one)")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus port (default: from the config, 9400; 0 picks one)")
     serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", help="stream a completion from a running duet")

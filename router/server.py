@@ -82,10 +82,11 @@ class DuetServicer:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.cluster.inflight} requests in flight (limit {self.max_inflight}); retry later",
             )
-        self.cluster.inflight += 1
-        outcome = "failed"
+        self.cluster.admit()
+        outcome, usage = "failed", None
         try:
             async for event in self.lifecycle.run(validated):
+                usage = event.usage or usage
                 yield _response(validated.request_id, event)
             outcome = "served"
         except asyncio.CancelledError:
@@ -98,8 +99,7 @@ class DuetServicer:
             logger.exception("request %s failed", validated.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"request {validated.request_id} failed: {error}")
         finally:
-            self.cluster.inflight -= 1
-            self.cluster.count(outcome)
+            self.cluster.finish(outcome, usage)
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         return await self.cluster.status()

@@ -6,6 +6,9 @@ import asyncio
 from collections import Counter
 
 from duet.cluster.worker_api import WorkerStatus
+from duet.kv_transfer.metrics import transfer_totals
+from duet.router.lifecycle import Usage
+from duet.router.metrics import RouterMetrics
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.proto import duet_api_pb2 as pb
 
@@ -24,9 +27,26 @@ class ClusterView:
         self.pools = pools
         self.inflight = 0
         self.outcomes: Counter[str] = Counter()
+        self.metrics: RouterMetrics | None = None
+        self.metrics_endpoint = ""
 
-    def count(self, outcome: str) -> None:
+    def admit(self) -> None:
+        self.inflight += 1
+        if self.metrics:
+            self.metrics.inflight.inc()
+
+    def finish(self, outcome: str, usage: Usage | None) -> None:
+        """Count a request that left the router (served, failed or cancelled)."""
+        self.inflight -= 1
         self.outcomes[outcome] += 1
+        if self.metrics:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(outcome).inc()
+            if usage is not None:
+                self.metrics.ttft.observe(usage.ttft_s)
+                self.metrics.e2e.observe(usage.e2e_s)
+                if usage.completion_tokens > 1:
+                    self.metrics.tpot.observe(usage.tpot_s)
 
     async def status(self) -> pb.ClusterStatus:
         pools = await asyncio.gather(*(self._pool_status(pool) for pool in self.pools))
@@ -37,6 +57,7 @@ class ClusterView:
             requests_inflight=self.inflight,
             requests_failed=self.outcomes["failed"],
             kv_transport=self.transport,
+            metrics_endpoint=self.metrics_endpoint,
         )
 
     async def _pool_status(self, pool: WorkerPool) -> pb.Pool:
@@ -54,6 +75,7 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
             name=member.name, role=role, state="unreachable", error=f"{type(error).__name__}: {error}", restarts=member.restarts
         )
     metrics = status.engine_metrics
+    transfers = transfer_totals(metrics)
     return pb.WorkerState(
         name=status.name,
         role=status.role,
@@ -66,4 +88,8 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
         prompt_tokens_computed=int(metrics.get(_COMPUTED, 0)),
         error=status.error,
         restarts=member.restarts,
+        kv_transfers=transfers.transfers,
+        kv_transfer_bytes=transfers.bytes,
+        kv_transfer_seconds=transfers.seconds,
+        kv_transfer_failures=transfers.failures,
     )

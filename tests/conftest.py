@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from duet.cluster.config import DuetConfig, load_config
+from duet.cluster.config import DuetConfig, load_config, parse_config
 from duet.router.client import DuetClient
 
 
@@ -38,7 +38,10 @@ class BackgroundLoop:
 
 @pytest.fixture(scope="session")
 def duet_config() -> DuetConfig:
-    return load_config()
+    """The embedded default, with the metrics endpoint on a free port (several may run)."""
+    data = load_config().model_dump()
+    data["server"]["metrics_port"] = 0
+    return parse_config(data)
 
 
 @pytest.fixture(scope="session")

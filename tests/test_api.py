@@ -58,6 +58,32 @@ def test_status_reports_pools_and_requests(client):
     assert status.requests_served >= 1
 
 
+def test_status_reports_kv_transfers(client):
+    client.generate_ids(build_request(prompt_token_ids=list(range(5, 300)), max_tokens=3), timeout=60)
+    decode = next(pool.workers[0] for pool in client.status().pools if pool.role == "decode")
+    assert decode.kv_transfers >= 1 and decode.kv_transfer_bytes > 0 and decode.kv_transfer_seconds > 0
+
+
+def test_prometheus_endpoint_has_router_and_worker_metrics(client):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.generate_ids(build_request(prompt_token_ids=list(range(5, 300)), max_tokens=3), timeout=60)
+    endpoint = client.status().metrics_endpoint
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30).read().decode()
+    samples: dict[tuple[str, str | None], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, sample.labels.get("worker"))
+            samples[key] = samples.get(key, 0.0) + sample.value
+    assert samples[("duet_requests_total", None)] >= 1
+    assert samples[("duet_ttft_seconds_count", None)] >= 1
+    assert samples[("vllm:nixl_xfer_time_seconds_count", "decode-0")] >= 1
+    assert samples[("vllm:nixl_bytes_transferred_sum", "decode-0")] > 0
+    assert ("vllm:nixl_num_failed_transfers_total", "decode-0") in samples
+
+
 def test_health_service_reports_serving(deployment):
     with grpc.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -66,7 +66,7 @@ def test_serve_rejects_a_directory_that_is_not_a_model(tmp_path):
 @pytest.mark.timeout(600)
 def test_serve_starts_serves_and_stops_on_sigint(deployment):
     """The main job, end to end: `duet serve` as its own process (its own local Ray)."""
-    server = subprocess.Popen([DUET, "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         port = None
         deadline = time.monotonic() + 480

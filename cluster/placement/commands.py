@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from duet.cluster.placement.cluster_spec import ClusterSpec, ClusterSpecError
-from duet.cluster.placement.goodput import Deployment, SearchContext, max_rate, plan_deployment, simulate
+from duet.cluster.placement.goodput import Deployment, max_rate, plan_context, simulate
 from duet.cluster.placement.latency_model import LatencyModelError
 from duet.cluster.placement.models import UnknownModelError
 from duet.cluster.placement.optimizer import InfeasibleError, optimize
@@ -148,19 +148,11 @@ def _simulate(args: argparse.Namespace) -> int:
     rate = trace.mean_rate if args.rate is None else args.rate
     if not math.isfinite(rate):
         raise TraceError(f"trace {trace.name!r} has no arrival rate: give --rate")
-    models = {t: cluster.latency_model(t) for t in {plan.prefill.gpu_type, plan.decode.gpu_type}}
-    ctx = SearchContext(
-        trace=trace,
-        slo=slo,
-        models=models,
-        kv_bytes_per_token=cluster.model_spec.kv_bytes_per_token,
-        network_bytes_per_s=cluster.network_gbs * 1e9,
-        nvlink_bytes_per_s={},
-    )
-    runs = [("disaggregated plan", plan_deployment(plan, models), plan.gpus)]
+    ctx, planned = plan_context(cluster, plan, trace, slo)
+    runs = [("disaggregated plan", planned, plan.gpus)]
     if args.colocated_tp:
         tp = args.colocated_tp
-        engine = models[plan.prefill.gpu_type].engine(tp, 1)
+        engine = ctx.models[plan.prefill.gpu_type].engine(tp, 1)
         runs.append((f"colocated tp={tp}", Deployment((engine,) * (plan.gpus // tp), (), colocated=True), plan.gpus))
     print(f"trace {trace.name}: {len(trace)} requests at {rate:.3g} req/s; SLO {args.slo} @ {slo.attainment:.0%}")
     for name, dep, gpus in runs:

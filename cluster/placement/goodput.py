@@ -20,6 +20,7 @@ from typing import Literal
 
 import numpy as np
 
+from duet.cluster.placement.cluster_spec import ClusterSpec
 from duet.cluster.placement.latency_model import EnginePerf, LatencyModel
 from duet.cluster.placement.plan import Plan
 from duet.cluster.placement.simulator import (
@@ -238,3 +239,24 @@ def plan_deployment(plan: Plan, models: dict[str, LatencyModel]) -> Deployment:
         decode=(engine_d,) * plan.decode.replicas,
         transfer_bytes_per_s=plan.kv_transfer.bandwidth_gbs * 1e9,
     )
+
+
+def plan_context(
+    cluster: ClusterSpec, plan: Plan, trace: Trace, slo: Slo, sim: SimConfig = SimConfig()
+) -> tuple[SearchContext, Deployment]:
+    """What simulating ``plan`` as written on ``trace`` needs: its latency models, link, engines.
+
+    ``duet simulate`` and the fidelity benchmark both predict a plan this way, so a measured run
+    is compared with exactly what the command line would have said.
+    """
+    models = {t: cluster.latency_model(t) for t in {plan.prefill.gpu_type, plan.decode.gpu_type}}
+    ctx = SearchContext(
+        trace=trace,
+        slo=slo,
+        models=models,
+        kv_bytes_per_token=cluster.model_spec.kv_bytes_per_token,
+        network_bytes_per_s=cluster.network_gbs * 1e9,
+        nvlink_bytes_per_s={},
+        sim=sim,
+    )
+    return ctx, plan_deployment(plan, models)

@@ -22,6 +22,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.metadata import P2pMetadata
+from duet.kv_transfer.p2p.prom import P2pPromMetrics
 from duet.kv_transfer.p2p.scheduler import P2pScheduler
 from duet.kv_transfer.p2p.stats import P2pKVConnectorStats
 from duet.kv_transfer.p2p.worker import P2pWorker
@@ -141,6 +142,12 @@ class P2pConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return P2pKVConnectorStats(data=data) if data is not None else P2pKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
+    ) -> P2pPromMetrics:
+        return P2pPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -103,7 +103,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts")
+    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,10 @@ class WorkerState(_message.Message):
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -126,7 +130,11 @@ class WorkerState(_message.Message):
     prompt_tokens_computed: int
     error: str
     restarts: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
+    kv_transfers: int
+    kv_transfer_bytes: float
+    kv_transfer_seconds: float
+    kv_transfer_failures: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("role", "workers")
@@ -137,17 +145,19 @@ class Pool(_message.Message):
     def __init__(self, role: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport")
+    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     requests_served: int
     requests_inflight: int
     requests_failed: int
     kv_transport: str
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    metrics_endpoint: str
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ...) -> None: ...

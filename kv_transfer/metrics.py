@@ -1,0 +1,47 @@
+"""Transfer totals read from a worker's vLLM metrics, the same way for every transport.
+
+NixlConnector records ``vllm:nixl_*`` metrics (on the decode side, which reads the KV); duet's
+p2p connector records ``vllm:p2p_*`` (both sides, labelled by direction). Both are Prometheus
+histograms of per-transfer duration and bytes plus a failure counter, so one summary serves
+``duet status`` and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# transport prefix -> (duration histogram, bytes histogram, failure counters)
+_SOURCES = {
+    "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred", ("vllm:nixl_num_failed_transfers_total",)),
+    "p2p": ("vllm:p2p_xfer_time_seconds", "vllm:p2p_bytes_transferred", ("vllm:p2p_num_failed_transfers_total",)),
+}
+NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+
+
+@dataclass(frozen=True)
+class TransferTotals:
+    transfers: int = 0
+    bytes: float = 0.0
+    seconds: float = 0.0
+    failures: int = 0
+
+    @property
+    def gib_per_s(self) -> float:
+        """Mean bandwidth over the transfers' own durations."""
+        return self.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
+
+
+def _total(metrics: dict[str, float], name: str) -> float:
+    """Sum a sample over all its label sets (keys look like ``name`` or ``name{a=b}``)."""
+    return sum(value for key, value in metrics.items() if key == name or key.startswith(name + "{"))
+
+
+def transfer_totals(metrics: dict[str, float]) -> TransferTotals:
+    """Totals since the worker started, from its flattened vLLM metrics."""
+    transfers = nbytes = seconds = failures = 0.0
+    for duration, size, failure_counters in _SOURCES.values():
+        transfers += _total(metrics, f"{duration}_count")
+        seconds += _total(metrics, f"{duration}_sum")
+        nbytes += _total(metrics, f"{size}_sum")
+        failures += sum(_total(metrics, counter) for counter in failure_counters)
+    return TransferTotals(int(transfers), nbytes, seconds, int(failures))

@@ -1,0 +1,70 @@
+"""duet's Prometheus endpoint: the router's request metrics plus every worker's vLLM metrics.
+
+One scrape target per deployment: request outcomes and latencies as the client sees them
+(``duet_*``), and each worker's engine and KV-transfer metrics (``vllm:*``, including
+``vllm:nixl_*`` / ``vllm:p2p_*`` per-transfer duration, bytes and failures) fetched from the
+worker actors at scrape time and labelled with ``worker`` and ``role``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import ray
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from duet.router.pools import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_SCRAPE_TIMEOUT_S = 5.0
+
+
+class RouterMetrics:
+    """Request-level metrics, recorded by the gRPC servicer."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("duet_requests", "Finished requests by outcome.", ["outcome"], registry=registry)
+        self.inflight = Gauge("duet_requests_inflight", "Requests being served.", registry=registry)
+        self.ttft = Histogram("duet_ttft_seconds", "Time to first token at the router.", buckets=_LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first.", buckets=_LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("duet_e2e_seconds", "Request latency, arrival to last token.", buckets=_LATENCY_BUCKETS, registry=registry)
+
+
+class WorkerMetricsCollector(Collector):
+    """Fetches each ready worker's vLLM metrics when Prometheus scrapes."""
+
+    def __init__(self, pools: list[WorkerPool]) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for pool in self.pools:
+            for member in pool.members:
+                if member.state != "ready":
+                    continue
+                try:
+                    text = ray.get(member.actor.metrics_text.remote(), timeout=_SCRAPE_TIMEOUT_S)
+                except Exception as error:  # a dying worker must not break the scrape
+                    logger.debug("no metrics from %s: %s", member.name, error)
+                    continue
+                for family in text_string_to_metric_families(text):
+                    target = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                    for sample in family.samples:
+                        labels = {**sample.labels, "worker": member.name, "role": pool.role}
+                        target.add_sample(sample.name, labels, sample.value, sample.timestamp)
+        yield from merged.values()
+
+
+def start_metrics_server(host: str, port: int, pools: list[WorkerPool]) -> tuple[RouterMetrics, int, object]:
+    """Serve ``/metrics``; returns the router metrics, the bound port and the server."""
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    registry.register(WorkerMetricsCollector(pools))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return metrics, server.server_port, server

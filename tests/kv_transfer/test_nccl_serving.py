@@ -76,6 +76,8 @@ def test_status_names_the_transport_and_receiver(nccl_client):
     roles = {pool.role: pool.workers[0] for pool in status.pools}
     assert roles["decode"].kv_endpoint.startswith("127.0.0.1:")
     assert roles["prefill"].kv_endpoint == ""  # push transport: only the receiving side listens
+    # The p2p connector's per-transfer metrics reach status (earlier tests in this module moved KV).
+    assert roles["decode"].kv_transfers >= 1 and roles["decode"].kv_transfer_bytes > 0
 
 
 def test_decode_killed_during_handoff_resumes(nccl_client, nccl_deployment, reference):

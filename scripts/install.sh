@@ -19,7 +19,6 @@ fi
 [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
-pip install --upgrade pip
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   pip install torch==2.13.0 vllm==0.32.0          # CUDA builds on GPU machines
 else

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from duet.cluster.config import DuetConfig
 from duet.cluster.engine import resolve_model_path
 from duet.decode_worker.worker import DecodeWorker
+from duet.kv_transfer.ports import is_bindable
 from duet.prefill_worker.worker import PrefillWorker
 from duet.kv_transfer.config import TRANSPORTS
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
@@ -33,6 +34,17 @@ RAY_NAMESPACE = "duet"
 
 class WorkerStartError(RuntimeError):
     """A worker's engine could not start; the message names the worker and the cause."""
+
+
+class PortInUseError(OSError):
+    """A port duet must listen on is taken; the message names it and the setting to change."""
+
+
+def _port_in_use(what: str, host: str, port: int, flag: str) -> str:
+    return (
+        f"cannot listen on {host}:{port} for {what}: the address is in use (another duet server?); "
+        f"choose another port with {flag} (0 picks a free one)"
+    )
 
 
 def start_ray(config: DuetConfig) -> None:
@@ -58,7 +70,26 @@ class Deployment:
     _metrics_server: Any = None
 
     async def start(self, port: int | None = None) -> "Deployment":
-        """Start workers and the gRPC server; ``port`` overrides the config (0 picks a free one)."""
+        """Start workers and the gRPC server; ``port`` overrides the config (0 picks a free one).
+
+        Both listening ports are claimed before any worker starts, so a port already in use
+        fails in a second with its name, not after a minute of engine start-up.
+        """
+        server_config = self.config.server
+        bind_port = server_config.port if port is None else port
+        if bind_port and not is_bindable(server_config.host, bind_port):
+            raise PortInUseError(_port_in_use("gRPC", server_config.host, bind_port, "--port"))
+        self.cluster = ClusterView(self.config.model.name, self.config.kv_transfer.transport, [self.prefill, self.decode])
+        if server_config.metrics_port is not None:
+            try:
+                self.cluster.metrics, metrics_port, self._metrics_server = start_metrics_server(
+                    server_config.host, server_config.metrics_port, self.cluster.pools
+                )
+            except OSError:
+                raise PortInUseError(
+                    _port_in_use("metrics", server_config.host, server_config.metrics_port, "--metrics-port")
+                ) from None
+            self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         start_ray(self.config)
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
         self._create_workers(PrefillWorker, self.prefill, self.config.prefill)
@@ -68,32 +99,15 @@ class Deployment:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(self.config.model)))
-        self.cluster = ClusterView(self.config.model.name, self.config.kv_transfer.transport, [self.prefill, self.decode])
-        server_config = self.config.server
-        if server_config.metrics_port is not None:
-            self.cluster.metrics, metrics_port, self._metrics_server = start_metrics_server(
-                server_config.host, server_config.metrics_port, self.cluster.pools
-            )
-            self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         transfer = self.config.kv_transfer
         lifecycle = RequestLifecycle(
             self.prefill,
             self.decode,
-            RetryPolicy(
-                worker_wait_s=self.config.server.worker_start_timeout_s,
-                transfer_timeout_s=transfer.handoff_timeout_s,
-            ),
+            RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
             decode_before_prefill=TRANSPORTS[transfer.transport].pushes_to_decode,
         )
-        self.servicer = DuetServicer(
-            lifecycle,
-            limits,
-            tokenizer,
-            self.cluster,
-            self.config.server.max_inflight_requests,
-        )
-        bind_port = self.config.server.port if port is None else port
-        self.server, self.port = await start_server(self.servicer, self.config.server.host, bind_port)
+        self.servicer = DuetServicer(lifecycle, limits, tokenizer, self.cluster, server_config.max_inflight_requests)
+        self.server, self.port = await start_server(self.servicer, server_config.host, bind_port)
         return self
 
     def _create_workers(self, worker_class: type, pool: WorkerPool, pool_config: Any) -> None:

@@ -40,7 +40,8 @@ class PortReservation:
         self._locks.clear()
 
 
-def _is_bindable(host: str, port: int) -> bool:
+def is_bindable(host: str, port: int) -> bool:
+    """Whether nothing else listens on ``host:port`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -74,7 +75,7 @@ def reserve_ports(host: str, start: int, count: int = 1) -> PortReservation:
         locks: list[IO[bytes]] = []
         for port in range(base, base + count):
             handle = _try_lock(port)
-            if handle is None or not _is_bindable(host, port):
+            if handle is None or not is_bindable(host, port):
                 if handle is not None:
                     handle.close()
                 break

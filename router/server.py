@@ -133,7 +133,8 @@ def _generic_handler(servicer: DuetServicer) -> grpc.GenericRpcHandler:
 
 async def start_server(servicer: DuetServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (``port=0`` picks a free one)."""
-    server = grpc.aio.server()
+    # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_generic_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

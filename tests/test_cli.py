@@ -63,6 +63,14 @@ def test_serve_rejects_a_directory_that_is_not_a_model(tmp_path):
     assert "model.path" in result.stderr and "not a Hugging Face model directory" in result.stderr
 
 
+def test_serve_on_a_taken_port_fails_fast_naming_it(deployment):
+    started = time.monotonic()
+    result = _duet("serve", "--port", str(deployment.port), "--metrics-port", "0", timeout=120)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{deployment.port} for gRPC" in result.stderr and "--port" in result.stderr
+    assert time.monotonic() - started < 60, "duet started its workers before finding the port taken"
+
+
 @pytest.mark.timeout(600)
 def test_serve_starts_serves_and_stops_on_sigint(deployment):
     """The main job, end to end: `duet serve` as its own process (its own local Ray)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from duet.cluster.yaml_config import read_yaml, validate_mapping
 
 BUILTIN_MODEL = "builtin"
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
@@ -124,38 +125,12 @@ class DuetConfig(_Strict):
     server: ServerConfig = ServerConfig()
 
 
-def _format_errors(error: ValidationError) -> str:
-    lines = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown field (check the spelling)"
-        lines.append(f"  {where}: {message}")
-    return "\n".join(lines)
-
-
 def parse_config(data: object, source: str = "config") -> DuetConfig:
     """Validate an already-parsed mapping; raise ConfigError naming every bad field."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        return DuetConfig.model_validate(data)
-    except ValidationError as error:
-        raise ConfigError(f"{source} is invalid:\n{_format_errors(error)}") from None
+    return validate_mapping(DuetConfig, data, source, ConfigError)
 
 
 def load_config(path: str | Path | None = None) -> DuetConfig:
     """Load and validate a YAML config; the embedded default when ``path`` is None."""
     path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from None
-    return parse_config(data, source=str(path))
+    return parse_config(read_yaml(path, "config", ConfigError), source=str(path))

@@ -26,8 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from duet.cluster.placement.latency_model import (
     GpuPerfSpec,
@@ -37,6 +36,7 @@ from duet.cluster.placement.latency_model import (
     roofline_model,
 )
 from duet.cluster.placement.models import ModelSpec, UnknownModelError, get_model
+from duet.cluster.yaml_config import read_yaml, validate_mapping
 
 _REPO = Path(__file__).resolve().parents[2]
 _BUILTIN_PROFILES = {"distserve": "distserve", "distserve-vllm": "vllm"}
@@ -168,25 +168,6 @@ class ClusterSpec(BaseModel):
     @classmethod
     def load(cls, path: Path) -> ClusterSpec:
         path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise ClusterSpecError(f"cannot read cluster config {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ClusterSpecError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ClusterSpecError(f"{path}: expected a mapping at the top level")
-        try:
-            return cls.model_validate({**data, "base_dir": path.parent})
-        except ValidationError as exc:
-            raise ClusterSpecError(f"{path}: {format_validation_error(exc)}") from None
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem, each starting with the dotted field path."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{loc}: {msg}")
-    return "; ".join(lines)
+        data = read_yaml(path, "cluster config", ClusterSpecError)
+        base = {"base_dir": path.parent}
+        return validate_mapping(cls, data, str(path), ClusterSpecError, extra=base)

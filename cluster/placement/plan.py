@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from duet.cluster.placement.cluster_spec import ClusterSpec, format_validation_error
+from duet.cluster.placement.cluster_spec import ClusterSpec
+from duet.cluster.yaml_config import read_yaml, validate_mapping
 
 
 class PlanError(ValueError):
@@ -153,17 +154,7 @@ class Plan(_Strict):
 
     @classmethod
     def load(cls, path: Path) -> Plan:
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise PlanError(f"cannot read plan {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise PlanError(f"{path}: not valid YAML: {exc}") from None
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise PlanError(f"{path}: {format_validation_error(exc)}") from None
+        return validate_mapping(cls, read_yaml(Path(path), "plan", PlanError), str(path), PlanError)
 
 
 def validate_against(plan: Plan, cluster: ClusterSpec) -> None:

@@ -147,3 +147,33 @@ def worker_status(deployment: Any) -> Callable[[str], Any]:
         return ray.get(pool.members[0].actor.status.remote())
 
     return report
+
+
+def _stream_killing_worker(client: DuetClient, request: Any, member: Any) -> list[int]:
+    """Stream ``request`` and kill ``member``'s actor the moment the first token arrives.
+
+    The first token comes from prefill, so the kill lands while the KV hand-off to the decode
+    worker is under way. Returns every token the client received.
+    """
+    import ray
+
+    received: list[int] = []
+    first_token = threading.Event()
+
+    def consume() -> None:
+        for message in client.generate(request, timeout=600):
+            received.extend(message.token_ids)
+            first_token.set()
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert first_token.wait(120), "prefill never produced the first token"
+    ray.kill(member.actor, no_restart=True)
+    consumer.join(600)
+    assert not consumer.is_alive(), "the stream did not finish after the worker died"
+    return received
+
+
+@pytest.fixture(scope="session")
+def stream_killing_worker() -> Callable[[DuetClient, Any, Any], list[int]]:
+    return _stream_killing_worker

@@ -7,7 +7,6 @@ and engine), so the tests that follow still have a full deployment.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from dataclasses import replace
 
@@ -53,25 +52,13 @@ def test_prefill_killed_before_decode_pulls(client, deployment, reference, worke
     assert worker_status("prefill").state == "ready"
 
 
-def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment, reference):
+def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment, reference, stream_killing_worker):
     prompt = _prompt(4000, seed=2)
-    expected = reference.greedy([prompt], max_tokens=24, ignore_eos=True)[0]
     decode = deployment.decode.members[0]
     restarts = decode.restarts
-    received: list[int] = []
-    first_token = threading.Event()
-
-    def consume() -> None:
-        for message in client.generate(build_request(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True), timeout=600):
-            received.extend(message.token_ids)
-            first_token.set()
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    assert first_token.wait(120), "prefill never produced the first token"
-    ray.kill(decode.actor, no_restart=True)  # the hand-off to this worker is under way
-    consumer.join(600)
-    assert not consumer.is_alive()
+    request = build_request(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True)
+    received = stream_killing_worker(client, request, decode)
+    expected = reference.greedy([prompt], max_tokens=24, ignore_eos=True)[0]
     assert received == expected, "the resumed stream differs from an uninterrupted one"
     assert decode.restarts == restarts + 1 and decode.state == "ready"
 

@@ -8,7 +8,6 @@ decode worker is chosen first), and survive a decode worker dying during the han
 from __future__ import annotations
 
 import random
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -80,22 +79,11 @@ def test_status_names_the_transport_and_receiver(nccl_client):
     assert roles["decode"].kv_transfers >= 1 and roles["decode"].kv_transfer_bytes > 0
 
 
-def test_decode_killed_during_handoff_resumes(nccl_client, nccl_deployment, reference):
+def test_decode_killed_during_handoff_resumes(nccl_client, nccl_deployment, reference, stream_killing_worker):
     prompt = _prompt(3000, seed=5)
     decode = nccl_deployment.decode.members[0]
-    received: list[int] = []
-    first = threading.Event()
-
-    def consume() -> None:
-        for message in nccl_client.generate(build_request(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True), timeout=600):
-            received.extend(message.token_ids)
-            first.set()
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    assert first.wait(120)
-    ray.kill(decode.actor, no_restart=True)
-    consumer.join(600)
+    request = build_request(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True)
+    received = stream_killing_worker(nccl_client, request, decode)
     assert received == reference.greedy([prompt], max_tokens=16, ignore_eos=True)[0]
     assert decode.restarts == 1 and decode.state == "ready"
     ids, _ = nccl_client.generate_ids(build_request("after the restart", max_tokens=4, ignore_eos=True), timeout=120)

@@ -232,9 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(handler=_status)
 
-    from duet.cluster.placement.commands import register_commands
+    from duet.benchmarks.kv_transfer import register_commands as register_bench
+    from duet.cluster.placement.commands import register_commands as register_planning
 
-    register_commands(commands)  # plan, simulate, profile
+    register_planning(commands)  # plan, simulate, profile
+    register_bench(commands)  # bench transfer
     return parser
 
 

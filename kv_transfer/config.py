@@ -75,6 +75,7 @@ def kv_transfer_config(
             port=listen.port,
             transfer_timeout_s=settings.handoff_timeout_s,
             lease_s=float(settings.kv_lease_s),
+            layerwise=settings.layerwise,
         )
         return p2p_kv_transfer_config(_CONNECTOR_ROLE[role], p2p, kv_load_failure_policy=settings.load_failure_policy)
     return {

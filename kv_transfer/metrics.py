@@ -31,7 +31,7 @@ class TransferTotals:
         return self.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
 
 
-def _total(metrics: dict[str, float], name: str) -> float:
+def metric_total(metrics: dict[str, float], name: str) -> float:
     """Sum a sample over all its label sets (keys look like ``name`` or ``name{a=b}``)."""
     return sum(value for key, value in metrics.items() if key == name or key.startswith(name + "{"))
 
@@ -40,8 +40,8 @@ def transfer_totals(metrics: dict[str, float]) -> TransferTotals:
     """Totals since the worker started, from its flattened vLLM metrics."""
     transfers = nbytes = seconds = failures = 0.0
     for duration, size, failure_counters in _SOURCES.values():
-        transfers += _total(metrics, f"{duration}_count")
-        seconds += _total(metrics, f"{duration}_sum")
-        nbytes += _total(metrics, f"{size}_sum")
-        failures += sum(_total(metrics, counter) for counter in failure_counters)
+        transfers += metric_total(metrics, f"{duration}_count")
+        seconds += metric_total(metrics, f"{duration}_sum")
+        nbytes += metric_total(metrics, f"{size}_sum")
+        failures += sum(metric_total(metrics, counter) for counter in failure_counters)
     return TransferTotals(int(transfers), nbytes, seconds, int(failures))

@@ -35,6 +35,10 @@ class P2pConfig:
     keepalive_s: float = 2.0
     # Prefill side: after a failed handshake, chunks for that peer are dropped for this long.
     reconnect_backoff_s: float = 1.0
+    # Prefill side: stream each layer as soon as it is computed (True), or send the whole
+    # prompt's KV only after its last prefill step (False; the baseline that shows what
+    # streaming hides).
+    layerwise: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> P2pConfig:
@@ -44,9 +48,16 @@ class P2pConfig:
         for f in fields(cls):
             key = EXTRA_KEY_PREFIX + f.name
             if key in extra:
-                values[f.name] = type(getattr(cls, f.name))(extra[key])
+                values[f.name] = _convert(getattr(cls, f.name), extra[key])
         return cls(**values)
 
     def to_extra_config(self) -> dict[str, Any]:
         """The inverse of :meth:`from_extra_config`."""
         return {EXTRA_KEY_PREFIX + f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _convert(default: Any, value: Any) -> Any:
+    """``value`` as the type of ``default``; a string flag is parsed, since ``bool("false")`` is True."""
+    if isinstance(default, bool) and isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return type(default)(value)

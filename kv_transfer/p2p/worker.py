@@ -3,6 +3,8 @@
 Prefill: ``save_kv_layer`` runs right after each attention layer wrote its KV; it copies the
 step's new tokens of that layer into a contiguous buffer and queues it for the peer's sender
 thread, so the transfer of layer i overlaps the compute of layers i+1.. and of later steps.
+With ``layerwise`` off, ``wait_for_save`` of a request's last prefill step queues all of its
+KV at once instead (the send-after-prefill baseline the benchmark compares against).
 
 Decode: the listener lands chunks in staging as they arrive; a decode request's load is
 registered in ``start_load_kv`` and finished in ``get_transfer_results`` once its staged KV is
@@ -20,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from duet.kv_transfer.p2p import kv_layout
 from duet.kv_transfer.p2p.config import P2pConfig
-from duet.kv_transfer.p2p.metadata import LoadSpec, P2pMetadata
+from duet.kv_transfer.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 from duet.kv_transfer.p2p.receiver import Listener
 from duet.kv_transfer.p2p.sender import Chunk, PeerSender
 from duet.kv_transfer.p2p.staging import StagingArea
@@ -50,6 +52,7 @@ class P2pWorker:
         self._block_size = vllm_config.cache_config.block_size
         self.stats = TransferStats()
         self._layer_index: dict[str, int] = {}
+        self._kv_caches: dict[str, torch.Tensor] = {}
         self._device = torch.device("cpu")
         self._senders: dict[tuple[str, int], PeerSender] = {}
         self._listener: Listener | None = None
@@ -60,6 +63,7 @@ class P2pWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Fix the layer order (both engines run the same model) and start the listener."""
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._kv_caches = dict(kv_caches)
         self._device = next(iter(kv_caches.values())).device
         if self._is_consumer:
             self._staging = StagingArea(self._cfg.staging_bytes, self._cfg.lease_s, self._device)
@@ -71,36 +75,46 @@ class P2pWorker:
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: P2pMetadata) -> None:
         layer = self._layer_index.get(layer_name)
-        if layer is None or not meta.saves:
+        if layer is None or not self._cfg.layerwise:
             return
         for spec in meta.saves:
-            first, last = kv_layout.block_span(spec.start, spec.end, self._block_size)
-            data = kv_layout.gather(kv_layer, spec.block_ids[first:last])
-            ready = None
-            if data.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            header = Header(
-                Kind.KV,
-                tid=spec.tid,
-                layer=layer,
-                num_layers=len(self._layer_index),
-                start_block=first,
-                num_blocks=last - first,
-                tokens_end=spec.end,
-                total_tokens=spec.total_tokens,
-                block_shape=tuple(data.shape[1:]),
-                dtype=data.dtype,
-            )
-            last = spec.last and layer == len(self._layer_index) - 1
-            self._sender(spec.peer.host, spec.peer.port + self._rank).submit(Chunk(header, data, ready, last))
+            self._submit(spec, layer, kv_layer, spec.start)
 
     def wait_for_save(self, meta: P2pMetadata) -> None:
-        """Runs after the step's forward: stamps the forward end of transfers it completed."""
+        """Runs after the step's forward: stamps the forward end of transfers it completed
+        (before queueing anything, so a send-after-prefill transfer shows no overlap), and
+        without layer-wise streaming queues those requests' whole KV, every layer."""
         now = time.monotonic()
         for spec in meta.saves:
-            if spec.last:
-                self.stats.forward_ended(spec.tid, f"{spec.peer.host}:{spec.peer.port + self._rank}", now)
+            if not spec.last:
+                continue
+            self.stats.forward_ended(spec.tid, f"{spec.peer.host}:{spec.peer.port + self._rank}", now)
+            if not self._cfg.layerwise:
+                for name, layer in self._layer_index.items():
+                    self._submit(spec, layer, self._kv_caches[name], 0)
+
+    def _submit(self, spec: SaveSpec, layer: int, kv_layer: torch.Tensor, start: int) -> None:
+        """Queue tokens [start, spec.end) of one layer (whole blocks) for the peer's sender."""
+        first, last = kv_layout.block_span(start, spec.end, self._block_size)
+        data = kv_layout.gather(kv_layer, spec.block_ids[first:last])
+        ready = None
+        if data.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        header = Header(
+            Kind.KV,
+            tid=spec.tid,
+            layer=layer,
+            num_layers=len(self._layer_index),
+            start_block=first,
+            num_blocks=last - first,
+            tokens_end=spec.end,
+            total_tokens=spec.total_tokens,
+            block_shape=tuple(data.shape[1:]),
+            dtype=data.dtype,
+        )
+        final = spec.last and layer == len(self._layer_index) - 1
+        self._sender(spec.peer.host, spec.peer.port + self._rank).submit(Chunk(header, data, ready, final))
 
     def _sender(self, host: str, port: int) -> PeerSender:
         key = (host, port)

@@ -14,6 +14,7 @@ import time
 import pytest
 import ray
 
+from duet.benchmarks.kv_transfer import raw_gloo_seconds
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.params import PeerAddress, kv_transfer_config, prefill_request_params
 
@@ -109,41 +110,7 @@ def settled_stats(engine, some_prompt: list[int]) -> dict:
     return ray.get(engine.stats.remote())
 
 
-def _raw_gloo(rank: int, port: int, nbytes: int, out) -> None:
-    """One side of a plain two-rank gloo send/recv of ``nbytes``, for a bandwidth baseline."""
-    import time
-    from datetime import timedelta
-
-    import torch
-    from torch.distributed import TCPStore
-    from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-    store = TCPStore("127.0.0.1", port, is_master=rank == 1, wait_for_workers=False, timeout=timedelta(seconds=30))
-    pg = ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
-    buf = torch.ones(nbytes // 4)
-    times = []
-    for _ in range(5):
-        start = time.monotonic()
-        (pg.send if rank == 0 else pg.recv)([buf], 1 - rank, 0).wait()
-        times.append(time.monotonic() - start)
-    if rank == 1:
-        out.put(sorted(times)[len(times) // 2])
-
-
-def raw_gloo_seconds(nbytes: int, port: int) -> float:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_raw_gloo, args=(r, port, nbytes, out)) for r in (1, 0)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    return out.get(timeout=5)
-
-
-def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt, free_port):
+def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt):
     """The 4,000-token transfer starts before the prefill forward ends; report its bandwidth
     next to a raw gloo send/recv of the same bytes measured in the same run."""
     prefill, decode, peer = engines
@@ -154,7 +121,7 @@ def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt, fre
     (rec,) = [r for r in settled_stats(prefill, p)["connector"]["records"] if r["side"] == "send"]
     assert rec["failure"] is None and rec["chunks"] % 4 == 0  # one chunk per layer per step
     assert rec["send_start"] < rec["forward_end"]  # layer 0 left while later layers computed
-    raw_s = raw_gloo_seconds(rec["bytes"], free_port())
+    raw_s = raw_gloo_seconds(rec["bytes"], reps=5)
     print(
         f"\n4000-token prompt: {rec['bytes'] / 2**20:.1f} MiB in {rec['chunks']} layer chunks, "
         f"first-to-last send {rec['duration_s'] * 1e3:.1f} ms, in send calls {rec['busy_s'] * 1e3:.1f} ms "

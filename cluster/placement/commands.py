@@ -152,8 +152,10 @@ def _simulate(args: argparse.Namespace) -> int:
     runs = [("disaggregated plan", planned, plan.gpus)]
     if args.colocated_tp:
         tp = args.colocated_tp
-        engine = ctx.models[plan.prefill.gpu_type].engine(tp, 1)
-        runs.append((f"colocated tp={tp}", Deployment((engine,) * (plan.gpus // tp), (), colocated=True), plan.gpus))
+        model = ctx.models[plan.prefill.gpu_type]
+        engines = (model.engine(tp, 1),) * (plan.gpus // tp)
+        colocated = Deployment(engines, (), colocated=True, host_ms_per_token=model.host_ms_per_token)
+        runs.append((f"colocated tp={tp}", colocated, plan.gpus))
     print(f"trace {trace.name}: {len(trace)} requests at {rate:.3g} req/s; SLO {args.slo} @ {slo.attainment:.0%}")
     for name, dep, gpus in runs:
         _report(name, simulate(ctx, dep, rate, None), slo)

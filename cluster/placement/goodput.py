@@ -13,6 +13,7 @@ throughput bound used to order and prune candidates before any simulation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Literal
 import numpy as np
 
 from duet.cluster.placement.cluster_spec import ClusterSpec
-from duet.cluster.placement.latency_model import EnginePerf, LatencyModel
+from duet.cluster.placement.latency_model import EnginePerf, LatencyModel, host_slowdown
 from duet.cluster.placement.plan import Plan
 from duet.cluster.placement.simulator import (
     SimConfig,
@@ -100,6 +101,20 @@ class Deployment:
     decode: tuple[EnginePerf, ...]
     transfer_bytes_per_s: float = math.inf
     colocated: bool = False
+    host_ms_per_token: float = 0.0  # serving-path CPU per streamed token on these processors
+
+    def under_load(self, tokens_per_s: float) -> Deployment:
+        """The engines as fast as they run while streaming ``tokens_per_s`` (see host_slowdown)."""
+        engines = self.prefill + self.decode
+        factor = host_slowdown(self.host_ms_per_token, tokens_per_s, sum(e.gpus for e in engines))
+        if factor == 1.0:
+            return self
+        return dataclasses.replace(
+            self,
+            prefill=tuple(e.slowed(factor) for e in self.prefill),
+            decode=tuple(e.slowed(factor) for e in self.decode),
+            host_ms_per_token=0.0,
+        )
 
 
 def deployment(ctx: SearchContext, cand: Candidate) -> Deployment:
@@ -115,12 +130,14 @@ def deployment(ctx: SearchContext, cand: Candidate) -> Deployment:
         decode=(model.engine(dtp, cand.pp),) * kd if kd else (),
         transfer_bytes_per_s=bandwidth,
         colocated=cand.kind == "colocated",
+        host_ms_per_token=model.host_ms_per_token,
     )
 
 
 def simulate(ctx: SearchContext, dep: Deployment, rate: float, slo: Slo | None) -> SimResult:
     """Run ``ctx.trace`` rescaled to ``rate`` through ``dep``."""
     trace = ctx.trace.at_rate(rate)
+    dep = dep.under_load(rate * float(np.mean(trace.output_len)))
     if dep.colocated:
         return simulate_colocated(trace, dep.prefill, slo, ctx.sim)
     return simulate_disaggregated(
@@ -238,6 +255,7 @@ def plan_deployment(plan: Plan, models: dict[str, LatencyModel]) -> Deployment:
         prefill=(engine_p,) * plan.prefill.replicas,
         decode=(engine_d,) * plan.decode.replicas,
         transfer_bytes_per_s=plan.kv_transfer.bandwidth_gbs * 1e9,
+        host_ms_per_token=max(models[pool.gpu_type].host_ms_per_token for pool in (plan.prefill, plan.decode)),
     )
 
 

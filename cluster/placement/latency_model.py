@@ -18,6 +18,7 @@ and a later simulated engine only ever call :meth:`LatencyModel.engine`.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -87,6 +88,35 @@ class EnginePerf:
         """Time of one token step for a micro-batch (one pipeline lane)."""
         return self.decode.step_ms(batch, sum_context) / 1000.0
 
+    def slowed(self, factor: float) -> EnginePerf:
+        """This engine running ``factor`` times slower (its processor shared with other work)."""
+        d = self.decode
+
+        def scale(c: Coeffs) -> Coeffs:
+            return (c[0] * factor, c[1] * factor, c[2] * factor)
+
+        return dataclasses.replace(
+            self,
+            prefill=PrefillPerf(scale(self.prefill.coeffs)),
+            decode=DecodePerf(scale(d.small), scale(d.large), d.threshold),
+        )
+
+
+def host_slowdown(host_ms_per_token: float, tokens_per_s: float, processors: int) -> float:
+    """How much slower engines run when the serving path shares their processors.
+
+    On a CPU node the router, Ray's streaming and the engines' front ends run on the same cores
+    as the forward passes, costing ``host_ms_per_token`` of CPU per streamed token. Spread over
+    the deployment's ``processors``, that work takes a share ``tokens/s * cost / processors`` of
+    each, and the engines get the rest (a mean-field view: the share follows the average token
+    rate, not its bursts). The share is capped at 95%: beyond it the deployment cannot keep up
+    at all, and a 20x slowdown already shows that in any SLO.
+    """
+    if host_ms_per_token <= 0 or processors <= 0:
+        return 1.0
+    share = min(tokens_per_s * host_ms_per_token / 1000.0 / processors, 0.95)
+    return 1.0 / (1.0 - share)
+
 
 @dataclass(frozen=True)
 class TpFit:
@@ -113,6 +143,10 @@ class LatencyModel:
     weight_bytes: float | None = None
     max_pp: int = 8
     note: str = ""
+    # CPU ms per streamed output token that the serving path (router, Ray streaming, engine
+    # front ends, client) spends on the engines' own processors; 0 where engines have devices
+    # of their own (GPUs). See :func:`host_slowdown`.
+    host_ms_per_token: float = 0.0
 
     def kv_capacity_tokens(self, tp: int, pp: int) -> int:
         if (tp, pp) in self.kv_capacity:
@@ -167,6 +201,7 @@ class LatencyModel:
             "max_pp": self.max_pp,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "weight_bytes": self.weight_bytes,
+            "host_ms_per_token": self.host_ms_per_token,
             "fits": {
                 tp: {
                     "prefill": list(f.prefill),
@@ -193,6 +228,7 @@ class LatencyModel:
                 max_pp=int(data.get("max_pp", 8)),
                 gpu_memory_bytes=data.get("gpu_memory_bytes"),
                 weight_bytes=data.get("weight_bytes"),
+                host_ms_per_token=float(data.get("host_ms_per_token", 0.0)),
                 fits={int(tp): _tp_fit(f) for tp, f in data["fits"].items()},
                 kv_capacity={
                     (int(e["tp"]), int(e["pp"])): int(e["tokens"])

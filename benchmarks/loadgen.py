@@ -1,0 +1,137 @@
+"""Open-loop trace replay against a running duet: requests leave at the trace's arrival times.
+
+Open loop (each request is sent at its own arrival time, whether or not earlier ones finished) is
+what the placement simulator assumes and what real clients do; a closed loop would slow its own
+arrivals down exactly when the cluster falls behind and hide the queueing the SLOs are about.
+
+Prompts are random token ids of the trace's input length, and ``ignore_eos`` with ``max_tokens``
+equal to the trace's output length makes the engine generate exactly the trace's output, so the
+real run and a simulation of the same :class:`~duet.cluster.placement.trace.Trace` serve the same
+work. TTFT and TPOT are taken from the final message's usage (measured at the router); the
+client's own view of both is kept beside them, since the two differ when the router falls behind.
+
+    records = asyncio.run(replay("127.0.0.1:50051", trace.at_rate(4.0)))
+    summary = replay_result(records).summary(Slo(1.0, 0.1))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import grpc
+import numpy as np
+
+from duet.cluster.placement.simulator import SimResult
+from duet.cluster.placement.trace import Trace
+from duet.router.client import build_request
+from duet.router.proto import duet_api_pb2 as pb
+from duet.router.proto import duet_api_pb2_grpc as pb_grpc
+
+# Token ids for random prompts: above the tiny model's special tokens, inside any vocabulary.
+PROMPT_TOKEN_RANGE = (3, 700)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One replayed request; latencies are NaN and ``error`` says why when it failed."""
+
+    index: int
+    scheduled_s: float  # arrival offset in the trace
+    sent_s: float  # when it actually left, from the replay's start (lag = sent - scheduled)
+    input_len: int
+    output_len: int
+    completion_tokens: int
+    ttft_s: float  # router-measured (usage)
+    tpot_s: float
+    client_ttft_s: float  # from sending to the first message, at the client
+    client_tpot_s: float
+    error: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def replay_result(records: list[RequestRecord]) -> SimResult:
+    """The measured run in the simulator's result type, so both are summarised by one function.
+
+    A failed request (rejected, error, or fewer tokens than asked) never met its SLO: it counts
+    with infinite latency, as an unfinished request does in the simulator.
+    """
+    ok = [not r.error for r in records]
+    ttft = np.array([r.ttft_s if good else math.inf for r, good in zip(records, ok)])
+    tpot = np.array([r.tpot_s if good else math.inf for r, good in zip(records, ok)])
+    return SimResult(ttft_s=ttft, tpot_s=tpot, stopped_early=False)
+
+
+def build_requests(trace: Trace, model: str = "", seed: int = 0) -> list[pb.GenerateRequest]:
+    """One greedy request per trace row, built before the replay so timing is not disturbed."""
+    rng = np.random.default_rng(seed)
+    low, high = PROMPT_TOKEN_RANGE
+    return [
+        build_request(
+            prompt_token_ids=rng.integers(low, high, int(n_in)).tolist(),
+            max_tokens=int(n_out),
+            ignore_eos=True,
+            model=model,
+            request_id=f"loadgen-{seed}-{i}",
+        )
+        for i, (n_in, n_out) in enumerate(zip(trace.input_len, trace.output_len))
+    ]
+
+
+async def _one(
+    stub: pb_grpc.DuetStub, index: int, request: pb.GenerateRequest, scheduled_s: float, start: float, timeout_s: float
+) -> RequestRecord:
+    sent = time.perf_counter()
+    first = last = math.nan
+    tokens = 0
+    final = pb.GenerateResponse()
+    error = ""
+    try:
+        async for message in stub.Generate(request, timeout=timeout_s):
+            now = time.perf_counter()
+            if message.token_ids:
+                first = now if tokens == 0 else first
+                last = now
+                tokens += len(message.token_ids)
+            final = message
+    except grpc.aio.AioRpcError as rpc_error:
+        error = f"{rpc_error.code().name}: {rpc_error.details()}"
+    if not error and tokens != request.max_tokens:
+        error = f"got {tokens} of {request.max_tokens} tokens"
+    usage = final.usage if final.HasField("usage") and not error else None
+    return RequestRecord(
+        index=index,
+        scheduled_s=scheduled_s,
+        sent_s=sent - start,
+        input_len=len(request.prompt_token_ids.ids),
+        output_len=request.max_tokens,
+        completion_tokens=tokens,
+        ttft_s=usage.ttft_s if usage else math.nan,
+        tpot_s=usage.tpot_s if usage else math.nan,
+        client_ttft_s=first - sent,
+        client_tpot_s=(last - first) / (tokens - 1) if tokens > 1 else 0.0,
+        error=error,
+    )
+
+
+async def replay(
+    target: str, trace: Trace, model: str = "", seed: int = 0, timeout_s: float = 600.0
+) -> list[RequestRecord]:
+    """Send every request of ``trace`` at its arrival offset; returns the records in trace order."""
+    requests = build_requests(trace, model, seed)
+    offsets = (trace.arrival_s - trace.arrival_s[0]).tolist()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.DuetStub(channel)
+        await channel.channel_ready()
+        start = time.perf_counter()
+        tasks = []
+        for index, request in enumerate(requests):
+            delay = start + offsets[index] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(stub, index, request, offsets[index], start, timeout_s)))
+        return list(await asyncio.gather(*tasks))

@@ -29,7 +29,9 @@ class RouterMetrics:
     """Request-level metrics, recorded by the gRPC servicer."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("duet_requests", "Finished requests by outcome.", ["outcome"], registry=registry)
+        self.requests = Counter(
+            "duet_requests", "Requests by outcome: served, failed, cancelled, invalid, overloaded.", ["outcome"], registry=registry
+        )
         self.inflight = Gauge("duet_requests_inflight", "Requests being served.", registry=registry)
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token at the router.", buckets=_LATENCY_BUCKETS, registry=registry)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first.", buckets=_LATENCY_BUCKETS, registry=registry)

@@ -72,12 +72,15 @@ class DuetServicer:
         self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         if isinstance(request, MalformedRequest):
+            self.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
         try:
             validated = validate(request, self.limits, self.tokenizer)
         except InvalidRequest as error:
+            self.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if self.cluster.inflight >= self.max_inflight:
+            self.cluster.reject("overloaded")
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.cluster.inflight} requests in flight (limit {self.max_inflight}); retry later",

@@ -35,6 +35,12 @@ class ClusterView:
         if self.metrics:
             self.metrics.inflight.inc()
 
+    def reject(self, reason: str) -> None:
+        """Count a request turned away before admission ("invalid" or "overloaded")."""
+        self.outcomes[reason] += 1
+        if self.metrics:
+            self.metrics.requests.labels(reason).inc()
+
     def finish(self, outcome: str, usage: Usage | None) -> None:
         """Count a request that left the router (served, failed or cancelled)."""
         self.inflight -= 1

@@ -78,6 +78,7 @@ def test_prometheus_endpoint_has_router_and_worker_metrics(client):
             key = (sample.name, sample.labels.get("worker"))
             samples[key] = samples.get(key, 0.0) + sample.value
     assert samples[("duet_requests_total", None)] >= 1
+    assert 'duet_requests_total{outcome="served"}' in text
     assert samples[("duet_ttft_seconds_count", None)] >= 1
     assert samples[("vllm:nixl_xfer_time_seconds_count", "decode-0")] >= 1
     assert samples[("vllm:nixl_bytes_transferred_sum", "decode-0")] > 0
@@ -112,6 +113,7 @@ def test_overload_gets_resource_exhausted(client, deployment):
         with pytest.raises(grpc.RpcError) as raised:
             list(client.generate(build_request("one more", max_tokens=2), timeout=30))
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert deployment.cluster.outcomes["overloaded"] >= 1
         long_stream.cancel()
     finally:
         servicer.max_inflight = limit

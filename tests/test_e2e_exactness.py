@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 
 from duet.router.client import build_request
 
@@ -56,6 +58,12 @@ def test_long_prompts_match_colocated_and_kv_is_transferred(client, reference, w
     computed = after.get(COMPUTED, 0) - before.get(COMPUTED, 0)
     assert transferred == sum(len(p) for p in prompts), "decode did not receive the prompt KV by transfer"
     assert computed == 0, "decode recomputed prompt tokens instead of pulling them"
+
+
+@pytest.mark.parametrize("length", [1, 128, 1000, 4000])
+def test_prompt_lengths_match_colocated(client, reference, length):
+    prompt = _random_prompts(1, length, 700, seed=length)[0]
+    assert _disaggregated(client, [prompt], max_tokens=16) == reference.greedy([prompt], max_tokens=16, ignore_eos=True)
 
 
 def test_sixteen_concurrent_requests_match_colocated(client, reference):

@@ -7,9 +7,6 @@ here once.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -26,7 +23,6 @@ from duet.kv_transfer.config import (
 )
 from duet.kv_transfer.ports import PortReservation, reserve_ports
 
-logger = logging.getLogger(__name__)
 
 # Labels every sample of one engine shares; dropped when flattening for status reports.
 _ENGINE_LABELS = ("model_name", "engine")
@@ -75,10 +71,11 @@ class EngineHost:
             self._ports = reserve_ports(transfer.side_channel_host, base_port(transfer), ranks)
             endpoint = TransferEndpoint(transfer.side_channel_host, self._ports.base_port)
             self.kv_endpoint = str(endpoint)
+        on_cpu = is_cpu_only()
         cores = self.pool.cpu_cores
-        core = cores[self.replica_index] if cores and is_cpu_only() else None
+        core = cores[self.replica_index] if cores and on_cpu else None
         env = engine_environment(transfer, endpoint, core)
-        if is_cpu_only():
+        if on_cpu:
             env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
         apply_environment(env)
         kwargs = engine_kwargs(
@@ -110,15 +107,6 @@ class EngineHost:
         """Free a request's engine state (and its KV blocks); a no-op for unknown requests."""
         if self.engine is not None:
             await self.engine.abort(request_id)
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """True once the engine holds no unfinished request (used after cancellations)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self._inflight and self.engine.output_processor.get_num_unfinished_requests() == 0:
-                return True
-            await asyncio.sleep(0.05)
-        return False
 
     def status(self) -> WorkerStatus:
         unfinished = 0

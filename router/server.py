@@ -22,7 +22,6 @@ from grpc_reflection.v1alpha import reflection
 from duet.router.lifecycle import RequestFailed, RequestLifecycle, StreamEvent
 from duet.router.pools import NoWorkerAvailable
 from duet.router.proto import duet_api_pb2 as pb
-from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.status import ClusterView
 from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, validate
 from duet.router.wire import describe_decode_error

@@ -85,7 +85,8 @@ def test_prometheus_endpoint_has_router_and_worker_metrics(client):
     assert ("vllm:nixl_num_failed_transfers_total", "decode-0") in samples
 
 
-def test_health_service_reports_serving(deployment):
+def test_health_service_reports_serving(deployment, client):
+    assert client.is_serving()
     with grpc.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "duet.v1.Duet"):

@@ -22,12 +22,28 @@ class P2pConfig:
     transfer_timeout_s: float = 30.0
     # Decode side: how long staged KV nobody has asked for stays before it is freed.
     lease_s: float = 60.0
+    # Decode side: in an engine step that computes nothing while KV is still arriving, wait up
+    # to this long for a transfer to land (returning at once when one does) instead of
+    # returning empty: vLLM's engine loop otherwise spins a core, which on a CPU host is the
+    # core the receiver needs.
+    idle_wait_s: float = 0.002
     # Decode side: bound on staged (received, not yet consumed) KV bytes.
     staging_bytes: int = 1 << 30
     # Decode side: how long the receiver waits for staging space before dropping a transfer.
     staging_wait_s: float = 2.0
     # Prefill side: bound on KV bytes queued for sending to one decode worker.
     send_queue_bytes: int = 1 << 30
+    # Both: most KV bytes in one message; the prefill side splits a layer's chunk above it by
+    # whole blocks (so it must hold one block), the decode side keeps receives of
+    # this size (plus the header) posted. A sender whose limit exceeds its receiver's is
+    # refused at the handshake.
+    max_chunk_bytes: int = 4 << 20
+    # Messages in flight per link: sends posted ahead by the prefill side, receives posted
+    # ahead by the decode side (each a buffer of max_chunk_bytes).
+    send_depth: int = 4
+    recv_depth: int = 4
+    # Both: already-touched message and staging buffers kept for reuse (see buffers.py).
+    idle_buffer_bytes: int = 256 << 20
     # Both: TCPStore connect and process-group rendezvous limit.
     connect_timeout_s: float = 5.0
     # Both: a link with no message for this long is dead (the sender sends keepalives).

@@ -129,7 +129,7 @@ class P2pConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        return self._worker.get_transfer_results()
+        return self._worker.get_transfer_results(self._meta())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:

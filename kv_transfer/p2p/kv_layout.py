@@ -16,9 +16,9 @@ def block_span(start: int, end: int, block_size: int) -> tuple[int, int]:
     return start // block_size, -(-end // block_size)
 
 
-def gather(view: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """A contiguous copy of the given blocks: ``[len(block_ids), *view.shape[1:]]``."""
-    return view[torch.tensor(block_ids, dtype=torch.int64, device=view.device)]
+def gather_into(view: torch.Tensor, block_ids: list[int], out: torch.Tensor) -> None:
+    """Copy the given blocks into ``out`` (``[len(block_ids), *view.shape[1:]]``, contiguous)."""
+    torch.index_select(view, 0, torch.tensor(block_ids, dtype=torch.int64, device=view.device), out=out)
 
 
 def scatter(view: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
 No global ``init_process_group``: the decode worker hosts a TCPStore, each prefill worker that
 wants to talk to it announces itself there, and both build a two-rank gloo (CPU) or NCCL (GPU)
-backend on a PrefixStore private to that pair. Rank 0 sends, rank 1 receives.
+backend on a PrefixStore private to that pair. Rank 0 sends, rank 1 receives. The hello
+carries the sender's largest chunk, which must fit the receiver's landing buffers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from duet.kv_transfer.p2p.wire import Header, empty_header
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
@@ -54,20 +54,22 @@ class PeerLink:
         self.index = index
         self._closed = threading.Event()
 
-    def send_header(self, header: Header) -> None:
-        self.send(header.encode().to(self.device))
+    def send(self, message: torch.Tensor) -> None:
+        """Send one message; returns once the buffer may be reused."""
+        self.wait(self.post_send(message))
 
-    def recv_header(self) -> Header:
-        buf = empty_header(self.device)
-        self.recv(buf)
-        return Header.decode(buf)
+    def post_send(self, message: torch.Tensor):
+        """Start sending one message; :meth:`wait` for the returned work before reusing it.
+        Messages posted one after another arrive in that order."""
+        return self._backend.send([message], self._peer_rank, 0)
 
-    def send(self, tensor: torch.Tensor) -> None:
-        self._backend.send([tensor], self._peer_rank, 0).wait()
-        self._sync()
+    def post_recv(self, buffer: torch.Tensor):
+        """Start receiving the next message into ``buffer`` (which may be longer than it);
+        :meth:`wait` for the returned work before reading it."""
+        return self._backend.recv([buffer], self._peer_rank, 0)
 
-    def recv(self, tensor: torch.Tensor) -> None:
-        self._backend.recv([tensor], self._peer_rank, 0).wait()
+    def wait(self, work) -> None:
+        work.wait()
         self._sync()
 
     def _sync(self) -> None:
@@ -95,12 +97,19 @@ class PeerLink:
 
 
 def connect(
-    host: str, port: int, me: str, device: torch.device, timeout: timedelta, link_timeout: timedelta
+    host: str,
+    port: int,
+    me: str,
+    device: torch.device,
+    timeout: timedelta,
+    link_timeout: timedelta,
+    max_chunk_bytes: int,
 ) -> PeerLink:
     """Prefill side: announce ``me`` at the decode worker's store and join a pair group."""
     store = TCPStore(host, port, is_master=False, timeout=timeout)
     index = store.add(_COUNT_KEY, 1) - 1
-    store.set(hello_key(index), json.dumps({"peer": me, "backend": backend_name(device)}))
+    hello = {"peer": me, "backend": backend_name(device), "max_chunk_bytes": max_chunk_bytes}
+    store.set(hello_key(index), json.dumps(hello))
     backend = _make_backend(PrefixStore(f"duet/p2p/pair/{index}/", store), SENDER_RANK, device, link_timeout)
     return PeerLink(backend, SENDER_RANK, device, f"{host}:{port}", index)
 
@@ -108,16 +117,26 @@ def connect(
 class Rendezvous:
     """Decode side: hosts the TCPStore and turns each announced peer into a :class:`PeerLink`."""
 
-    def __init__(self, host: str, port: int, device: torch.device, timeout: timedelta, link_timeout: timedelta):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        device: torch.device,
+        timeout: timedelta,
+        link_timeout: timedelta,
+        max_chunk_bytes: int,
+    ):
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
         self._device = device
+        self._max_chunk_bytes = max_chunk_bytes
         self._timeout = timeout
         self._link_timeout = link_timeout
         self._next = 0
         self._waited = 0.0
 
     def poll(self, wait_s: float) -> tuple[int, str] | None:
-        """The next announced peer (index, name), or None after ``wait_s``.
+        """The next announced peer (index, name), or None after ``wait_s``; ValueError for a
+        peer this worker cannot talk to (its handshake then times out on its side).
 
         A peer that took a ticket but never wrote its hello (it died in between) is skipped
         after the connect timeout, so it cannot block later peers.
@@ -136,6 +155,11 @@ class Rendezvous:
         self._store.delete_key(key)
         if hello["backend"] != backend_name(self._device):
             raise ValueError(f"peer {hello['peer']} uses {hello['backend']}, this worker {backend_name(self._device)}")
+        if hello["max_chunk_bytes"] > self._max_chunk_bytes:
+            raise ValueError(
+                f"peer {hello['peer']} sends up to {hello['max_chunk_bytes']} KV bytes per message, this "
+                f"worker receives up to {self._max_chunk_bytes}: set the same p2p_max_chunk_bytes on both"
+            )
         return index, hello["peer"]
 
     def accept(self, index: int, peer: str) -> PeerLink:

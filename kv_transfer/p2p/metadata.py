@@ -44,3 +44,5 @@ class P2pMetadata(KVConnectorMetadata):
     releases: list[str] = field(default_factory=list)
     # Decode side: requests aborted while their load is pending; report them done at once.
     cancels: list[str] = field(default_factory=list)
+    # Nothing is computed this step: the engine only polls its connector.
+    idle_step: bool = False

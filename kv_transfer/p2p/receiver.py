@@ -1,13 +1,16 @@
 """Decode side: accept prefill workers' links and land their KV chunks in the staging area.
 
 One acceptor thread turns announcements at this worker's TCPStore into links; each link gets a
-receiver thread that reads header, then payload straight into the staged tensor. A link that
+receiver thread with ``recv_depth`` landing buffers of the largest message size, each with a
+receive posted: while one message is copied into its staged slice, the next ones are already
+arriving in the others, so the sender need not wait for this thread (see wire.py). A link that
 errors or stays silent past the link timeout is torn down and its unfinished transfers fail,
 so decode requests waiting on them end (recompute or error) instead of hanging.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -17,9 +20,10 @@ import torch
 
 from duet.kv_transfer.p2p import link as p2p_link
 from duet.kv_transfer.p2p.config import P2pConfig
+from duet.kv_transfer.p2p.cpu import unbind_current_thread
 from duet.kv_transfer.p2p.staging import StagingArea
 from duet.kv_transfer.p2p.stats import TransferStats
-from duet.kv_transfer.p2p.wire import Header, Kind
+from duet.kv_transfer.p2p.wire import HEADER_BYTES, Header, Kind
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class Listener:
             device,
             timedelta(seconds=cfg.connect_timeout_s),
             timedelta(seconds=cfg.link_timeout_s),
+            cfg.max_chunk_bytes,
         )
         self._acceptor = threading.Thread(target=self._accept_loop, name="duet-p2p-accept", daemon=True)
         self._acceptor.start()
@@ -62,6 +67,7 @@ class Listener:
             link.close()
 
     def _accept_loop(self) -> None:
+        unbind_current_thread()  # the receiver threads it starts inherit this
         while not self._stop.is_set():
             try:
                 announced = self._rendezvous.poll(wait_s=0.5)
@@ -85,15 +91,24 @@ class Listener:
         with self._lock:
             self._links[index] = link
         reason = "closed"
+        # Several receives stay posted, so the sender's next messages flow in while this thread
+        # waits for the GIL (the engine's busy loop holds it most of the time) or copies one out.
+        posted = collections.deque()
         try:
+            for _ in range(max(self._cfg.recv_depth, 1)):
+                buffer = torch.zeros(HEADER_BYTES + self._cfg.max_chunk_bytes, dtype=torch.uint8, device=self._device)
+                posted.append((buffer, link.post_recv(buffer)))
             while not self._stop.is_set():
-                header = link.recv_header()
+                message, work = posted.popleft()
+                link.wait(work)
+                header = Header.read_from(message)
                 if header.kind == Kind.BYE:
                     break
                 if header.kind == Kind.ABORT:
                     self._staging.fail(header.tid, "aborted by sender", index)
                 elif header.kind == Kind.KV:
-                    self._land(link, header)
+                    self._land(link, header, message)
+                posted.append((message, link.post_recv(message)))
         except (RuntimeError, ValueError) as e:  # includes peer death and silence past the timeout
             reason = f"link to {peer} broke: {e}"
             logger.warning("p2p: %s", reason)
@@ -106,17 +121,22 @@ class Listener:
             if failed:
                 logger.warning("p2p: %d transfers from %s failed (%s)", len(failed), peer, reason)
 
-    def _land(self, link: p2p_link.PeerLink, h: Header) -> None:
-        shape = h.payload_shape()
+    def _land(self, link: p2p_link.PeerLink, h: Header, message: torch.Tensor) -> None:
+        """Copy one KV message's payload into its staged slice."""
+        if h.message_bytes > message.numel():
+            raise ValueError(f"a {h.message_bytes}-byte message does not fit the {message.numel()}-byte buffer")
         entry = self._staging.open(h, link.index, self._cfg.staging_wait_s)
         target = None if entry is None else self._staging.target(entry, h)
         if target is None:
             self._stats.count("staging_drops")
-            link.recv(torch.empty(shape, dtype=h.dtype, device=self._device))  # keep the link in step
             return
         start = time.monotonic()
-        link.recv(target)
-        self._stats.count("received_bytes", target.numel() * target.element_size())
-        self._staging.landed(entry, h)
+        try:
+            target.copy_(h.payload(message))
+            if target.is_cuda:  # the engine's thread reads it next, on a stream of its own
+                torch.cuda.current_stream(target.device).synchronize()
+        finally:
+            self._staging.landed(entry, h)
+        self._stats.count("received_bytes", h.payload_bytes)
         if entry.completed is not None and entry.completed >= start:
             self._stats.count("received_transfers")

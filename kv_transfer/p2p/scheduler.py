@@ -85,7 +85,12 @@ class P2pScheduler:
         params["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pMetadata:
-        meta = P2pMetadata(loads=self._loads, releases=self._releases, cancels=self._cancels)
+        meta = P2pMetadata(
+            loads=self._loads,
+            releases=self._releases,
+            cancels=self._cancels,
+            idle_step=scheduler_output.total_num_scheduled_tokens == 0,
+        )
         self._loads, self._releases, self._cancels = [], [], []
         if self._sends:
             meta.saves = self._build_saves(scheduler_output)

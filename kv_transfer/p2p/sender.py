@@ -1,7 +1,8 @@
 """Prefill side: one thread per decode worker that ships queued KV chunks over its link.
 
-The forward thread only gathers a layer's new tokens into a contiguous buffer and enqueues it
-(:meth:`PeerSender.submit`), so sending overlaps the rest of the prefill forward. The link is
+The forward thread only gathers a layer's new tokens into a message buffer (behind its header)
+and enqueues it (:meth:`PeerSender.submit`), so sending overlaps the rest of the prefill
+forward; each chunk is one send (see wire.py), and its buffer goes back to the pool after it. The link is
 built on the first chunk, kept alive with keepalives, and torn down on any error; queued
 chunks of a broken link are dropped and reported, never retried into a stale staging entry.
 """
@@ -14,36 +15,59 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from duet.kv_transfer.p2p import link as p2p_link
+from duet.kv_transfer.p2p.buffers import BufferPool
 from duet.kv_transfer.p2p.config import P2pConfig
+from duet.kv_transfer.p2p.cpu import unbind_current_thread
 from duet.kv_transfer.p2p.stats import TransferStats
-from duet.kv_transfer.p2p.wire import Header, Kind
+from duet.kv_transfer.p2p.wire import Header, Kind, control_message
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Chunk:
-    """One layer's KV for tokens [start, start + n) of one transfer."""
+    """One layer's KV for whole blocks of one transfer, as a ready-to-send message."""
 
     header: Header
-    data: torch.Tensor
-    ready: torch.cuda.Event | None  # set when ``data`` was produced on a CUDA stream
+    message: torch.Tensor  # uint8: the header, then the payload (from the sender's pool)
+    ready: torch.cuda.Event | None  # set when ``message`` was filled on a CUDA stream
     last: bool  # the transfer's final chunk
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """KV bytes carried (what transfer statistics count)."""
+        return self.header.payload_bytes
+
+
+@dataclass
+class _Posted:
+    """A chunk whose send is in flight."""
+
+    chunk: Chunk
+    work: Any
+    posted_at: float
 
 
 class PeerSender:
     """Owns the link to one decode worker and a byte-bounded queue of chunks for it."""
 
-    def __init__(self, host: str, port: int, me: str, device: torch.device, cfg: P2pConfig, stats: TransferStats):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        me: str,
+        device: torch.device,
+        cfg: P2pConfig,
+        stats: TransferStats,
+        pool: BufferPool,
+    ):
         self.peer = f"{host}:{port}"
+        self._pool = pool
         self._host, self._port, self._me = host, port, me
         self._device = device
         self._cfg = cfg
@@ -54,6 +78,7 @@ class PeerSender:
         self._stop = False
         self._link: p2p_link.PeerLink | None = None
         self._down_until = 0.0
+        self._last_done = 0.0
         self._failed_tids: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"duet-p2p-send-{self.peer}", daemon=True)
         self._thread.start()
@@ -63,7 +88,7 @@ class PeerSender:
         tid = chunk.header.tid
         deadline = time.monotonic() + self._cfg.link_timeout_s
         with self._cond:
-            while self._queued_bytes + chunk.nbytes > self._cfg.send_queue_bytes and self._queue:
+            while self._queued_bytes + chunk.message.numel() > self._cfg.send_queue_bytes and self._queue:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop:
                     self._drop(chunk, "send queue full")
@@ -73,7 +98,7 @@ class PeerSender:
                 self._drop(chunk, "peer unreachable")
                 return
             self._queue.append(chunk)
-            self._queued_bytes += chunk.nbytes
+            self._queued_bytes += chunk.message.numel()
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -86,6 +111,7 @@ class PeerSender:
     def _drop(self, chunk: Chunk, reason: str) -> None:
         """Fail the chunk's transfer once; later chunks of it are dropped until its last one."""
         tid = chunk.header.tid
+        self._pool.release(chunk.message)
         with self._cond:
             if tid not in self._failed_tids:
                 self._stats.send_failed(tid, self.peer, reason)
@@ -93,30 +119,39 @@ class PeerSender:
             if chunk.last:
                 self._failed_tids.discard(tid)
 
-    def _next(self) -> Chunk | None:
-        """The next chunk, or None when a keepalive is due (or on stop)."""
+    def _next(self, wait: bool) -> Chunk | None:
+        """The next queued chunk; None if there is none after waiting up to the keepalive
+        period (``wait``) or at once, and on stop."""
         with self._cond:
-            if not self._queue and not self._stop:
+            if wait and not self._queue and not self._stop:
                 self._cond.wait(self._cfg.keepalive_s)
             if not self._queue:
                 return None
             chunk = self._queue.popleft()
-            self._queued_bytes -= chunk.nbytes
+            self._queued_bytes -= chunk.message.numel()
             self._cond.notify_all()
             return chunk
 
     def _run(self) -> None:
+        """Keep up to ``send_depth`` sends posted: the receiver takes them in order, and this
+        thread does not have to win the GIL between two messages for the link to stay busy."""
+        unbind_current_thread()
+        in_flight: collections.deque[_Posted] = collections.deque()
         while True:
-            chunk = self._next()
-            if chunk is None:
-                if self._stop:
-                    break
+            chunk = self._next(wait=not in_flight)
+            if chunk is not None:
+                if len(in_flight) >= max(self._cfg.send_depth, 1):
+                    self._complete(in_flight)
+                self._post(chunk, in_flight)
+            elif in_flight:
+                self._complete(in_flight)
+            elif self._stop:
+                break
+            else:
                 self._keepalive()
-                continue
-            self._send(chunk)
         if self._link is not None:
             try:
-                self._link.send_header(Header(Kind.BYE))
+                self._link.send(control_message(Header(Kind.BYE), self._device))
             except RuntimeError:
                 pass  # the peer is gone already
             self._link.close()
@@ -125,11 +160,11 @@ class PeerSender:
         if self._link is None:
             return
         try:
-            self._link.send_header(Header(Kind.KEEPALIVE))
+            self._link.send(control_message(Header(Kind.KEEPALIVE), self._device))
         except RuntimeError as e:
-            self._broken(f"keepalive failed: {e}")
+            self._broken(f"keepalive failed: {e}", collections.deque())
 
-    def _send(self, chunk: Chunk) -> None:
+    def _post(self, chunk: Chunk, in_flight: collections.deque[_Posted]) -> None:
         tid = chunk.header.tid
         with self._cond:
             failed = tid in self._failed_tids
@@ -142,15 +177,28 @@ class PeerSender:
         assert self._link is not None
         if chunk.ready is not None:
             chunk.ready.synchronize()
-        start = time.monotonic()
         try:
-            self._link.send_header(chunk.header)
-            self._link.send(chunk.data)
+            in_flight.append(_Posted(chunk, self._link.post_send(chunk.message), time.monotonic()))
         except RuntimeError as e:
             self._drop(chunk, f"send failed: {e}")
-            self._broken(str(e))
+            self._broken(str(e), in_flight)
+
+    def _complete(self, in_flight: collections.deque[_Posted]) -> None:
+        """Wait for the oldest send; its wire time is from when the link was free for it."""
+        posted = in_flight.popleft()
+        chunk = posted.chunk
+        assert self._link is not None
+        try:
+            self._link.wait(posted.work)
+        except RuntimeError as e:
+            self._drop(chunk, f"send failed: {e}")
+            self._broken(str(e), in_flight)
             return
-        self._stats.chunk_sent(tid, self.peer, chunk.nbytes, start, time.monotonic(), chunk.last)
+        done = time.monotonic()
+        start = max(posted.posted_at, self._last_done)
+        self._last_done = done
+        self._stats.chunk_sent(chunk.header.tid, self.peer, chunk.nbytes, start, done, chunk.last)
+        self._pool.release(chunk.message)
 
     def _connect(self) -> bool:
         if time.monotonic() < self._down_until:
@@ -163,6 +211,7 @@ class PeerSender:
                 self._device,
                 timedelta(seconds=self._cfg.connect_timeout_s),
                 timedelta(seconds=self._cfg.link_timeout_s),
+                self._cfg.max_chunk_bytes,
             )
         except (RuntimeError, TimeoutError, OSError) as e:
             logger.warning("p2p handshake with %s failed: %s", self.peer, e)
@@ -172,16 +221,18 @@ class PeerSender:
         self._stats.count("handshakes")
         return True
 
-    def _broken(self, reason: str) -> None:
-        """Tear the link down and drop everything queued for it."""
+    def _broken(self, reason: str, in_flight: collections.deque[_Posted]) -> None:
+        """Tear the link down and drop everything posted or queued for it."""
         logger.warning("p2p link to %s broke: %s", self.peer, reason)
         self._stats.count("link_failures")
         if self._link is not None:
             self._link.close()
             self._link = None
+        lost = [posted.chunk for posted in in_flight]
+        in_flight.clear()
         with self._cond:
             dropped, self._queue = self._queue, collections.deque()
             self._queued_bytes = 0
             self._cond.notify_all()
-        for chunk in dropped:
+        for chunk in (*lost, *dropped):
             self._drop(chunk, "link broke")

@@ -1,18 +1,24 @@
 """Decode-side landing area for KV that arrived before (or while) its decode request waits.
 
-Entries are keyed by transfer id, hold one ``[blocks, *block_shape]`` tensor per layer,
-and are bounded in bytes. Every entry has a deadline (its lease) and is freed on consumption,
-cancellation, failure or expiry, so nothing staged can outlive a bounded time.
+Entries are keyed by transfer id, hold one ``[blocks, *block_shape]`` view per layer into one
+buffer from the worker's :class:`BufferPool`, and are bounded in bytes. Every entry has a
+deadline (its lease) and is freed on consumption, cancellation, failure or expiry, so nothing
+staged can outlive a bounded time. Since freed buffers are reused, a thread that writes into an
+entry (the receiver) or reads it (the engine copying it into its blocks) pins it first; the
+buffer goes back to the pool only once it is freed and unpinned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from duet.kv_transfer.p2p.buffers import BufferPool
 from duet.kv_transfer.p2p.wire import Header
 
 
@@ -30,6 +36,8 @@ class StagedKV:
     created: float = field(default_factory=time.monotonic)
     completed: float | None = None
     failure: str | None = None
+    buffer: torch.Tensor | None = None  # the pooled memory behind ``layers``
+    pins: int = 0  # threads reading or writing ``layers`` right now
 
     @property
     def complete(self) -> bool:
@@ -39,10 +47,10 @@ class StagedKV:
 class StagingArea:
     """Thread-safe, byte-bounded map of transfer id -> :class:`StagedKV`."""
 
-    def __init__(self, capacity_bytes: int, lease_s: float, device: torch.device):
+    def __init__(self, capacity_bytes: int, lease_s: float, pool: BufferPool):
         self._capacity = capacity_bytes
         self._lease_s = lease_s
-        self._device = device
+        self._pool = pool
         self._used = 0
         self._entries: dict[str, StagedKV] = {}
         self._cond = threading.Condition()
@@ -69,13 +77,12 @@ class StagingArea:
                 if nbytes > self._capacity:
                     break
                 if self._used + nbytes <= self._capacity:
-                    layers = [
-                        torch.empty((num_blocks, *h.block_shape), dtype=h.dtype, device=self._device)
-                        for _ in range(h.num_layers)
-                    ]
+                    buffer = self._pool.acquire(nbytes)
+                    shape = (h.num_layers, num_blocks, *h.block_shape)
                     entry = StagedKV(
-                        h.tid, h.total_tokens, layers, time.monotonic() + self._lease_s, link,
-                        received=[0] * h.num_layers, nbytes=nbytes,
+                        h.tid, h.total_tokens, list(buffer.view(h.dtype).view(shape).unbind(0)),
+                        time.monotonic() + self._lease_s, link,
+                        received=[0] * h.num_layers, nbytes=nbytes, buffer=buffer,
                     )
                     self._entries[h.tid] = entry
                     self._used += nbytes
@@ -88,8 +95,8 @@ class StagingArea:
             return None
 
     def target(self, entry: StagedKV, h: Header) -> torch.Tensor | None:
-        """The staged slice chunk ``h`` is received into; None (and the entry failed) if it
-        does not fit the entry's layout, or if the entry already failed."""
+        """The staged slice chunk ``h`` is copied into, pinned until :meth:`landed`; None (and
+        the entry failed) if it does not fit the entry's layout, or if the entry already failed."""
         with self._cond:
             if entry.failure is not None:
                 return None
@@ -104,20 +111,46 @@ class StagingArea:
                 entry.failure = "layout mismatch"
                 self._free(entry)
                 return None
+            entry.pins += 1
             return entry.layers[h.layer][h.start_block : h.start_block + h.num_blocks]
 
     def landed(self, entry: StagedKV, h: Header) -> None:
-        """Record that chunk ``h`` is in place: its layer's tokens up to ``tokens_end`` are."""
+        """Record that chunk ``h`` is in place (its layer's tokens up to ``tokens_end`` are)
+        and unpin the entry."""
         block_size = h.block_shape[1]
         with self._cond:
-            if h.start_block * block_size <= entry.received[h.layer]:
+            self._unpin(entry)
+            if entry.failure is None and h.start_block * block_size <= entry.received[h.layer]:
                 entry.received[h.layer] = max(entry.received[h.layer], h.tokens_end)
             if entry.completed is None and entry.complete:
                 entry.completed = time.monotonic()
+                self._cond.notify_all()
+
+    def wait_for_news(self, timeout_s: float) -> None:
+        """Block until an entry completes or is freed, or ``timeout_s`` passes."""
+        with self._cond:
+            self._cond.wait(timeout_s)
 
     def get(self, tid: str) -> StagedKV | None:
         with self._cond:
             return self._entries.get(tid)
+
+    @contextlib.contextmanager
+    def reading(self, tid: str) -> Iterator[StagedKV | None]:
+        """The complete entry of ``tid``, pinned while the caller reads it; None if there is
+        no such entry or it is not complete."""
+        with self._cond:
+            entry = self._entries.get(tid)
+            if entry is None or not entry.complete or not entry.layers:
+                entry = None
+            else:
+                entry.pins += 1
+        try:
+            yield entry
+        finally:
+            if entry is not None:
+                with self._cond:
+                    self._unpin(entry)
 
     def extend(self, tid: str, deadline: float) -> None:
         """Keep an entry a decode request has started waiting for until ``deadline``."""
@@ -171,7 +204,18 @@ class StagingArea:
         self._entries[tid] = StagedKV(tid, 0, [], time.monotonic() + self._lease_s, link, failure=reason)
 
     def _free(self, entry: StagedKV) -> None:
+        """Give the entry's bytes back to the bound now, its buffer once nobody pins it."""
         if entry.layers:
             entry.layers = []
             self._used -= entry.nbytes
             self._cond.notify_all()
+        self._recycle(entry)
+
+    def _unpin(self, entry: StagedKV) -> None:
+        entry.pins -= 1
+        self._recycle(entry)
+
+    def _recycle(self, entry: StagedKV) -> None:
+        if entry.pins == 0 and not entry.layers and entry.buffer is not None:
+            self._pool.release(entry.buffer)
+            entry.buffer = None

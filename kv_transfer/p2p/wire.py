@@ -1,7 +1,13 @@
-"""Message framing on a pairwise link: a fixed-size int64 header, then (for KV) one payload.
+"""Message framing on a pairwise link: one uint8 message per chunk, header and payload together.
 
-Point-to-point receives need the size up front, so every message starts with a header of
-:data:`HEADER_INTS` int64 values that says what (if anything) follows.
+A message is :data:`HEADER_BYTES` of header (``HEADER_INTS`` int64 values that say what the
+message holds) followed, for KV, by the payload. Header and payload travel in one send because
+every point-to-point message costs a rendezvous with the receiving thread: sent apart, the
+payload's send waited for the receiver to read the header and post a receive for the payload,
+which put the 2-core machine's scheduling into every chunk (25% of a plain gloo send's
+bandwidth). As one message, the receiver can keep a receive posted in advance into a buffer of
+the largest message size (a gloo receive accepts a shorter message), and the sender never
+waits for it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 HEADER_INTS = 48
+HEADER_BYTES = HEADER_INTS * 8
 _MAGIC = 0x6475_6574  # "duet"
 _FIXED = 13
 MAX_TID_BYTES = (HEADER_INTS - _FIXED) * 8
@@ -30,7 +37,7 @@ class Kind(enum.IntEnum):
     """What a header announces."""
 
     KEEPALIVE = 0  # nothing follows; proves the sender is alive
-    KV = 1  # a [num_blocks, *block_shape] payload of one layer follows
+    KV = 1  # a [num_blocks, *block_shape] payload of one layer follows the header
     ABORT = 2  # the sender dropped data of this transfer: fail it now instead of timing out
     BYE = 3  # the sender closes the link
 
@@ -52,6 +59,27 @@ class Header:
 
     def payload_shape(self) -> tuple[int, ...]:
         return (self.num_blocks, *self.block_shape)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_blocks * self.block_shape[0] * self.block_shape[1] * self.block_shape[2] * self.dtype.itemsize
+
+    @property
+    def message_bytes(self) -> int:
+        return HEADER_BYTES + self.payload_bytes
+
+    def write_into(self, message: torch.Tensor) -> None:
+        """Put the encoded header at the start of a uint8 ``message`` buffer."""
+        message[:HEADER_BYTES].view(torch.int64).copy_(self.encode())
+
+    @classmethod
+    def read_from(cls, message: torch.Tensor) -> Header:
+        return cls.decode(message[:HEADER_BYTES].view(torch.int64))
+
+    def payload(self, message: torch.Tensor) -> torch.Tensor:
+        """The ``[num_blocks, *block_shape]`` payload inside a message this header describes."""
+        raw = message[HEADER_BYTES : self.message_bytes]
+        return raw.view(self.dtype).view(self.payload_shape())
 
     def encode(self) -> torch.Tensor:
         raw = self.tid.encode()
@@ -98,6 +126,6 @@ class Header:
         )
 
 
-def empty_header(device: torch.device) -> torch.Tensor:
-    """A receive buffer for one header."""
-    return torch.empty(HEADER_INTS, dtype=torch.int64, device=device)
+def control_message(header: Header, device: torch.device) -> torch.Tensor:
+    """A header-only message (keepalive, abort, bye)."""
+    return header.encode().view(torch.uint8).to(device)

@@ -1,8 +1,8 @@
 """Worker-side half of the connector: streams layers out (prefill) and fills blocks (decode).
 
 Prefill: ``save_kv_layer`` runs right after each attention layer wrote its KV; it copies the
-step's new tokens of that layer into a contiguous buffer and queues it for the peer's sender
-thread, so the transfer of layer i overlaps the compute of layers i+1.. and of later steps.
+step's new blocks of that layer into message buffers (``max_chunk_bytes`` of KV at most) and
+queues them for the peer's sender thread, so the transfer of layer i overlaps the compute of layers i+1.. and of later steps.
 With ``layerwise`` off, ``wait_for_save`` of a request's last prefill step queues all of its
 KV at once instead (the send-after-prefill baseline the benchmark compares against).
 
@@ -21,6 +21,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from duet.kv_transfer.p2p import kv_layout
+from duet.kv_transfer.p2p.buffers import BufferPool
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 from duet.kv_transfer.p2p.receiver import Listener
@@ -55,6 +56,7 @@ class P2pWorker:
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._device = torch.device("cpu")
         self._senders: dict[tuple[str, int], PeerSender] = {}
+        self._pool: BufferPool | None = None
         self._listener: Listener | None = None
         self._staging: StagingArea | None = None
         self._pending: dict[str, _PendingLoad] = {}
@@ -64,9 +66,16 @@ class P2pWorker:
         """Fix the layer order (both engines run the same model) and start the listener."""
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._kv_caches = dict(kv_caches)
+        block_bytes = max(t[0].numel() * t.element_size() for t in kv_caches.values())
+        if block_bytes > self._cfg.max_chunk_bytes:
+            raise ValueError(
+                f"p2p_max_chunk_bytes is {self._cfg.max_chunk_bytes}, smaller than one KV block "
+                f"({block_bytes} bytes): raise it to at least that"
+            )
         self._device = next(iter(kv_caches.values())).device
+        self._pool = BufferPool(self._device, self._cfg.idle_buffer_bytes)
         if self._is_consumer:
-            self._staging = StagingArea(self._cfg.staging_bytes, self._cfg.lease_s, self._device)
+            self._staging = StagingArea(self._cfg.staging_bytes, self._cfg.lease_s, self._pool)
             self._listener = Listener(
                 self._cfg.host, self._cfg.port + self._rank, self._device, self._staging, self._cfg, self.stats
             )
@@ -94,34 +103,45 @@ class P2pWorker:
                     self._submit(spec, layer, self._kv_caches[name], 0)
 
     def _submit(self, spec: SaveSpec, layer: int, kv_layer: torch.Tensor, start: int) -> None:
-        """Queue tokens [start, spec.end) of one layer (whole blocks) for the peer's sender."""
+        """Queue tokens [start, spec.end) of one layer (whole blocks) for the peer's sender,
+        as messages of at most ``max_chunk_bytes`` of KV each."""
+        assert self._pool is not None
         first, last = kv_layout.block_span(start, spec.end, self._block_size)
-        data = kv_layout.gather(kv_layer, spec.block_ids[first:last])
-        ready = None
-        if data.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        header = Header(
-            Kind.KV,
-            tid=spec.tid,
-            layer=layer,
-            num_layers=len(self._layer_index),
-            start_block=first,
-            num_blocks=last - first,
-            tokens_end=spec.end,
-            total_tokens=spec.total_tokens,
-            block_shape=tuple(data.shape[1:]),
-            dtype=data.dtype,
-        )
-        final = spec.last and layer == len(self._layer_index) - 1
-        self._sender(spec.peer.host, spec.peer.port + self._rank).submit(Chunk(header, data, ready, final))
+        block_shape = tuple(kv_layer.shape[1:])
+        block_bytes = kv_layer[0].numel() * kv_layer.element_size()
+        per_message = self._cfg.max_chunk_bytes // block_bytes
+        sender = self._sender(spec.peer.host, spec.peer.port + self._rank)
+        for lo in range(first, last, per_message):
+            hi = min(lo + per_message, last)
+            header = Header(
+                Kind.KV,
+                tid=spec.tid,
+                layer=layer,
+                num_layers=len(self._layer_index),
+                start_block=lo,
+                num_blocks=hi - lo,
+                tokens_end=min(hi * self._block_size, spec.end),
+                total_tokens=spec.total_tokens,
+                block_shape=block_shape,
+                dtype=kv_layer.dtype,
+            )
+            message = self._pool.acquire(header.message_bytes)
+            header.write_into(message)
+            kv_layout.gather_into(kv_layer, spec.block_ids[lo:hi], header.payload(message))
+            ready = None
+            if message.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            final = spec.last and layer == len(self._layer_index) - 1 and hi == last
+            sender.submit(Chunk(header, message, ready, final))
 
     def _sender(self, host: str, port: int) -> PeerSender:
         key = (host, port)
         sender = self._senders.get(key)
         if sender is None:
             me = f"{self._engine_id}/rank{self._rank}"
-            sender = self._senders[key] = PeerSender(host, port, me, self._device, self._cfg, self.stats)
+            assert self._pool is not None
+            sender = self._senders[key] = PeerSender(host, port, me, self._device, self._cfg, self.stats, self._pool)
         return sender
 
     # -- decode side ----------------------------------------------------------------------
@@ -138,7 +158,16 @@ class P2pWorker:
             self._staging.release(tid)
         self._cancelled.update(meta.cancels)
 
-    def get_transfer_results(self) -> KVConnectorTransferResults:
+    def get_transfer_results(self, meta: P2pMetadata) -> KVConnectorTransferResults:
+        results = self._collect_results()
+        if meta.idle_step and self._pending and not results.finished_recving:
+            # Nothing else to do this step: wait for the KV here rather than in a spinning loop.
+            assert self._staging is not None
+            self._staging.wait_for_news(self._cfg.idle_wait_s)
+            results = self._collect_results()
+        return results
+
+    def _collect_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         if self._staging is None:
             return results
@@ -169,7 +198,8 @@ class P2pWorker:
         if entry is not None and entry.failure is not None:
             outcome = entry.failure
         elif entry is not None and entry.complete:
-            outcome = self._copy_in(spec, entry.layers, entry.total_tokens)
+            with self._staging.reading(spec.tid) as staged:
+                outcome = "staged KV freed before loading" if staged is None else self._copy_in(spec, staged.layers, staged.total_tokens)
         elif now >= load.deadline:
             outcome = "transfer timed out"
         else:

@@ -1,0 +1,165 @@
+"""The p2p transport below vLLM: a real sender and listener over a real gloo pair group.
+
+Both ends run in this process (the listener hosts its TCPStore, the sender joins it from its
+own thread), which is what a pair of engines does across processes, minus the engines. The
+engine-level tests (test_p2p_disagg.py, test_nccl_serving.py) show the same code inside vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from duet.kv_transfer.p2p.buffers import BufferPool, size_class
+from duet.kv_transfer.p2p.config import P2pConfig
+from duet.kv_transfer.p2p.receiver import Listener
+from duet.kv_transfer.p2p.sender import Chunk, PeerSender
+from duet.kv_transfer.p2p.staging import StagingArea
+from duet.kv_transfer.p2p.stats import TransferStats
+from duet.kv_transfer.p2p.wire import Header, Kind
+
+CPU = torch.device("cpu")
+BLOCK_SHAPE = (2, 16, 8)  # [K/V, tokens per block, values]: 1 KiB of float32 per block
+BLOCK_TOKENS = BLOCK_SHAPE[1]
+BLOCK_BYTES = 2 * 16 * 8 * 4
+
+
+class Pair:
+    """One listener (decode side) and one sender (prefill side) on loopback."""
+
+    def __init__(self, port: int, sender_cfg: P2pConfig, receiver_cfg: P2pConfig):
+        self.pool = BufferPool(CPU, 1 << 26)
+        self.staging = StagingArea(receiver_cfg.staging_bytes, receiver_cfg.lease_s, self.pool)
+        self.recv_stats, self.send_stats = TransferStats(), TransferStats()
+        self.listener = Listener("127.0.0.1", port, CPU, self.staging, receiver_cfg, self.recv_stats)
+        self.send_pool = BufferPool(CPU, 1 << 26)
+        self.sender = PeerSender("127.0.0.1", port, "prefill-test", CPU, sender_cfg, self.send_stats, self.send_pool)
+        self.cfg = sender_cfg
+
+    def send_layerwise(self, tid: str, kv: list[torch.Tensor], total_tokens: int, step_tokens: int) -> None:
+        """Queue ``kv`` (per layer ``[blocks, *BLOCK_SHAPE]``) the way the prefill worker does:
+        per step and layer, whole blocks, split at the chunk limit."""
+        per_message = self.cfg.max_chunk_bytes // BLOCK_BYTES
+        for start in range(0, total_tokens, step_tokens):
+            end = min(start + step_tokens, total_tokens)
+            first, last = start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)
+            for layer, layer_kv in enumerate(kv):
+                for lo in range(first, last, per_message):
+                    hi = min(lo + per_message, last)
+                    header = Header(
+                        Kind.KV, tid=tid, layer=layer, num_layers=len(kv), start_block=lo, num_blocks=hi - lo,
+                        tokens_end=min(hi * BLOCK_TOKENS, end), total_tokens=total_tokens,
+                        block_shape=BLOCK_SHAPE, dtype=torch.float32,
+                    )
+                    message = self.send_pool.acquire(header.message_bytes)
+                    header.write_into(message)
+                    header.payload(message).copy_(layer_kv[lo:hi])
+                    last_chunk = end == total_tokens and layer == len(kv) - 1 and hi == last
+                    self.sender.submit(Chunk(header, message, None, last_chunk))
+
+    def wait_staged(self, tid: str, timeout_s: float = 10.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            entry = self.staging.get(tid)
+            if entry is not None and (entry.complete or entry.failure):
+                return entry
+            time.sleep(0.005)
+        raise AssertionError(f"{tid} was not staged within {timeout_s} s")
+
+    def close(self) -> None:
+        self.sender.close()
+        self.listener.close()
+
+
+@pytest.fixture
+def pair(free_port):
+    made: list[Pair] = []
+
+    def make(sender_cfg: P2pConfig | None = None, receiver_cfg: P2pConfig | None = None) -> Pair:
+        sender_cfg = sender_cfg or P2pConfig(port=free_port(), max_chunk_bytes=4 * BLOCK_BYTES)
+        made.append(Pair(sender_cfg.port, sender_cfg, receiver_cfg or sender_cfg))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def random_kv(layers: int, tokens: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-tokens // BLOCK_TOKENS)
+    return [torch.randn((blocks, *BLOCK_SHAPE), generator=gen) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("tokens,step", [(1, 1), (100, 100), (1000, 256), (1000, 1000)])
+def test_split_messages_land_byte_exact(pair, tokens, step):
+    """Steps cut mid-block and layers split into 4-block messages reassemble exactly."""
+    p = pair()
+    kv = random_kv(3, tokens, seed=tokens + step)
+    p.send_layerwise("t", kv, tokens, step)
+    entry = p.wait_staged("t")
+    assert entry.failure is None
+    for layer, staged in enumerate(entry.layers):
+        assert torch.equal(staged, kv[layer])
+    assert p.recv_stats.snapshot()["received_bytes"] >= sum(t.numel() * 4 for t in kv)
+
+
+def test_many_transfers_in_flight_reuse_buffers(pair):
+    p = pair()
+    kvs = {f"t{i}": random_kv(2, 300 + 37 * i, seed=i) for i in range(12)}
+    for tid, kv in kvs.items():
+        p.send_layerwise(tid, kv, kv[0].shape[0] * BLOCK_TOKENS, 128)
+    for tid, kv in kvs.items():
+        entry = p.wait_staged(tid)
+        assert all(torch.equal(a, b) for a, b in zip(entry.layers, kv))
+        p.staging.release(tid)
+    assert p.staging.used_bytes == 0
+    assert p.pool.idle_bytes > 0, "released staging memory goes back to the pool for reuse"
+
+
+def test_sender_with_bigger_chunks_is_refused_and_receiver_survives(pair, free_port):
+    port = free_port()
+    small = P2pConfig(port=port, max_chunk_bytes=2 * BLOCK_BYTES, connect_timeout_s=1.0, link_timeout_s=2.0)
+    big = P2pConfig(port=port, max_chunk_bytes=8 * BLOCK_BYTES, connect_timeout_s=1.0, link_timeout_s=2.0)
+    p = pair(sender_cfg=big, receiver_cfg=small)
+    p.send_layerwise("t", random_kv(1, 64, seed=1), 64, 64)
+    deadline = time.monotonic() + 15
+    while p.send_stats.snapshot()["send_failures"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.send_stats.snapshot()["send_failures"] == 1
+    assert p.recv_stats.snapshot()["handshake_failures"] >= 1
+    assert p.staging.get("t") is None, "nothing of the refused sender was staged"
+    # The listener still serves a well-configured peer.
+    ok = P2pConfig(port=port, max_chunk_bytes=2 * BLOCK_BYTES)
+    good = PeerSender("127.0.0.1", port, "prefill-ok", CPU, ok, TransferStats(), BufferPool(CPU, 1 << 20))
+    try:
+        p.sender, p.cfg, p.send_pool = good, ok, good._pool
+        kv = random_kv(1, 64, seed=2)
+        p.send_layerwise("ok", kv, 64, 64)
+        assert torch.equal(p.wait_staged("ok").layers[0], kv[0])
+    finally:
+        good.close()
+
+
+def test_pinned_staging_is_not_recycled_until_unpinned():
+    pool = BufferPool(CPU, 1 << 24)
+    staging = StagingArea(1 << 24, 60.0, pool)
+    header = Header(Kind.KV, tid="t", layer=0, num_layers=1, start_block=0, num_blocks=2, tokens_end=32,
+                    total_tokens=32, block_shape=BLOCK_SHAPE, dtype=torch.float32)
+    entry = staging.open(header, link=0, wait_s=0.0)
+    target = staging.target(entry, header)
+    target.fill_(1.0)
+    staging.landed(entry, header)
+    with staging.reading("t") as staged:
+        assert staged is entry
+        staging.release("t")  # e.g. the request was aborted while its KV is being copied in
+        assert pool.idle_bytes == 0, "a buffer still being read must not be handed out again"
+    assert pool.idle_bytes == size_class(header.payload_bytes)
+
+
+def test_size_classes_waste_at_most_a_quarter():
+    for n in (1, 70_000, 1 << 20, (4 << 20) + 384, 100_000_007):
+        c = size_class(n)
+        assert c >= n and c <= max(n, 64 << 10) * 1.25

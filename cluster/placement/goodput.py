@@ -13,7 +13,6 @@ throughput bound used to order and prune candidates before any simulation.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Literal
 import numpy as np
 
 from duet.cluster.placement.cluster_spec import ClusterSpec
-from duet.cluster.placement.latency_model import EnginePerf, LatencyModel, host_slowdown
+from duet.cluster.placement.latency_model import EnginePerf, LatencyModel
 from duet.cluster.placement.plan import Plan
 from duet.cluster.placement.simulator import (
     SimConfig,
@@ -103,19 +102,6 @@ class Deployment:
     colocated: bool = False
     host_ms_per_token: float = 0.0  # serving-path CPU per streamed token on these processors
 
-    def under_load(self, tokens_per_s: float) -> Deployment:
-        """The engines as fast as they run while streaming ``tokens_per_s`` (see host_slowdown)."""
-        engines = self.prefill + self.decode
-        factor = host_slowdown(self.host_ms_per_token, tokens_per_s, sum(e.gpus for e in engines))
-        if factor == 1.0:
-            return self
-        return dataclasses.replace(
-            self,
-            prefill=tuple(e.slowed(factor) for e in self.prefill),
-            decode=tuple(e.slowed(factor) for e in self.decode),
-            host_ms_per_token=0.0,
-        )
-
 
 def deployment(ctx: SearchContext, cand: Candidate) -> Deployment:
     """KV moves over NVLink inside a unit (each TP rank sends its shard), else the network."""
@@ -137,11 +123,17 @@ def deployment(ctx: SearchContext, cand: Candidate) -> Deployment:
 def simulate(ctx: SearchContext, dep: Deployment, rate: float, slo: Slo | None) -> SimResult:
     """Run ``ctx.trace`` rescaled to ``rate`` through ``dep``."""
     trace = ctx.trace.at_rate(rate)
-    dep = dep.under_load(rate * float(np.mean(trace.output_len)))
     if dep.colocated:
-        return simulate_colocated(trace, dep.prefill, slo, ctx.sim)
+        return simulate_colocated(trace, dep.prefill, slo, ctx.sim, dep.host_ms_per_token)
     return simulate_disaggregated(
-        trace, dep.prefill, dep.decode, ctx.kv_bytes_per_token, dep.transfer_bytes_per_s, slo, ctx.sim
+        trace,
+        dep.prefill,
+        dep.decode,
+        ctx.kv_bytes_per_token,
+        dep.transfer_bytes_per_s,
+        slo,
+        ctx.sim,
+        dep.host_ms_per_token,
     )
 
 

@@ -18,7 +18,6 @@ and a later simulated engine only ever call :meth:`LatencyModel.engine`.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import itertools
 import json
 import math
@@ -88,35 +87,6 @@ class EnginePerf:
         """Time of one token step for a micro-batch (one pipeline lane)."""
         return self.decode.step_ms(batch, sum_context) / 1000.0
 
-    def slowed(self, factor: float) -> EnginePerf:
-        """This engine running ``factor`` times slower (its processor shared with other work)."""
-        d = self.decode
-
-        def scale(c: Coeffs) -> Coeffs:
-            return (c[0] * factor, c[1] * factor, c[2] * factor)
-
-        return dataclasses.replace(
-            self,
-            prefill=PrefillPerf(scale(self.prefill.coeffs)),
-            decode=DecodePerf(scale(d.small), scale(d.large), d.threshold),
-        )
-
-
-def host_slowdown(host_ms_per_token: float, tokens_per_s: float, processors: int) -> float:
-    """How much slower engines run when the serving path shares their processors.
-
-    On a CPU node the router, Ray's streaming and the engines' front ends run on the same cores
-    as the forward passes, costing ``host_ms_per_token`` of CPU per streamed token. Spread over
-    the deployment's ``processors``, that work takes a share ``tokens/s * cost / processors`` of
-    each, and the engines get the rest (a mean-field view: the share follows the average token
-    rate, not its bursts). The share is capped at 95%: beyond it the deployment cannot keep up
-    at all, and a 20x slowdown already shows that in any SLO.
-    """
-    if host_ms_per_token <= 0 or processors <= 0:
-        return 1.0
-    share = min(tokens_per_s * host_ms_per_token / 1000.0 / processors, 0.95)
-    return 1.0 / (1.0 - share)
-
 
 @dataclass(frozen=True)
 class TpFit:
@@ -145,7 +115,8 @@ class LatencyModel:
     note: str = ""
     # CPU ms per streamed output token that the serving path (router, Ray streaming, engine
     # front ends, client) spends on the engines' own processors; 0 where engines have devices
-    # of their own (GPUs). See :func:`host_slowdown`.
+    # of their own (GPUs). The simulator charges it to the engines as tokens stream (see
+    # duet.cluster.placement.simulator).
     host_ms_per_token: float = 0.0
 
     def kv_capacity_tokens(self, tp: int, pp: int) -> int:

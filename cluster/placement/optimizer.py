@@ -279,6 +279,7 @@ class _Planner:
             prefill=(model_p.engine(pc.prefill[0], pc.pp),) * s.n_prefill,
             decode=(model_d.engine(dc.decode[0], dc.pp),) * s.n_decode,
             transfer_bytes_per_s=self.ctx.network_bytes_per_s,
+            host_ms_per_token=max(model_p.host_ms_per_token, model_d.host_ms_per_token),
         )
         return dep, self.rate
 

@@ -15,6 +15,13 @@ disaggregation removes.
 All latencies come from :class:`~duet.cluster.placement.latency_model.EnginePerf`. With an SLO
 given, a run stops as soon as more requests have missed it than the attainment target allows:
 the optimizer only needs to know that a rate is too high, not by how much.
+
+Serving-path CPU (``host_ms_per_token``, CPU deployments only): the router, Ray's streaming and
+the engines' front ends spend that much CPU per streamed token on the engines' own processors,
+spread over all of them and ahead of the engines. Engine work (prefill batches, decode steps) is
+therefore scheduled in *engine time*, which runs at ``1 - demand / processors`` of wall
+time, where the demand follows the tokens the decode loops stream at that moment. A burst that
+fills the decode batch slows every prefill running during it; an idle decode pool slows nothing.
 """
 
 from __future__ import annotations
@@ -90,7 +97,9 @@ class SimResult:
 class _Run:
     """Event loop plus per-request outcomes; raises nothing, stops when the SLO is lost."""
 
-    def __init__(self, trace: Trace, slo: Slo | None) -> None:
+    def __init__(
+        self, trace: Trace, slo: Slo | None, host_ms_per_token: float = 0.0, processors: int = 1
+    ) -> None:
         self.arrival = trace.arrival_s.tolist()
         self.inp = trace.input_len.tolist()
         self.out = trace.output_len.tolist()
@@ -105,15 +114,60 @@ class _Run:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable, tuple]] = []
         self._seq = 0
+        # Engine time (see the module docstring): engine events wait in their own heap, keyed
+        # by engine time; the clock is anchored at the last change of speed.
+        self._engine_heap: list[tuple[float, int, Callable, tuple]] = []
+        self._host_s_per_token = max(host_ms_per_token, 0.0) / 1000.0
+        self._processors = max(processors, 1)
+        self._streams: dict[object, float] = {}
+        self._speed = 1.0
+        self._anchor_wall = self._anchor_engine = 0.0
 
     def at(self, time: float, fn: Callable, *args: object) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (time, self._seq, fn, args))
 
+    def after_work(self, seconds: float, fn: Callable, *args: object) -> None:
+        """Call ``fn`` once an engine has done ``seconds`` of work from now (engine time)."""
+        self.at_engine(self.engine_now() + seconds, fn, *args)
+
+    def at_engine(self, engine_time: float, fn: Callable, *args: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._engine_heap, (engine_time, self._seq, fn, args))
+
+    def engine_now(self) -> float:
+        return self._anchor_engine + (self.now - self._anchor_wall) * self._speed
+
+    def _wall(self, engine_time: float) -> float:
+        return self._anchor_wall + (engine_time - self._anchor_engine) / self._speed
+
+    def streaming(self, source: object, tokens_per_engine_s: float) -> None:
+        """``source`` (a decode loop) now streams this many tokens per second of engine time.
+
+        Each token costs the serving path ``host_ms_per_token`` of CPU, spread over the
+        processors, and the engines run on what is left: with ``x`` = the host demand (cores) if
+        the engines ran at full speed, the speed ``s`` solves ``s = 1 - s*x/processors``. So a
+        decode step of ``n`` sequences costs its profiled time plus ``n*host_ms/processors``.
+        """
+        if self._host_s_per_token == 0 or self._streams.get(source, 0.0) == tokens_per_engine_s:
+            return
+        self._anchor_engine, self._anchor_wall = self.engine_now(), self.now
+        self._streams[source] = tokens_per_engine_s
+        demand = self._host_s_per_token * sum(self._streams.values())
+        self._speed = 1.0 / (1.0 + demand / self._processors)
+
     def run(self) -> SimResult:
-        heap = self._heap
-        while heap and not self.stopped:
-            self.now, _, fn, args = heapq.heappop(heap)
+        heap, engine_heap = self._heap, self._engine_heap
+        while not self.stopped:
+            if engine_heap and (
+                not heap or (self._wall(engine_heap[0][0]), engine_heap[0][1]) < heap[0][:2]
+            ):
+                engine_time, _, fn, args = heapq.heappop(engine_heap)
+                self.now = max(self.now, self._wall(engine_time))  # never back, despite rounding
+            elif heap:
+                self.now, _, fn, args = heapq.heappop(heap)
+            else:
+                break
             fn(*args)
         first = np.array(self.first_token)
         finish = np.array(self.finish)
@@ -154,7 +208,7 @@ class _DecodeLoop:
     With a fixed batch, step ``k`` costs ``A + k*B`` (context grows by one token per sequence
     per step), so a run of steps up to the next finish is one event. A request that wants to
     join mid-run interrupts the run at the next step boundary, exactly where a step-by-step
-    loop would have admitted it.
+    loop would have admitted it. Steps are timed in engine time (see :meth:`_Run.streaming`).
     """
 
     def __init__(self, run: _Run, perf: EnginePerf, on_boundary: Callable[[list[int]], None]):
@@ -185,15 +239,18 @@ class _DecodeLoop:
         n, ctx = self.size, self.sum_context
         self._a = self.perf.decode_step_s(n, ctx)
         self._b = self.perf.decode_step_s(n, ctx + n) - self._a
-        self._t0 = self.run.now
+        self._t0 = self.run.engine_now()
         self._planned = self._finish_steps[0] - self.step_no
+        # Tokens stream at the run's first-step rate: a run lasts only until the next join or
+        # finish, and the context growth over it changes the step time little.
+        self.run.streaming(self, n / self._a)
         self._schedule(self._planned)
 
     def interrupt(self) -> None:
         """End the current run at the next step boundary (someone is waiting to join)."""
         if not self.running:
             return
-        done = self._steps_done_by(self.run.now)
+        done = self._steps_done_by(self.run.engine_now())
         if done + 1 < self._planned:
             self._schedule(done + 1)
 
@@ -215,12 +272,13 @@ class _DecodeLoop:
     def _schedule(self, k: int) -> None:
         self.running = True
         self._epoch += 1
-        self.run.at(self._end(k), self._fire, self._epoch, k)
+        self.run.at_engine(self._end(k), self._fire, self._epoch, k)
 
     def _fire(self, epoch: int, k: int) -> None:
         if epoch != self._epoch:
             return
         self.running = False
+        self.run.streaming(self, 0.0)
         self.step_no += k
         self.sum_context += self.size * k
         done: list[int] = []
@@ -265,8 +323,8 @@ class _PrefillServer:
             return
         self.busy = True
         latency = self.perf.prefill_latency_s(total, sq)
-        run.at(run.now + latency / self.perf.pp, self._start)
-        run.at(run.now + latency, self._finish, batch, total)
+        run.after_work(latency / self.perf.pp, self._start)
+        run.after_work(latency, self._finish, batch, total)
 
     def _finish(self, batch: list[int], total: int) -> None:
         self.queued_tokens -= total
@@ -363,14 +421,18 @@ def simulate_disaggregated(
     transfer_bytes_per_s: float = math.inf,
     slo: Slo | None = None,
     cfg: SimConfig = SimConfig(),
+    host_ms_per_token: float = 0.0,
 ) -> SimResult:
     """Simulate prefill and decode pools; either may be empty to study one phase alone.
 
     With no prefill replicas, requests reach decode at arrival (TTFT 0); with no decode
     replicas, requests end at their first token (TPOT 0). The optimizer sizes each phase this
-    way (DistServe's algorithm 1), then checks the whole plan with both pools.
+    way (DistServe's algorithm 1), then checks the whole plan with both pools. The serving
+    path's CPU (``host_ms_per_token``) shares the processors of the engines simulated, and only
+    the tokens simulated load it: a prefill pool simulated alone streams none.
     """
-    run = _Run(trace, slo)
+    processors = sum(e.gpus for e in (*prefill, *decode))
+    run = _Run(trace, slo, host_ms_per_token, processors)
     decoders = [_DecodeServer(run, p, cfg, transfer_bytes_per_s, kv_bytes_per_token) for p in decode]
 
     def to_decode(i: int) -> None:
@@ -441,7 +503,7 @@ class _ColocatedServer:
             sq += run.inp[i] ** 2
         if prefill:
             self.prefilling = True
-            run.at(run.now + self.perf.prefill_latency_s(total, sq), self._prefill_done, prefill)
+            run.after_work(self.perf.prefill_latency_s(total, sq), self._prefill_done, prefill)
         elif self.loop.size:
             self.loop.start()
 
@@ -461,12 +523,16 @@ class _ColocatedServer:
 
 
 def simulate_colocated(
-    trace: Trace, engines: Sequence[EnginePerf], slo: Slo | None = None, cfg: SimConfig = SimConfig()
+    trace: Trace,
+    engines: Sequence[EnginePerf],
+    slo: Slo | None = None,
+    cfg: SimConfig = SimConfig(),
+    host_ms_per_token: float = 0.0,
 ) -> SimResult:
     """Simulate colocated replicas (pp=1); requests go to the replica with the least KV load."""
     if any(e.pp != 1 for e in engines):
         raise ValueError("the colocated baseline models tensor parallelism only (pp=1)")
-    run = _Run(trace, slo)
+    run = _Run(trace, slo, host_ms_per_token, sum(e.gpus for e in engines))
     servers = [_ColocatedServer(run, e, cfg) for e in engines]
     for i, t in enumerate(run.arrival):
         run.at(t, lambda i=i: min(servers, key=lambda s: s.load).submit(i))

@@ -5,7 +5,8 @@ router's gRPC stream, Ray's streaming of each chunk from the decode actor, the e
 the actor, and the client. ``duet profile`` times the engine alone, so this is the part of the
 deployment it cannot see; on two cores it is large enough to decide the SLO (about 1 ms per token
 here, against 4-8 ms for a whole decode step). The result goes into the latency model as
-``host_ms_per_token`` (see ``latency_model.host_slowdown``).
+``host_ms_per_token``, which the simulator charges to the engines as tokens stream (see the
+simulator module's docstring).
 
 Counted: every process in the ``duet serve`` process tree except the vLLM engine processes
 (``VLLM::Worker`` and ``VLLM::EngineCore``, whose time the profile already holds), plus this

@@ -7,8 +7,9 @@ For prompts of 1k, 8k and 32k tokens, in one run:
   processes (what the nccl transport runs on a CPU), and a single-threaded memcpy.
 - **Achieved bandwidth** of each transport from its own per-transfer metrics, read from the
   workers of a real deployment: NIXL's ``vllm:nixl_xfer_time_seconds`` (post to completion, on the
-  decode side) and the p2p connector's ``vllm:p2p_send_wire_seconds`` (time inside send calls, on
-  the prefill side), each as a ratio to its raw transport and to memcpy.
+  decode side) and the p2p connector's ``vllm:p2p_recv_wire_seconds`` (decode side: the time the
+  link carried each message, from its send, or the previous message's arrival if later, to its
+  arrival), each as a ratio to its raw transport and to memcpy.
 - **What disaggregation adds to TTFT.** duet streams the first token from the prefill worker,
   so the client's TTFT hides the hand-off; the cost shows in the time to the *second* token,
   the first one the decode side produces. ``added = TT2T(disaggregated) - TT2T(colocated)``,
@@ -22,7 +23,7 @@ For prompts of 1k, 8k and 32k tokens, in one run:
   prefill (``kv_transfer.layerwise: false``).
 - **Hidden fraction** of the layer-wise nccl transfer: ``1 - exposed / wire``, where ``exposed``
   is the time from the end of the prefill forward to the last chunk sent (what streaming did not
-  hide) and ``wire`` the time inside send calls.
+  hide) and ``wire`` the link's time carrying the transfer.
 
 Results go to JSON (default ``benchmarks/results/kv_transfer.json``) and a table to stdout.
 Engines run one deployment at a time (at most two engines alive), since a 2-core machine is
@@ -339,10 +340,13 @@ def transfer_delta(transport: str, before: dict[str, dict[str, float]], after: d
             seconds=delta("decode", "vllm:nixl_xfer_time_seconds_sum"),
             descriptors=delta("decode", "vllm:nixl_num_descriptors_sum"),
         )
-    return TransferMetrics(
-        transfers=delta("prefill", "vllm:p2p_send_wire_seconds_count"),
+    return TransferMetrics(  # counted once both sides have recorded the transfer
+        transfers=min(
+            delta("prefill", "vllm:p2p_send_exposed_seconds_count"),
+            delta("decode", "vllm:p2p_recv_wire_seconds_count"),
+        ),
         bytes=delta("prefill", "vllm:p2p_bytes_transferred_sum{direction=send}"),
-        seconds=delta("prefill", "vllm:p2p_send_wire_seconds_sum"),
+        seconds=delta("decode", "vllm:p2p_recv_wire_seconds_sum"),
         exposed_s=delta("prefill", "vllm:p2p_send_exposed_seconds_sum"),
     )
 

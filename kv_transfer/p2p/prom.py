@@ -35,13 +35,15 @@ class P2pPromMetrics(KVConnectorPromMetrics):
             buckets=_BYTES_BUCKETS,
             labelnames=labels,
         )
-        # Send side: a transfer's duration also holds waits for layers still being computed, so
-        # the wire's own share (time inside send calls) and the part of the transfer left after
-        # the prefill forward ended (what layer-wise streaming did not hide) are kept apart.
-        self._send_wire = self._send_histogram(
-            "vllm:p2p_send_wire_seconds", "Time inside send calls per p2p KV transfer."
+        # A transfer's duration also holds waits for layers still being computed, so the wire's
+        # own share (decode side: each message from its send, or the previous arrival, to its
+        # arrival) and the part left after the prefill forward ended (send side: what
+        # layer-wise streaming did not hide) are kept apart.
+        self._recv_wire = self._engine_histogram(
+            "vllm:p2p_recv_wire_seconds",
+            "Per p2p KV transfer, decode side: time the link was carrying its messages.",
         )
-        self._send_exposed = self._send_histogram(
+        self._send_exposed = self._engine_histogram(
             "vllm:p2p_send_exposed_seconds",
             "Per p2p KV transfer: from the end of the prefill forward to the last chunk sent.",
         )
@@ -58,6 +60,9 @@ class P2pPromMetrics(KVConnectorPromMetrics):
         failures = len(transfer_stats_data.get("failures", []))
         for record in transfer_stats_data.get("records", []):
             direction = record["side"]
+            if direction == "landed":
+                self._recv_wire[engine_idx].observe(record["wire_s"])
+                continue
             if direction == "recv" and record.get("outcome") != "loaded":
                 failures += 1
             if record.get("failure") is not None or (direction == "recv" and record.get("outcome") != "loaded"):
@@ -65,13 +70,12 @@ class P2pPromMetrics(KVConnectorPromMetrics):
             self._seconds.labels(*engine_labels, direction).observe(record.get("duration_s", 0.0))
             self._bytes.labels(*engine_labels, direction).observe(record["bytes"])
             if direction == "send":
-                self._send_wire[engine_idx].observe(record["busy_s"])
                 self._send_exposed[engine_idx].observe(record.get("tail_after_forward_s", 0.0))
         if failures:
             self._failed[engine_idx].inc(failures)
 
-    def _send_histogram(self, name: str, documentation: str) -> dict:
-        """A per-engine seconds histogram of send-side transfers."""
+    def _engine_histogram(self, name: str, documentation: str) -> dict:
+        """A per-engine seconds histogram of transfers."""
         histogram = self._histogram_cls(
             name=name, documentation=documentation, buckets=_SECONDS_BUCKETS, labelnames=self._labelnames
         )

@@ -94,6 +94,7 @@ class Listener:
         # Several receives stay posted, so the sender's next messages flow in while this thread
         # waits for the GIL (the engine's busy loop holds it most of the time) or copies one out.
         posted = collections.deque()
+        previous_ns = 0  # arrival of the previous message on this link
         try:
             for _ in range(max(self._cfg.recv_depth, 1)):
                 buffer = torch.zeros(HEADER_BYTES + self._cfg.max_chunk_bytes, dtype=torch.uint8, device=self._device)
@@ -101,13 +102,18 @@ class Listener:
             while not self._stop.is_set():
                 message, work = posted.popleft()
                 link.wait(work)
+                arrived_ns = time.monotonic_ns()
                 header = Header.read_from(message)
                 if header.kind == Kind.BYE:
                     break
                 if header.kind == Kind.ABORT:
                     self._staging.fail(header.tid, "aborted by sender", index)
                 elif header.kind == Kind.KV:
-                    self._land(link, header, message)
+                    # The link carried this message from when it was sent, or from when the
+                    # previous one arrived if that was later (it queued behind it).
+                    wire_s = (arrived_ns - max(header.sent_ns, previous_ns)) / 1e9
+                    self._land(link, header, message, max(wire_s, 0.0))
+                previous_ns = arrived_ns
                 posted.append((message, link.post_recv(message)))
         except (RuntimeError, ValueError) as e:  # includes peer death and silence past the timeout
             reason = f"link to {peer} broke: {e}"
@@ -121,7 +127,7 @@ class Listener:
             if failed:
                 logger.warning("p2p: %d transfers from %s failed (%s)", len(failed), peer, reason)
 
-    def _land(self, link: p2p_link.PeerLink, h: Header, message: torch.Tensor) -> None:
+    def _land(self, link: p2p_link.PeerLink, h: Header, message: torch.Tensor, wire_s: float) -> None:
         """Copy one KV message's payload into its staged slice."""
         if h.message_bytes > message.numel():
             raise ValueError(f"a {h.message_bytes}-byte message does not fit the {message.numel()}-byte buffer")
@@ -137,6 +143,7 @@ class Listener:
                 torch.cuda.current_stream(target.device).synchronize()
         finally:
             self._staging.landed(entry, h)
-        self._stats.count("received_bytes", h.payload_bytes)
-        if entry.completed is not None and entry.completed >= start:
+        complete = entry.completed is not None and entry.completed >= start
+        self._stats.chunk_landed(h.tid, h.payload_bytes, wire_s, complete)
+        if complete:
             self._stats.count("received_transfers")

@@ -24,7 +24,7 @@ from duet.kv_transfer.p2p.buffers import BufferPool
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.cpu import unbind_current_thread
 from duet.kv_transfer.p2p.stats import TransferStats
-from duet.kv_transfer.p2p.wire import Header, Kind, control_message
+from duet.kv_transfer.p2p.wire import Header, Kind, control_message, stamp_sent
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,7 @@ class PeerSender:
         assert self._link is not None
         if chunk.ready is not None:
             chunk.ready.synchronize()
+        stamp_sent(chunk.message, time.monotonic_ns())
         try:
             in_flight.append(_Posted(chunk, self._link.post_send(chunk.message), time.monotonic()))
         except RuntimeError as e:

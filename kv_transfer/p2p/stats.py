@@ -40,7 +40,6 @@ class SendRecord:
     peer: str
     bytes: int = 0
     chunks: int = 0
-    busy_s: float = 0.0  # time spent inside send calls (wire time, without waits for layers)
     send_start: float | None = None  # first chunk handed to the backend
     send_end: float | None = None  # last chunk's send completed
     forward_end: float | None = None  # end of the prefill forward that computed the last chunk
@@ -56,7 +55,6 @@ class SendRecord:
             duration = max(self.send_end - self.send_start, 1e-9)
             out["duration_s"] = duration
             out["gib_per_s"] = self.bytes / duration / 2**30
-            out["wire_gib_per_s"] = self.bytes / max(self.busy_s, 1e-9) / 2**30
             if self.forward_end is not None:
                 overlap = max(0.0, min(self.send_end, self.forward_end) - self.send_start)
                 out["overlap_s"] = overlap
@@ -73,6 +71,7 @@ class TransferStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     _open: dict[str, SendRecord] = field(default_factory=dict)
+    _landing: dict[str, list[float]] = field(default_factory=dict)  # tid -> [bytes, wire seconds]
     _records: collections.deque = field(default_factory=collections.deque)
     _interval: list[dict[str, Any]] = field(default_factory=list)
     _interval_failures: list[str] = field(default_factory=list)
@@ -88,7 +87,6 @@ class TransferStats:
             rec = self._open.setdefault(tid, SendRecord(tid, peer))
             rec.bytes += nbytes
             rec.chunks += 1
-            rec.busy_s += end - start
             rec.send_start = start if rec.send_start is None else rec.send_start
             if last:
                 rec.send_end = end
@@ -110,6 +108,20 @@ class TransferStats:
                 self._counters["send_failures"] += 1
                 self._interval_failures.append("send_failures")
             self._maybe_close(rec)
+
+    def chunk_landed(self, tid: str, nbytes: int, wire_s: float, complete: bool) -> None:
+        """Decode side: a message of ``tid`` arrived after ``wire_s`` on the link; the record
+        (side ``landed``) is pushed when the transfer's last message is in."""
+        with self._lock:
+            self._counters["received_bytes"] += nbytes
+            acc = self._landing.setdefault(tid, [0.0, 0.0])
+            acc[0] += nbytes
+            acc[1] += wire_s
+            if complete:
+                del self._landing[tid]
+                self._push({"tid": tid, "side": "landed", "bytes": int(acc[0]), "wire_s": acc[1]})
+            while len(self._landing) > self.max_records:  # transfers that failed midway
+                del self._landing[next(iter(self._landing))]
 
     def received(self, tid: str, nbytes: int, duration_s: float, outcome: str) -> None:
         """A decode-side transfer ended: ``outcome`` is 'loaded' or the failure reason."""

@@ -20,7 +20,8 @@ import torch
 HEADER_INTS = 48
 HEADER_BYTES = HEADER_INTS * 8
 _MAGIC = 0x6475_6574  # "duet"
-_FIXED = 13
+_FIXED = 14
+_SENT_NS_INDEX = 13  # the header's int64 that :func:`stamp_sent` overwrites
 MAX_TID_BYTES = (HEADER_INTS - _FIXED) * 8
 
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -56,6 +57,7 @@ class Header:
     total_tokens: int = 0
     block_shape: tuple[int, int, int] = (0, 0, 0)
     dtype: torch.dtype = torch.float32
+    sent_ns: int = 0  # time.monotonic_ns() when the message was handed to the link
 
     def payload_shape(self) -> tuple[int, ...]:
         return (self.num_blocks, *self.block_shape)
@@ -99,6 +101,7 @@ class Header:
                 *self.block_shape,
                 _DTYPES.index(self.dtype),
                 len(raw),
+                self.sent_ns,
             ],
             dtype=torch.int64,
         )
@@ -123,7 +126,15 @@ class Header:
             total_tokens=v[7],
             block_shape=(v[8], v[9], v[10]),
             dtype=_DTYPES[v[11]],
+            sent_ns=v[_SENT_NS_INDEX],
         )
+
+
+def stamp_sent(message: torch.Tensor, sent_ns: int) -> None:
+    """Record in an encoded message when it is handed to the link, so the receiver can time the
+    wire (both ends of a link share a host's monotonic clock on CPU; across hosts, see docs)."""
+    start = _SENT_NS_INDEX * 8
+    message[start : start + 8].view(torch.int64).fill_(sent_ns)
 
 
 def control_message(header: Header, device: torch.device) -> torch.Tensor:

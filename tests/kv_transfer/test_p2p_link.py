@@ -103,7 +103,10 @@ def test_split_messages_land_byte_exact(pair, tokens, step):
     assert entry.failure is None
     for layer, staged in enumerate(entry.layers):
         assert torch.equal(staged, kv[layer])
-    assert p.recv_stats.snapshot()["received_bytes"] >= sum(t.numel() * 4 for t in kv)
+    kv_bytes = sum(t.numel() * 4 for t in kv)
+    assert p.recv_stats.snapshot()["received_bytes"] == kv_bytes
+    (landed,) = [r for r in p.recv_stats.snapshot()["records"] if r["side"] == "landed"]
+    assert landed["bytes"] == kv_bytes and 0 < landed["wire_s"] < 10
 
 
 def test_many_transfers_in_flight_reuse_buffers(pair):

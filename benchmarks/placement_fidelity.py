@@ -52,9 +52,6 @@ from duet.cluster.placement.trace import Trace, load_trace
 RESULTS = Path(__file__).resolve().parent / "results" / "placement_fidelity.json"
 # NIXL between two Ray actors on this machine (../shared/ENVIRONMENT.md), GB/s.
 KV_LINK_GBS = 4.65
-# vLLM's token budget per step for an AsyncLLM built without max_num_batched_tokens (duet's
-# engines): the simulator's prefill batch budget must match the engine's.
-ENGINE_MAX_BATCHED_TOKENS = 2048
 CALIBRATION_REQUESTS = 40
 
 
@@ -158,7 +155,11 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     slo = parse_slo(args.slo, 0.9)
     trace = load_trace(args.trace).head(requests).capped(args.max_input, args.max_output)
-    sim = SimConfig(prefill_max_batch_tokens=ENGINE_MAX_BATCHED_TOKENS, max_num_seqs=load_config().decode.max_num_seqs)
+    # The simulator's per-step budgets are the deployed engines' (duet's config defaults).
+    deployed = load_config()
+    sim = SimConfig(
+        prefill_max_batch_tokens=deployed.prefill.max_num_batched_tokens, max_num_seqs=deployed.decode.max_num_seqs
+    )
 
     profile = args.profile or run_profile(workdir / "profile.yaml")
     cluster = ClusterSpec.load(write_cluster(workdir / "cluster.yaml", profile))

@@ -60,6 +60,9 @@ class PoolConfig(_Strict):
     # a placement plan assigns them; None lets Ray choose.
     nodes: list[int] | None = None
     max_num_seqs: int = Field(default=64, ge=1)
+    # Tokens one engine step may compute (vLLM's chunked-prefill budget), set explicitly so that
+    # the engines and the planner's simulator (SimConfig.prefill_max_batch_tokens) agree.
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
 
     @model_validator(mode="after")
     def _one_entry_per_replica(self) -> "PoolConfig":

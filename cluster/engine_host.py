@@ -82,6 +82,7 @@ class EngineHost:
             self.config.model,
             kv_cache_gib=self.pool.kv_cache_gib,
             max_num_seqs=self.pool.max_num_seqs,
+            max_num_batched_tokens=self.pool.max_num_batched_tokens,
             tensor_parallel=self.pool.tensor_parallel,
             pipeline_parallel=self.pool.pipeline_parallel,
             kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint),

@@ -25,12 +25,26 @@ def test_embedded_default_loads():
         ({"server": {"port": 70000}}, "server.port"),
         ({"prefill": {"replicas": 2, "cpu_cores": [0]}}, "prefill"),
         ({"decode": {"replcas": 2}}, "decode.replcas"),
+        ({"prefill": {"max_num_batched_tokens": 0}}, "prefill.max_num_batched_tokens"),
     ],
 )
 def test_bad_field_is_named(data, field):
     with pytest.raises(ConfigError) as raised:
         parse_config(data)
     assert f"  {field}:" in str(raised.value)
+
+
+def test_engine_step_budget_is_set_explicitly():
+    """The planner simulates the engines' per-step token budget, so duet sets it rather than
+    inheriting whatever vLLM's default is for the platform."""
+    from duet.cluster.engine import engine_kwargs
+
+    config = parse_config({"prefill": {"max_num_batched_tokens": 512}})
+    assert config.decode.max_num_batched_tokens == 2048
+    kwargs = engine_kwargs(
+        config.model, kv_cache_gib=1, max_num_batched_tokens=config.prefill.max_num_batched_tokens
+    )
+    assert kwargs["max_num_batched_tokens"] == 512
 
 
 def test_unreadable_and_malformed_files_are_reported(tmp_path):

@@ -1,10 +1,11 @@
 """Prefill side: one thread per decode worker that ships queued KV chunks over its link.
 
-The forward thread only gathers a layer's new tokens into a message buffer (behind its header)
-and enqueues it (:meth:`PeerSender.submit`), so sending overlaps the rest of the prefill
-forward; each chunk is one send (see wire.py), and its buffer goes back to the pool after it. The link is
-built on the first chunk, kept alive with keepalives, and torn down on any error; queued
-chunks of a broken link are dropped and reported, never retried into a stale staging entry.
+The forward thread only gathers a layer's new blocks into message buffers behind their headers
+(:func:`layer_chunks`) and enqueues them (:meth:`PeerSender.submit`), so sending overlaps the
+rest of the prefill forward; each chunk is one send (see wire.py), and its buffer goes back to
+the pool after it. The link is built on the first chunk, kept alive with keepalives, and torn
+down on any error; queued chunks of a broken link are dropped and reported, never retried into
+a stale staging entry.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from duet.kv_transfer.p2p import kv_layout
 from duet.kv_transfer.p2p import link as p2p_link
 from duet.kv_transfer.p2p.buffers import BufferPool
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.cpu import unbind_current_thread
+from duet.kv_transfer.p2p.metadata import SaveSpec
 from duet.kv_transfer.p2p.stats import TransferStats
 from duet.kv_transfer.p2p.wire import Header, Kind, control_message, stamp_sent
 
@@ -42,6 +46,46 @@ class Chunk:
     def nbytes(self) -> int:
         """KV bytes carried (what transfer statistics count)."""
         return self.header.payload_bytes
+
+
+def layer_chunks(
+    spec: SaveSpec,
+    layer: int,
+    num_layers: int,
+    kv_layer: torch.Tensor,
+    start: int,
+    block_size: int,
+    max_chunk_bytes: int,
+    pool: BufferPool,
+) -> Iterator[Chunk]:
+    """Tokens [start, spec.end) of one layer (whole blocks) as messages of at most
+    ``max_chunk_bytes`` of KV each, gathered from the layer's paged cache into pooled buffers."""
+    first, last = kv_layout.block_span(start, spec.end, block_size)
+    block_shape = tuple(kv_layer.shape[1:])
+    per_message = max_chunk_bytes // (kv_layer[0].numel() * kv_layer.element_size())
+    for lo in range(first, last, per_message):
+        hi = min(lo + per_message, last)
+        header = Header(
+            Kind.KV,
+            tid=spec.tid,
+            layer=layer,
+            num_layers=num_layers,
+            start_block=lo,
+            num_blocks=hi - lo,
+            tokens_end=min(hi * block_size, spec.end),
+            total_tokens=spec.total_tokens,
+            block_shape=block_shape,
+            dtype=kv_layer.dtype,
+        )
+        message = pool.acquire(header.message_bytes)
+        header.write_into(message)
+        kv_layout.gather_into(kv_layer, spec.block_ids[lo:hi], header.payload(message))
+        ready = None
+        if message.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        final = spec.last and layer == num_layers - 1 and hi == last
+        yield Chunk(header, message, ready, final)
 
 
 @dataclass
@@ -78,7 +122,6 @@ class PeerSender:
         self._stop = False
         self._link: p2p_link.PeerLink | None = None
         self._down_until = 0.0
-        self._last_done = 0.0
         self._failed_tids: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"duet-p2p-send-{self.peer}", daemon=True)
         self._thread.start()
@@ -177,15 +220,18 @@ class PeerSender:
         assert self._link is not None
         if chunk.ready is not None:
             chunk.ready.synchronize()
-        stamp_sent(chunk.message, time.monotonic_ns())
+        posted_ns = time.monotonic_ns()
+        stamp_sent(chunk.message, posted_ns)
         try:
-            in_flight.append(_Posted(chunk, self._link.post_send(chunk.message), time.monotonic()))
+            in_flight.append(_Posted(chunk, self._link.post_send(chunk.message), posted_ns / 1e9))
         except RuntimeError as e:
             self._drop(chunk, f"send failed: {e}")
             self._broken(str(e), in_flight)
 
     def _complete(self, in_flight: collections.deque[_Posted]) -> None:
-        """Wait for the oldest send; its wire time is from when the link was free for it."""
+        """Wait for the oldest send, then record it and recycle its buffer. (The wire time is
+        measured where the message lands: with sends posted ahead and the kernel's socket
+        buffer, a send completing says little about when its bytes moved.)"""
         posted = in_flight.popleft()
         chunk = posted.chunk
         assert self._link is not None
@@ -195,10 +241,7 @@ class PeerSender:
             self._drop(chunk, f"send failed: {e}")
             self._broken(str(e), in_flight)
             return
-        done = time.monotonic()
-        start = max(posted.posted_at, self._last_done)
-        self._last_done = done
-        self._stats.chunk_sent(chunk.header.tid, self.peer, chunk.nbytes, start, done, chunk.last)
+        self._stats.chunk_sent(chunk.header.tid, self.peer, chunk.nbytes, posted.posted_at, time.monotonic(), chunk.last)
         self._pool.release(chunk.message)
 
     def _connect(self) -> bool:

@@ -2,7 +2,8 @@
 
 Prefill: ``save_kv_layer`` runs right after each attention layer wrote its KV; it copies the
 step's new blocks of that layer into message buffers (``max_chunk_bytes`` of KV at most) and
-queues them for the peer's sender thread, so the transfer of layer i overlaps the compute of layers i+1.. and of later steps.
+queues them for the peer's sender thread, so the transfer of layer i overlaps the compute of
+layers i+1.. and of later steps.
 With ``layerwise`` off, ``wait_for_save`` of a request's last prefill step queues all of its
 KV at once instead (the send-after-prefill baseline the benchmark compares against).
 
@@ -25,10 +26,9 @@ from duet.kv_transfer.p2p.buffers import BufferPool
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 from duet.kv_transfer.p2p.receiver import Listener
-from duet.kv_transfer.p2p.sender import Chunk, PeerSender
+from duet.kv_transfer.p2p.sender import PeerSender, layer_chunks
 from duet.kv_transfer.p2p.staging import StagingArea
 from duet.kv_transfer.p2p.stats import TransferStats
-from duet.kv_transfer.p2p.wire import Header, Kind
 
 
 @dataclass
@@ -103,37 +103,14 @@ class P2pWorker:
                     self._submit(spec, layer, self._kv_caches[name], 0)
 
     def _submit(self, spec: SaveSpec, layer: int, kv_layer: torch.Tensor, start: int) -> None:
-        """Queue tokens [start, spec.end) of one layer (whole blocks) for the peer's sender,
-        as messages of at most ``max_chunk_bytes`` of KV each."""
+        """Queue tokens [start, spec.end) of one layer for the peer's sender."""
         assert self._pool is not None
-        first, last = kv_layout.block_span(start, spec.end, self._block_size)
-        block_shape = tuple(kv_layer.shape[1:])
-        block_bytes = kv_layer[0].numel() * kv_layer.element_size()
-        per_message = self._cfg.max_chunk_bytes // block_bytes
         sender = self._sender(spec.peer.host, spec.peer.port + self._rank)
-        for lo in range(first, last, per_message):
-            hi = min(lo + per_message, last)
-            header = Header(
-                Kind.KV,
-                tid=spec.tid,
-                layer=layer,
-                num_layers=len(self._layer_index),
-                start_block=lo,
-                num_blocks=hi - lo,
-                tokens_end=min(hi * self._block_size, spec.end),
-                total_tokens=spec.total_tokens,
-                block_shape=block_shape,
-                dtype=kv_layer.dtype,
-            )
-            message = self._pool.acquire(header.message_bytes)
-            header.write_into(message)
-            kv_layout.gather_into(kv_layer, spec.block_ids[lo:hi], header.payload(message))
-            ready = None
-            if message.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            final = spec.last and layer == len(self._layer_index) - 1 and hi == last
-            sender.submit(Chunk(header, message, ready, final))
+        chunks = layer_chunks(
+            spec, layer, len(self._layer_index), kv_layer, start, self._block_size, self._cfg.max_chunk_bytes, self._pool
+        )
+        for chunk in chunks:
+            sender.submit(chunk)
 
     def _sender(self, host: str, port: int) -> PeerSender:
         key = (host, port)
@@ -199,7 +176,10 @@ class P2pWorker:
             outcome = entry.failure
         elif entry is not None and entry.complete:
             with self._staging.reading(spec.tid) as staged:
-                outcome = "staged KV freed before loading" if staged is None else self._copy_in(spec, staged.layers, staged.total_tokens)
+                if staged is None:
+                    outcome = "staged KV freed before loading"
+                else:
+                    outcome = self._copy_in(spec, staged.layers, staged.total_tokens)
         elif now >= load.deadline:
             outcome = "transfer timed out"
         else:

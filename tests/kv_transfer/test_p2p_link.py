@@ -15,7 +15,9 @@ import torch
 from duet.kv_transfer.p2p.buffers import BufferPool, size_class
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.receiver import Listener
-from duet.kv_transfer.p2p.sender import Chunk, PeerSender
+from duet.kv_transfer.p2p.metadata import SaveSpec
+from duet.kv_transfer.p2p.params import PeerAddress
+from duet.kv_transfer.p2p.sender import PeerSender, layer_chunks
 from duet.kv_transfer.p2p.staging import StagingArea
 from duet.kv_transfer.p2p.stats import TransferStats
 from duet.kv_transfer.p2p.wire import Header, Kind
@@ -40,24 +42,16 @@ class Pair:
 
     def send_layerwise(self, tid: str, kv: list[torch.Tensor], total_tokens: int, step_tokens: int) -> None:
         """Queue ``kv`` (per layer ``[blocks, *BLOCK_SHAPE]``) the way the prefill worker does:
-        per step and layer, whole blocks, split at the chunk limit."""
-        per_message = self.cfg.max_chunk_bytes // BLOCK_BYTES
+        per step and layer, with the worker's own chunking (whole blocks, split at the limit)."""
+        peer = PeerAddress("127.0.0.1", self.cfg.port, "decode-test")
+        block_ids = list(range(kv[0].shape[0]))
         for start in range(0, total_tokens, step_tokens):
-            end = min(start + step_tokens, total_tokens)
-            first, last = start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)
+            spec = SaveSpec(tid, peer, block_ids, start, min(start + step_tokens, total_tokens), total_tokens)
             for layer, layer_kv in enumerate(kv):
-                for lo in range(first, last, per_message):
-                    hi = min(lo + per_message, last)
-                    header = Header(
-                        Kind.KV, tid=tid, layer=layer, num_layers=len(kv), start_block=lo, num_blocks=hi - lo,
-                        tokens_end=min(hi * BLOCK_TOKENS, end), total_tokens=total_tokens,
-                        block_shape=BLOCK_SHAPE, dtype=torch.float32,
-                    )
-                    message = self.send_pool.acquire(header.message_bytes)
-                    header.write_into(message)
-                    header.payload(message).copy_(layer_kv[lo:hi])
-                    last_chunk = end == total_tokens and layer == len(kv) - 1 and hi == last
-                    self.sender.submit(Chunk(header, message, None, last_chunk))
+                for chunk in layer_chunks(
+                    spec, layer, len(kv), layer_kv, spec.start, BLOCK_TOKENS, self.cfg.max_chunk_bytes, self.send_pool
+                ):
+                    self.sender.submit(chunk)
 
     def wait_staged(self, tid: str, timeout_s: float = 10.0):
         deadline = time.monotonic() + timeout_s
@@ -95,7 +89,8 @@ def random_kv(layers: int, tokens: int, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("tokens,step", [(1, 1), (100, 100), (1000, 256), (1000, 1000)])
 def test_split_messages_land_byte_exact(pair, tokens, step):
-    """Steps cut mid-block and layers split into 4-block messages reassemble exactly."""
+    """Steps cut mid-block and layers split into 4-block messages (the prefill worker's
+    chunking) reassemble exactly."""
     p = pair()
     kv = random_kv(3, tokens, seed=tokens + step)
     p.send_layerwise("t", kv, tokens, step)

@@ -54,8 +54,10 @@ class BufferPool:
 
     def release(self, buffer: torch.Tensor) -> None:
         """Return a buffer from :meth:`acquire`; kept for reuse while under the byte bound."""
-        base = buffer._base if buffer._base is not None else buffer
-        cls = base.numel()
+        # The whole pooled buffer behind whatever view of it was handed out. (Not ``_base``:
+        # views made under ``torch.inference_mode``, where vLLM's forward pass runs, have none.)
+        cls = buffer.untyped_storage().nbytes()
+        base = buffer.as_strided((cls,), (1,), 0)
         with self._lock:
             if self._idle_bytes + cls <= self._keep_bytes:
                 self._idle[cls].append(base)

@@ -161,3 +161,19 @@ def test_size_classes_waste_at_most_a_quarter():
     for n in (1, 70_000, 1 << 20, (4 << 20) + 384, 100_000_007):
         c = size_class(n)
         assert c >= n and c <= max(n, 64 << 10) * 1.25
+
+
+def test_buffers_handed_out_under_inference_mode_are_reused():
+    """The prefill side gathers into message buffers inside vLLM's forward pass, where
+    ``torch.inference_mode`` leaves views without ``_base``: the pool must still take the whole
+    buffer back in its own size class, or every message faults in fresh memory."""
+    pool = BufferPool(CPU, 1 << 24)
+    nbytes = (1 << 20) + 384
+    with torch.inference_mode():
+        first = pool.acquire(nbytes)
+        address = first.data_ptr()
+        pool.release(first)
+        assert pool.idle_bytes == size_class(nbytes)
+        again = pool.acquire(nbytes)
+    assert again.data_ptr() == address and again.numel() == nbytes
+    assert pool.idle_bytes == 0

@@ -4,7 +4,10 @@ For prompts of 1k, 8k and 32k tokens, in one run:
 
 - **Ceilings** for the same byte count: a raw NIXL agent-to-agent READ between two processes
   (DRAM, the progress thread off, as duet configures NIXL), a raw gloo send/recv between two
-  processes (what the nccl transport runs on a CPU), and a single-threaded memcpy.
+  processes (what the nccl transport runs on a CPU), and a single-threaded memcpy. Each
+  transport's ratio is to its raw transport measured beside it (just before and just after that
+  size's requests, with its deployment up), since on a shared machine a ceiling taken minutes
+  earlier can be off by half; the ceilings taken at the start of the run are kept too.
 - **Achieved bandwidth** of each transport from its own per-transfer metrics, read from the
   workers of a real deployment: NIXL's ``vllm:nixl_xfer_time_seconds`` (post to completion, on the
   decode side) and the p2p connector's ``vllm:p2p_recv_wire_seconds`` (decode side: the time the
@@ -411,6 +414,7 @@ class SizeRun:
     timings: list[Timing] = field(default_factory=list)
     colocated_ttft_s: list[float] = field(default_factory=list)
     transfer: TransferMetrics = field(default_factory=TransferMetrics)
+    raw_s: list[float] = field(default_factory=list)  # the raw transport, same bytes, beside it
 
 
 # A prompt for the disaggregated request and another of the same length for the colocated one
@@ -457,33 +461,52 @@ async def _serving(config: Any) -> AsyncIterator[tuple[Any, Any]]:
 
 
 async def measure_sizes(
-    deployment: Any, stub: Any, transport: str, prompts: dict[str, list[PromptPair]]
+    deployment: Any,
+    stub: Any,
+    transport: str,
+    prompts: dict[str, list[PromptPair]],
+    raw_seconds: Callable[[str], float],
 ) -> dict[str, SizeRun]:
     """Serve every size's prompts one at a time, each disaggregated request followed by its
     colocated twin (so both see the same machine load); each size also gets the transfer
-    metrics its requests added (read from the workers before and after)."""
+    metrics its requests added (read from the workers before and after), and its raw
+    transport's time for the same bytes (``raw_seconds(label)``), measured just before and just
+    after its requests with the deployment up and idle: the ceiling under the same conditions."""
     runs: dict[str, SizeRun] = {}
     done = transfer_delta(transport, _EMPTY, await _worker_metrics(deployment)).transfers
     for label, pairs in prompts.items():
         before = await _settled_metrics(deployment, stub, transport, done)
         run = runs[label] = SizeRun()
+        run.raw_s.append(await asyncio.to_thread(raw_seconds, label))
         for index, (prompt, twin) in enumerate(pairs):
             run.timings.append(await _timed_request(stub, prompt))
             run.colocated_ttft_s.append(await _prefill_alone_s(deployment, twin, f"bench-colocated-{label}-{index}"))
         done += len(pairs)
         after = await _settled_metrics(deployment, stub, transport, done)
         run.transfer = transfer_delta(transport, before, after)
+        run.raw_s.append(await asyncio.to_thread(raw_seconds, label))
     return runs
 
 
+def raw_seconds_for(variant: Variant, sizes: dict[str, int], geometry: KVGeometry, reps: int) -> Callable[[str], float]:
+    """The best time of ``variant``'s raw transport moving a size's KV bytes, by size label."""
+    if variant.raw == "nixl":
+        return lambda label: raw_nixl_seconds(geometry.prompt_bytes(sizes[label]), reps, geometry.layers)
+    return lambda label: raw_gloo_seconds(geometry.prompt_bytes(sizes[label]), reps)
+
+
 async def run_variant(
-    variant: Variant, model_dir: Path | None, prompts: dict[str, list[PromptPair]], warmup: list[int]
+    variant: Variant,
+    model_dir: Path | None,
+    prompts: dict[str, list[PromptPair]],
+    warmup: list[int],
+    raw_seconds: Callable[[str], float],
 ) -> dict[str, SizeRun]:
     """Measure ``variant`` on a fresh deployment, after one unmeasured request (handshakes)."""
     async with _serving(_deployment_config(model_dir, variant)) as (deployment, stub):
         await _timed_request(stub, warmup)
         await _settled_metrics(deployment, stub, variant.transport, 1)
-        return await measure_sizes(deployment, stub, variant.transport, prompts)
+        return await measure_sizes(deployment, stub, variant.transport, prompts, raw_seconds)
 
 
 # ---- results -----------------------------------------------------------------------------
@@ -505,7 +528,7 @@ def variant_result(run: SizeRun, ceilings: Ceilings, variant: Variant) -> dict[s
     base_ttft = _median(run.colocated_ttft_s)
     base_tt2t = base_ttft + step
     transfer = run.transfer
-    raw = getattr(ceilings, variant.raw)
+    raw = gib_per_s(ceilings.nbytes, min(run.raw_s)) if run.raw_s else float("nan")
     out: dict[str, Any] = {
         "requests": len(run.timings),
         "ttft_s": ttft,
@@ -523,6 +546,8 @@ def variant_result(run: SizeRun, ceilings: Ceilings, variant: Variant) -> dict[s
         "transfer_s_per_transfer": transfer.seconds / transfer.transfers if transfer.transfers else 0.0,
         "gib_per_s": transfer.gib_per_s,
         "raw_transport": variant.raw,
+        "raw_gib_per_s": raw,  # measured beside this variant, just before and after its requests
+        "raw_up_front_gib_per_s": getattr(ceilings, variant.raw),  # at the start of the run
         "ratio_to_raw": _ratio(transfer.gib_per_s, raw),
         "ratio_to_memcpy": _ratio(transfer.gib_per_s, ceilings.memcpy),
     }
@@ -564,7 +589,7 @@ def format_table(sizes: dict[str, Any]) -> str:
         for name, cell in size["variants"].items():
             hidden = cell.get("hidden_fraction")
             rows.append(
-                f"| {label} | {name} | {cell['gib_per_s']:.2f} | {ceilings[cell['raw_transport']]:.2f} "
+                f"| {label} | {name} | {cell['gib_per_s']:.2f} | {cell['raw_gib_per_s']:.2f} "
                 f"({cell['raw_transport']}) | {ceilings['memcpy']:.2f} | {cell['ratio_to_raw']:.0%} "
                 f"| {cell['ratio_to_memcpy']:.0%} | {cell['added_handoff_s'] * 1e3:.1f} "
                 f"| {cell['added_ttft_s'] * 1e3:+.1f} | {'-' if hidden is None else f'{hidden:.0%}'} |"
@@ -592,14 +617,15 @@ def _model_dir(sizes: dict[str, int]) -> Path | None:
     return ensure_tiny_model(context=LONG_CONTEXT)
 
 
-async def _serving_runs(plan: Plan, model_dir: Path | None) -> dict[str, dict[str, SizeRun]]:
+async def _serving_runs(plan: Plan, model_dir: Path | None, geometry: KVGeometry) -> dict[str, dict[str, SizeRun]]:
     """Each variant on its own deployment, one after the other (two engines alive at a time)."""
     prompts = {label: prompt_pairs(tokens, reps_for(tokens, plan.reps)) for label, tokens in plan.sizes.items()}
     warmup = _prompts(512, 1, seed=1)[0]
     variants = {}
     for variant in VARIANTS:
         print(f"bench transfer: serving {variant.name} ...", file=sys.stderr, flush=True)
-        variants[variant.name] = await run_variant(variant, model_dir, prompts, warmup)
+        raw = raw_seconds_for(variant, plan.sizes, geometry, plan.ceiling_reps)
+        variants[variant.name] = await run_variant(variant, model_dir, prompts, warmup, raw)
     return variants
 
 
@@ -615,7 +641,7 @@ def run(plan: Plan) -> dict[str, Any]:
     for label, tokens in plan.sizes.items():
         print(f"bench transfer: ceilings for {label} ...", file=sys.stderr, flush=True)
         ceilings[label] = measure_ceilings(geometry.prompt_bytes(tokens), plan.ceiling_reps, geometry.layers)
-    variants = asyncio.run(_serving_runs(plan, model_dir))
+    variants = asyncio.run(_serving_runs(plan, model_dir, geometry))
     sizes = {
         label: {
             "tokens": tokens,

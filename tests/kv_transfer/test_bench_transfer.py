@@ -52,7 +52,9 @@ def test_nixl_metrics_count_one_transfer_of_the_prompt_kv(deployment):
 
     async def measure():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
-            return await bench.measure_sizes(deployment, pb_grpc.DuetStub(channel), "nixl", prompts)
+            stub = pb_grpc.DuetStub(channel)
+            raw = bench.raw_seconds_for(bench.VARIANTS[0], {"1k": 1000}, geometry, reps=2)
+            return await bench.measure_sizes(deployment, stub, "nixl", prompts, raw)
 
     run = asyncio.run(measure())["1k"]
     assert all(0 < t.first_s < t.second_s and t.step_s > 0 for t in run.timings)
@@ -60,18 +62,21 @@ def test_nixl_metrics_count_one_transfer_of_the_prompt_kv(deployment):
     assert run.transfer.transfers == 2
     assert run.transfer.bytes == 2 * geometry.prompt_bytes(1000)
     assert run.transfer.gib_per_s > 0
+    assert len(run.raw_s) == 2 and all(0 < t < 5 for t in run.raw_s), "raw NIXL measured before and after"
 
 
 def test_hidden_fraction_is_the_unexposed_share_of_wire_time():
-    ceilings = bench.Ceilings(1 << 20, memcpy=10.0, gloo=2.0, nixl=4.0)
+    ceilings = bench.Ceilings(1 << 20, memcpy=10.0, gloo=3.0, nixl=4.0)  # up front; the ratio uses raw_s
     run = bench.SizeRun(
         timings=[bench.Timing((0.1, 0.2, 0.21, 0.22))],
         colocated_ttft_s=[0.09],
         transfer=bench.TransferMetrics(transfers=1, bytes=2**30, seconds=1.0, exposed_s=0.25),
+        raw_s=[2**20 / 2**30, 2**20 / 2**31],  # 1 GiB/s before the requests, 2 GiB/s after: the best counts
     )
     cell = bench.variant_result(run, ceilings, bench.VARIANTS[1])
     assert cell["hidden_fraction"] == pytest.approx(0.75)
     assert cell["ratio_to_raw"] == pytest.approx(0.5) and cell["ratio_to_memcpy"] == pytest.approx(0.1)
+    assert cell["raw_gib_per_s"] == pytest.approx(2.0) and cell["raw_up_front_gib_per_s"] == 3.0
     assert cell["colocated_tt2t_s"] == pytest.approx(0.1)  # prefill alone + one decode step
     assert cell["added_tt2t_s"] == pytest.approx(0.1) and cell["added_ttft_s"] == pytest.approx(0.01)
     assert cell["added_handoff_s"] == pytest.approx(0.09)  # 0.1 s from first to second token, less a step

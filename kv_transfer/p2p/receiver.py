@@ -2,10 +2,13 @@
 
 One acceptor thread turns announcements at this worker's TCPStore into links; each link gets a
 receiver thread with ``recv_depth`` landing buffers of the largest message size, each with a
-receive posted: while one message is copied into its staged slice, the next ones are already
-arriving in the others, so the sender need not wait for this thread (see wire.py). A link that
-errors or stays silent past the link timeout is torn down and its unfinished transfers fail,
-so decode requests waiting on them end (recompute or error) instead of hanging.
+receive posted: while this thread handles one message, the next ones are already arriving in
+the others, so the sender need not wait for it (see wire.py). A message that fills at least half
+its buffer is staged where it landed and a fresh buffer from the pool takes its place; a smaller
+one is copied into a buffer of its own size (cheap) so that staged KV holds at most twice its
+bytes. So the bulk of the KV is copied once on this side, by the engine into its blocks. A link
+that errors or stays silent past the link timeout is torn down and its unfinished transfers
+fail, so decode requests waiting on them end (recompute or error) instead of hanging.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from datetime import timedelta
 import torch
 
 from duet.kv_transfer.p2p import link as p2p_link
+from duet.kv_transfer.p2p.buffers import BufferPool
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.cpu import unbind_current_thread
-from duet.kv_transfer.p2p.staging import StagingArea
+from duet.kv_transfer.p2p.staging import Landed, StagingArea
 from duet.kv_transfer.p2p.stats import TransferStats
 from duet.kv_transfer.p2p.wire import HEADER_BYTES, Header, Kind
 
@@ -32,10 +36,18 @@ class Listener:
     """Hosts the rendezvous store at ``host:port`` and runs one receiver per connected peer."""
 
     def __init__(
-        self, host: str, port: int, device: torch.device, staging: StagingArea, cfg: P2pConfig, stats: TransferStats
+        self,
+        host: str,
+        port: int,
+        device: torch.device,
+        staging: StagingArea,
+        pool: BufferPool,
+        cfg: P2pConfig,
+        stats: TransferStats,
     ):
         self._device = device
         self._staging = staging
+        self._pool = pool
         self._cfg = cfg
         self._stats = stats
         self._stop = threading.Event()
@@ -92,12 +104,12 @@ class Listener:
             self._links[index] = link
         reason = "closed"
         # Several receives stay posted, so the sender's next messages flow in while this thread
-        # waits for the GIL (the engine's busy loop holds it most of the time) or copies one out.
+        # waits for the GIL (the engine's busy loop holds it most of the time).
         posted = collections.deque()
         previous_ns = 0  # arrival of the previous message on this link
         try:
             for _ in range(max(self._cfg.recv_depth, 1)):
-                buffer = torch.zeros(HEADER_BYTES + self._cfg.max_chunk_bytes, dtype=torch.uint8, device=self._device)
+                buffer = self._pool.acquire(HEADER_BYTES + self._cfg.max_chunk_bytes)
                 posted.append((buffer, link.post_recv(buffer)))
             while not self._stop.is_set():
                 message, work = posted.popleft()
@@ -112,7 +124,7 @@ class Listener:
                     # The link carried this message from when it was sent, or from when the
                     # previous one arrived if that was later (it queued behind it).
                     wire_s = (arrived_ns - max(header.sent_ns, previous_ns)) / 1e9
-                    self._land(link, header, message, max(wire_s, 0.0))
+                    message = self._land(link, header, message, max(wire_s, 0.0))
                 previous_ns = arrived_ns
                 posted.append((message, link.post_recv(message)))
         except (RuntimeError, ValueError) as e:  # includes peer death and silence past the timeout
@@ -127,23 +139,28 @@ class Listener:
             if failed:
                 logger.warning("p2p: %d transfers from %s failed (%s)", len(failed), peer, reason)
 
-    def _land(self, link: p2p_link.PeerLink, h: Header, message: torch.Tensor, wire_s: float) -> None:
-        """Copy one KV message's payload into its staged slice."""
+    def _land(self, link: p2p_link.PeerLink, h: Header, message: torch.Tensor, wire_s: float) -> torch.Tensor:
+        """Stage one KV message's payload; returns the buffer to post the next receive into."""
         if h.message_bytes > message.numel():
             raise ValueError(f"a {h.message_bytes}-byte message does not fit the {message.numel()}-byte buffer")
         entry = self._staging.open(h, link.index, self._cfg.staging_wait_s)
-        target = None if entry is None else self._staging.target(entry, h)
-        if target is None:
+        if entry is None:
             self._stats.count("staging_drops")
-            return
-        start = time.monotonic()
-        try:
-            target.copy_(h.payload(message))
-            if target.is_cuda:  # the engine's thread reads it next, on a stream of its own
-                torch.cuda.current_stream(target.device).synchronize()
-        finally:
-            self._staging.landed(entry, h)
-        complete = entry.completed is not None and entry.completed >= start
-        self._stats.chunk_landed(h.tid, h.payload_bytes, wire_s, complete)
-        if complete:
+            return message
+        if 2 * h.payload_bytes >= message.numel():  # stage it where it landed
+            holder, blocks, next_buffer = message, h.payload(message), self._pool.acquire(message.numel())
+        else:
+            holder, next_buffer = self._pool.acquire(h.payload_bytes), message
+            blocks = holder.view(h.dtype).view(h.payload_shape())
+            blocks.copy_(h.payload(message))
+            if blocks.is_cuda:  # the engine's thread reads it next, on a stream of its own
+                torch.cuda.current_stream(blocks.device).synchronize()
+        landed = self._staging.land(entry, h, blocks, holder)
+        if landed is Landed.DROPPED:
+            self._pool.release(next_buffer if holder is message else holder)
+            self._stats.count("staging_drops")
+            return message
+        self._stats.chunk_landed(h.tid, h.payload_bytes, wire_s, landed is Landed.COMPLETE)
+        if landed is Landed.COMPLETE:
             self._stats.count("received_transfers")
+        return next_buffer

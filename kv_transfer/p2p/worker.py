@@ -27,7 +27,7 @@ from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 from duet.kv_transfer.p2p.receiver import Listener
 from duet.kv_transfer.p2p.sender import PeerSender, layer_chunks
-from duet.kv_transfer.p2p.staging import StagingArea
+from duet.kv_transfer.p2p.staging import StagedKV, StagingArea
 from duet.kv_transfer.p2p.stats import TransferStats
 
 
@@ -77,7 +77,8 @@ class P2pWorker:
         if self._is_consumer:
             self._staging = StagingArea(self._cfg.staging_bytes, self._cfg.lease_s, self._pool)
             self._listener = Listener(
-                self._cfg.host, self._cfg.port + self._rank, self._device, self._staging, self._cfg, self.stats
+                self._cfg.host, self._cfg.port + self._rank, self._device, self._staging, self._pool, self._cfg,
+                self.stats,
             )
 
     # -- prefill side ---------------------------------------------------------------------
@@ -179,7 +180,7 @@ class P2pWorker:
                 if staged is None:
                     outcome = "staged KV freed before loading"
                 else:
-                    outcome = self._copy_in(spec, staged.layers, staged.total_tokens)
+                    outcome = self._copy_in(spec, staged)
         elif now >= load.deadline:
             outcome = "transfer timed out"
         else:
@@ -191,17 +192,21 @@ class P2pWorker:
             self.stats.count("loaded_transfers")
         return outcome
 
-    def _copy_in(self, spec: LoadSpec, layers: list[torch.Tensor], total_tokens: int) -> str:
+    def _copy_in(self, spec: LoadSpec, staged: StagedKV) -> str:
         end = spec.start + spec.num_tokens
-        if end > total_tokens or len(layers) != len(self._layer_index):
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        views = {i: forward_context[name].kv_cache for name, i in self._layer_index.items()}
+        if (
+            end > staged.total_tokens
+            or staged.num_layers != len(views)
+            or any(view.shape[1:] != staged.block_shape or view.dtype != staged.dtype for view in views.values())
+        ):
             return "staged KV does not match the request"
         first, last = kv_layout.block_span(spec.start, end, self._block_size)
         if len(spec.block_ids) < last:
             return "too few blocks allocated"
-        forward_context = self._vllm_config.compilation_config.static_forward_context
-        for name, i in self._layer_index.items():
-            view = forward_context[name].kv_cache
-            kv_layout.scatter(view, spec.block_ids[first:last], layers[i][first:last])
+        for i, view in views.items():
+            staged.copy_layer_into(i, view, spec.block_ids, first, last)
         return "loaded"
 
     def shutdown(self) -> None:

@@ -18,9 +18,9 @@ from duet.kv_transfer.p2p.receiver import Listener
 from duet.kv_transfer.p2p.metadata import SaveSpec
 from duet.kv_transfer.p2p.params import PeerAddress
 from duet.kv_transfer.p2p.sender import PeerSender, layer_chunks
-from duet.kv_transfer.p2p.staging import StagingArea
+from duet.kv_transfer.p2p.staging import Landed, StagingArea
 from duet.kv_transfer.p2p.stats import TransferStats
-from duet.kv_transfer.p2p.wire import Header, Kind
+from duet.kv_transfer.p2p.wire import HEADER_BYTES, Header, Kind
 
 CPU = torch.device("cpu")
 BLOCK_SHAPE = (2, 16, 8)  # [K/V, tokens per block, values]: 1 KiB of float32 per block
@@ -35,7 +35,7 @@ class Pair:
         self.pool = BufferPool(CPU, 1 << 26)
         self.staging = StagingArea(receiver_cfg.staging_bytes, receiver_cfg.lease_s, self.pool)
         self.recv_stats, self.send_stats = TransferStats(), TransferStats()
-        self.listener = Listener("127.0.0.1", port, CPU, self.staging, receiver_cfg, self.recv_stats)
+        self.listener = Listener("127.0.0.1", port, CPU, self.staging, self.pool, receiver_cfg, self.recv_stats)
         self.send_pool = BufferPool(CPU, 1 << 26)
         self.sender = PeerSender("127.0.0.1", port, "prefill-test", CPU, sender_cfg, self.send_stats, self.send_pool)
         self.cfg = sender_cfg
@@ -81,6 +81,14 @@ def pair(free_port):
         p.close()
 
 
+def staged_layer(entry, layer: int) -> torch.Tensor:
+    """A staged layer as one ``[blocks, *block_shape]`` tensor, put together by the same copy the
+    decode engine makes into its cache (here a cache whose block i is the request's block i)."""
+    out = torch.zeros((entry.num_blocks, *entry.block_shape), dtype=entry.dtype)
+    entry.copy_layer_into(layer, out, list(range(entry.num_blocks)), 0, entry.num_blocks)
+    return out
+
+
 def random_kv(layers: int, tokens: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-tokens // BLOCK_TOKENS)
@@ -96,8 +104,13 @@ def test_split_messages_land_byte_exact(pair, tokens, step):
     p.send_layerwise("t", kv, tokens, step)
     entry = p.wait_staged("t")
     assert entry.failure is None
-    for layer, staged in enumerate(entry.layers):
-        assert torch.equal(staged, kv[layer])
+    for layer in range(len(kv)):
+        assert torch.equal(staged_layer(entry, layer), kv[layer])
+    landing_bytes = HEADER_BYTES + p.cfg.max_chunk_bytes
+    for piece in (piece for layer in entry.pieces for piece in layer):
+        payload = piece.blocks.numel() * piece.blocks.element_size()
+        kept = piece.blocks.storage_offset() * piece.blocks.element_size() == HEADER_BYTES  # still behind its header
+        assert kept == (2 * payload >= landing_bytes), "big messages stay where they landed, small ones are copied"
     kv_bytes = sum(t.numel() * 4 for t in kv)
     assert p.recv_stats.snapshot()["received_bytes"] == kv_bytes
     (landed,) = [r for r in p.recv_stats.snapshot()["records"] if r["side"] == "landed"]
@@ -111,7 +124,7 @@ def test_many_transfers_in_flight_reuse_buffers(pair):
         p.send_layerwise(tid, kv, kv[0].shape[0] * BLOCK_TOKENS, 128)
     for tid, kv in kvs.items():
         entry = p.wait_staged(tid)
-        assert all(torch.equal(a, b) for a, b in zip(entry.layers, kv))
+        assert all(torch.equal(staged_layer(entry, layer), kv[layer]) for layer in range(len(kv)))
         p.staging.release(tid)
     assert p.staging.used_bytes == 0
     assert p.pool.idle_bytes > 0, "released staging memory goes back to the pool for reuse"
@@ -136,7 +149,7 @@ def test_sender_with_bigger_chunks_is_refused_and_receiver_survives(pair, free_p
         p.sender, p.cfg, p.send_pool = good, ok, good._pool
         kv = random_kv(1, 64, seed=2)
         p.send_layerwise("ok", kv, 64, 64)
-        assert torch.equal(p.wait_staged("ok").layers[0], kv[0])
+        assert torch.equal(staged_layer(p.wait_staged("ok"), 0), kv[0])
     finally:
         good.close()
 
@@ -147,9 +160,9 @@ def test_pinned_staging_is_not_recycled_until_unpinned():
     header = Header(Kind.KV, tid="t", layer=0, num_layers=1, start_block=0, num_blocks=2, tokens_end=32,
                     total_tokens=32, block_shape=BLOCK_SHAPE, dtype=torch.float32)
     entry = staging.open(header, link=0, wait_s=0.0)
-    target = staging.target(entry, header)
-    target.fill_(1.0)
-    staging.landed(entry, header)
+    buffer = pool.acquire(header.payload_bytes)
+    blocks = buffer.view(torch.float32).view(header.payload_shape())
+    assert staging.land(entry, header, blocks, buffer) is Landed.COMPLETE
     with staging.reading("t") as staged:
         assert staged is entry
         staging.release("t")  # e.g. the request was aborted while its KV is being copied in

@@ -243,6 +243,76 @@ def raw_nixl_seconds(nbytes: int, reps: int, descriptors: int) -> float:
     return _two_processes(_nixl_target, _nixl_initiator, nbytes, reps, descriptors)
 
 
+def _link_receiver(outbox: Any, inbox: Any, geometry: KVGeometry, tokens: int, reps: int, port: int, result: Any) -> None:
+    """The decode side of the p2p link alone: a listener staging transfers, released as they
+    complete; reports the best transfer's wire time (what the deployment's metric sums)."""
+    import torch
+
+    from duet.kv_transfer.p2p.buffers import BufferPool
+    from duet.kv_transfer.p2p.config import P2pConfig
+    from duet.kv_transfer.p2p.receiver import Listener
+    from duet.kv_transfer.p2p.staging import StagingArea
+    from duet.kv_transfer.p2p.stats import TransferStats
+
+    cpu, cfg, stats = torch.device("cpu"), P2pConfig(port=port), TransferStats()
+    pool = BufferPool(cpu, cfg.idle_buffer_bytes)
+    staging = StagingArea(cfg.staging_bytes, cfg.lease_s, pool)
+    listener = Listener("127.0.0.1", port, cpu, staging, pool, cfg, stats)
+    outbox.put("listening")
+    try:
+        for rep in range(reps + 1):
+            deadline = time.monotonic() + 60
+            while (entry := staging.get(f"link-{rep}")) is None or not (entry.complete or entry.failure):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"transfer {rep} did not land")
+                time.sleep(0.001)
+            staging.release(f"link-{rep}")
+        wires = [r["wire_s"] for r in stats.snapshot()["records"] if r["side"] == "landed"]
+        complete = len(wires) == reps + 1 and stats.snapshot()["received_bytes"] == (reps + 1) * geometry.prompt_bytes(tokens)
+        result.put(min(wires[1:]) if complete else float("nan"))  # the first one also connects
+    finally:
+        listener.close()
+
+
+def _link_sender(outbox: Any, inbox: Any, geometry: KVGeometry, tokens: int, reps: int, port: int) -> None:
+    """The prefill side of the p2p link alone: sends a prompt's KV, every layer at once in the
+    deployment's messages (the send-after-prefill pattern), from a paged cache like vLLM's."""
+    import torch
+
+    from duet.kv_transfer.p2p.buffers import BufferPool
+    from duet.kv_transfer.p2p.config import P2pConfig
+    from duet.kv_transfer.p2p.metadata import SaveSpec
+    from duet.kv_transfer.p2p.params import PeerAddress
+    from duet.kv_transfer.p2p.sender import PeerSender, layer_chunks
+    from duet.kv_transfer.p2p.stats import TransferStats
+
+    cpu, cfg = torch.device("cpu"), P2pConfig(port=port)
+    pool = BufferPool(cpu, cfg.idle_buffer_bytes)
+    blocks = -(-tokens // BLOCK_TOKENS)
+    block_shape = (1, BLOCK_TOKENS, geometry.bytes_per_token_per_layer // 4)  # [.., tokens, ..] like vLLM's
+    cache = [torch.randn(blocks, *block_shape) for _ in range(geometry.layers)]
+    inbox.get(timeout=60)  # the listener is up
+    sender = PeerSender("127.0.0.1", port, "bench-link", cpu, cfg, TransferStats(), pool)
+    try:
+        for rep in range(reps + 1):
+            spec = SaveSpec(f"link-{rep}", PeerAddress("127.0.0.1", port), list(range(blocks)), 0, tokens, tokens)
+            with torch.inference_mode():  # as in vLLM's forward pass
+                for layer in range(geometry.layers):
+                    for chunk in layer_chunks(
+                        spec, layer, geometry.layers, cache[layer], 0, BLOCK_TOKENS, cfg.max_chunk_bytes, pool
+                    ):
+                        sender.submit(chunk)
+            time.sleep(0.2)  # one transfer at a time, as the deployment's requests come
+    finally:
+        sender.close()
+
+
+def p2p_link_seconds(geometry: KVGeometry, tokens: int, reps: int) -> float:
+    """Best wire time of the nccl transport's own link (duet's sender and listener, gloo)
+    moving a prompt's KV between two bare processes: the transport without the deployment."""
+    return _two_processes(_link_sender, _link_receiver, geometry, tokens, reps, _free_port())
+
+
 def _free_port() -> int:
     import socket
 
@@ -259,14 +329,17 @@ class Ceilings:
     memcpy: float
     gloo: float
     nixl: float
+    p2p_link: float  # not a ceiling: the nccl transport's link between two bare processes
 
 
-def measure_ceilings(nbytes: int, reps: int, descriptors: int) -> Ceilings:
+def measure_ceilings(geometry: KVGeometry, tokens: int, reps: int) -> Ceilings:
+    nbytes = geometry.prompt_bytes(tokens)
     return Ceilings(
         nbytes,
         memcpy=gib_per_s(nbytes, memcpy_seconds(nbytes, reps)),
         gloo=gib_per_s(nbytes, raw_gloo_seconds(nbytes, reps)),
-        nixl=gib_per_s(nbytes, raw_nixl_seconds(nbytes, reps, descriptors)),
+        nixl=gib_per_s(nbytes, raw_nixl_seconds(nbytes, reps, geometry.layers)),
+        p2p_link=gib_per_s(nbytes, p2p_link_seconds(geometry, tokens, reps)),
     )
 
 
@@ -640,7 +713,7 @@ def run(plan: Plan) -> dict[str, Any]:
     ceilings = {}
     for label, tokens in plan.sizes.items():
         print(f"bench transfer: ceilings for {label} ...", file=sys.stderr, flush=True)
-        ceilings[label] = measure_ceilings(geometry.prompt_bytes(tokens), plan.ceiling_reps, geometry.layers)
+        ceilings[label] = measure_ceilings(geometry, tokens, plan.ceiling_reps)
     variants = asyncio.run(_serving_runs(plan, model_dir, geometry))
     sizes = {
         label: {

@@ -29,8 +29,9 @@ NBYTES = 4 << 20
         lambda: bench.raw_gloo_seconds(NBYTES, reps=2),
         lambda: bench.raw_nixl_seconds(NBYTES, reps=2, descriptors=4),
         lambda: bench.memcpy_seconds(NBYTES, reps=2),
+        lambda: bench.p2p_link_seconds(bench.KVGeometry(layers=4, bytes_per_token_per_layer=1024), 1024, reps=2),
     ],
-    ids=["gloo", "nixl", "memcpy"],
+    ids=["gloo", "nixl", "memcpy", "p2p-link"],
 )
 def test_ceiling_moves_the_bytes(measure):
     seconds = measure()
@@ -66,7 +67,7 @@ def test_nixl_metrics_count_one_transfer_of_the_prompt_kv(deployment):
 
 
 def test_hidden_fraction_is_the_unexposed_share_of_wire_time():
-    ceilings = bench.Ceilings(1 << 20, memcpy=10.0, gloo=3.0, nixl=4.0)  # up front; the ratio uses raw_s
+    ceilings = bench.Ceilings(1 << 20, memcpy=10.0, gloo=3.0, nixl=4.0, p2p_link=2.5)  # up front; the ratio uses raw_s
     run = bench.SizeRun(
         timings=[bench.Timing((0.1, 0.2, 0.21, 0.22))],
         colocated_ttft_s=[0.09],

@@ -8,6 +8,9 @@ For prompts of 1k, 8k and 32k tokens, in one run:
   transport's ratio is to its raw transport measured beside it (just before and just after that
   size's requests, with its deployment up), since on a shared machine a ceiling taken minutes
   earlier can be off by half; the ceilings taken at the start of the run are kept too.
+- **The nccl transport's link alone**: duet's own sender and listener moving the same KV between
+  two bare processes, to tell what the protocol costs from what sharing the machine with a
+  deployment costs.
 - **Achieved bandwidth** of each transport from its own per-transfer metrics, read from the
   workers of a real deployment: NIXL's ``vllm:nixl_xfer_time_seconds`` (post to completion, on the
   decode side) and the p2p connector's ``vllm:p2p_recv_wire_seconds`` (decode side: the time the

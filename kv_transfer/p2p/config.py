@@ -27,7 +27,8 @@ class P2pConfig:
     # returning empty: vLLM's engine loop otherwise spins a core, which on a CPU host is the
     # core the receiver needs.
     idle_wait_s: float = 0.002
-    # Decode side: bound on staged (received, not yet consumed) KV bytes.
+    # Decode side: bound on staged (received, not yet consumed) KV bytes. A message kept in the
+    # buffer it landed in holds at most twice its KV, so memory can reach twice this.
     staging_bytes: int = 1 << 30
     # Decode side: how long the receiver waits for staging space before dropping a transfer.
     staging_wait_s: float = 2.0

@@ -270,8 +270,9 @@ def _link_receiver(outbox: Any, inbox: Any, geometry: KVGeometry, tokens: int, r
                     raise TimeoutError(f"transfer {rep} did not land")
                 time.sleep(0.001)
             staging.release(f"link-{rep}")
-        wires = [r["wire_s"] for r in stats.snapshot()["records"] if r["side"] == "landed"]
-        complete = len(wires) == reps + 1 and stats.snapshot()["received_bytes"] == (reps + 1) * geometry.prompt_bytes(tokens)
+        snapshot = stats.snapshot()
+        wires = [r["wire_s"] for r in snapshot["records"] if r["side"] == "landed"]
+        complete = len(wires) == reps + 1 and snapshot["received_bytes"] == (reps + 1) * geometry.prompt_bytes(tokens)
         result.put(min(wires[1:]) if complete else float("nan"))  # the first one also connects
     finally:
         listener.close()
@@ -335,13 +336,21 @@ class Ceilings:
     p2p_link: float  # not a ceiling: the nccl transport's link between two bare processes
 
 
+def raw_transport_seconds(raw: str, geometry: KVGeometry, tokens: int, reps: int) -> float:
+    """Best time of the raw transport ``raw`` (``gloo`` or ``nixl``) moving a prompt's KV."""
+    nbytes = geometry.prompt_bytes(tokens)
+    if raw == "nixl":
+        return raw_nixl_seconds(nbytes, reps, geometry.layers)
+    return raw_gloo_seconds(nbytes, reps)
+
+
 def measure_ceilings(geometry: KVGeometry, tokens: int, reps: int) -> Ceilings:
     nbytes = geometry.prompt_bytes(tokens)
     return Ceilings(
         nbytes,
         memcpy=gib_per_s(nbytes, memcpy_seconds(nbytes, reps)),
-        gloo=gib_per_s(nbytes, raw_gloo_seconds(nbytes, reps)),
-        nixl=gib_per_s(nbytes, raw_nixl_seconds(nbytes, reps, geometry.layers)),
+        gloo=gib_per_s(nbytes, raw_transport_seconds("gloo", geometry, tokens, reps)),
+        nixl=gib_per_s(nbytes, raw_transport_seconds("nixl", geometry, tokens, reps)),
         p2p_link=gib_per_s(nbytes, p2p_link_seconds(geometry, tokens, reps)),
     )
 
@@ -566,9 +575,7 @@ async def measure_sizes(
 
 def raw_seconds_for(variant: Variant, sizes: dict[str, int], geometry: KVGeometry, reps: int) -> Callable[[str], float]:
     """The best time of ``variant``'s raw transport moving a size's KV bytes, by size label."""
-    if variant.raw == "nixl":
-        return lambda label: raw_nixl_seconds(geometry.prompt_bytes(sizes[label]), reps, geometry.layers)
-    return lambda label: raw_gloo_seconds(geometry.prompt_bytes(sizes[label]), reps)
+    return lambda label: raw_transport_seconds(variant.raw, geometry, sizes[label], reps)
 
 
 async def run_variant(

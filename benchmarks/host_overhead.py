@@ -43,8 +43,9 @@ def _is_engine(pid: int) -> bool:
         return False
 
 
-def host_cpu_seconds(root_pid: int) -> dict[int, float]:
-    """CPU seconds so far of each serving-path process under ``root_pid``, and of this process."""
+def host_cpu_seconds(root_pid: int, include_self: bool = True) -> dict[int, float]:
+    """CPU seconds so far of each serving-path process under ``root_pid``, and of this process
+    (the load generator) unless ``include_self`` is False."""
     stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p)))}
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in stats.items():
@@ -54,8 +55,16 @@ def host_cpu_seconds(root_pid: int) -> dict[int, float]:
         pid = stack.pop()
         tree.append(pid)
         stack.extend(children.get(pid, []))
-    own = os.getpid()
-    return {pid: stats[pid][1] for pid in {*tree, own} if pid in stats and not _is_engine(pid)}
+    counted = {*tree, os.getpid()} if include_self else set(tree)
+    return {pid: stats[pid][1] for pid in counted if pid in stats and not _is_engine(pid)}
+
+
+def process_name(pid: int) -> str:
+    """The process's name as ``ps`` shows it (``ray::DecodeWorker``, ``raylet``, ...)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "exited"
 
 
 def measure_host_ms_per_token(

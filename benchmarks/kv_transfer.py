@@ -758,10 +758,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=_bench_transfer)
 
 
-def register_commands(subparsers: argparse._SubParsersAction) -> None:
+def register_command(benches: argparse._SubParsersAction) -> None:
     """Add ``bench transfer`` to duet's CLI."""
-    bench = subparsers.add_parser("bench", help="benchmarks against a real deployment")
-    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     _add_arguments(benches.add_parser("transfer", help="KV-transfer bandwidth vs ceilings, and TTFT it adds"))
 
 

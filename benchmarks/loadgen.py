@@ -9,6 +9,8 @@ equal to the trace's output length makes the engine generate exactly the trace's
 real run and a simulation of the same :class:`~duet.cluster.placement.trace.Trace` serve the same
 work. TTFT and TPOT are taken from the final message's usage (measured at the router); the
 client's own view of both is kept beside them, since the two differ when the router falls behind.
+The prompts and the open-loop schedule are shared with :mod:`~duet.benchmarks.openai_replay`, so
+duet and a plain vLLM server are given the same requests at the same times.
 
     records = asyncio.run(replay("127.0.0.1:50051", trace.at_rate(4.0)))
     summary = replay_result(records).summary(Slo(1.0, 0.1))
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -49,37 +52,81 @@ class RequestRecord:
     client_ttft_s: float  # from sending to the first message, at the client
     client_tpot_s: float
     error: str = ""
+    client_e2e_s: float = math.nan  # from sending to the end of the stream (or the failure)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def replay_result(records: list[RequestRecord]) -> SimResult:
+def replay_result(records: list[RequestRecord], client: bool = False) -> SimResult:
     """The measured run in the simulator's result type, so both are summarised by one function.
 
     A failed request (rejected, error, or fewer tokens than asked) never met its SLO: it counts
-    with infinite latency, as an unfinished request does in the simulator.
+    with infinite latency, as an unfinished request does in the simulator. ``client`` takes the
+    client's TTFT/TPOT instead of the router's, to compare servers that differ in front ends.
     """
-    ok = [not r.error for r in records]
-    ttft = np.array([r.ttft_s if good else math.inf for r, good in zip(records, ok)])
-    tpot = np.array([r.tpot_s if good else math.inf for r, good in zip(records, ok)])
-    return SimResult(ttft_s=ttft, tpot_s=tpot, stopped_early=False)
+    ttft = [r.client_ttft_s if client else r.ttft_s for r in records]
+    tpot = [r.client_tpot_s if client else r.tpot_s for r in records]
+    failed = np.array([bool(r.error) for r in records], dtype=bool)
+    return SimResult(
+        ttft_s=np.where(failed, math.inf, np.array(ttft, dtype=float)),
+        tpot_s=np.where(failed, math.inf, np.array(tpot, dtype=float)),
+        stopped_early=False,
+    )
+
+
+def prompt_token_ids(trace: Trace, seed: int = 0) -> list[list[int]]:
+    """The random prompt of each trace row; every replay of ``(trace, seed)`` sends these."""
+    rng = np.random.default_rng(seed)
+    low, high = PROMPT_TOKEN_RANGE
+    return [rng.integers(low, high, int(n_in)).tolist() for n_in in trace.input_len]
 
 
 def build_requests(trace: Trace, model: str = "", seed: int = 0) -> list[pb.GenerateRequest]:
     """One greedy request per trace row, built before the replay so timing is not disturbed."""
-    rng = np.random.default_rng(seed)
-    low, high = PROMPT_TOKEN_RANGE
     return [
         build_request(
-            prompt_token_ids=rng.integers(low, high, int(n_in)).tolist(),
+            prompt_token_ids=prompt,
             max_tokens=int(n_out),
             ignore_eos=True,
             model=model,
             request_id=f"loadgen-{seed}-{i}",
         )
-        for i, (n_in, n_out) in enumerate(zip(trace.input_len, trace.output_len))
+        for i, (prompt, n_out) in enumerate(zip(prompt_token_ids(trace, seed), trace.output_len))
     ]
+
+
+def client_tpot(first_s: float, last_s: float, tokens: int) -> float:
+    """Mean gap between streamed tokens as the client saw them; 0 for a single token."""
+    return (last_s - first_s) / (tokens - 1) if tokens > 1 else 0.0
+
+
+async def open_loop(
+    trace: Trace,
+    send: Callable[[int, float, float], Awaitable[RequestRecord]],
+    on_done: Callable[[], None] | None = None,
+) -> list[RequestRecord]:
+    """Start ``send(index, scheduled_s, start)`` for each row at its arrival offset; records in order.
+
+    ``start`` is the replay's ``time.perf_counter()`` origin. ``on_done`` is called as each
+    request finishes (a progress bar), in completion order.
+    """
+    offsets = (trace.arrival_s - trace.arrival_s[0]).tolist()
+
+    async def tracked(index: int, start: float) -> RequestRecord:
+        record = await send(index, offsets[index], start)
+        if on_done is not None:
+            on_done()
+        return record
+
+    start = time.perf_counter()
+    tasks = []
+    for index, offset in enumerate(offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(tracked(index, start)))
+    return list(await asyncio.gather(*tasks))
 
 
 async def _one(
@@ -100,6 +147,7 @@ async def _one(
             final = message
     except grpc.aio.AioRpcError as rpc_error:
         error = f"{rpc_error.code().name}: {rpc_error.details()}"
+    ended = time.perf_counter()
     if not error and tokens != request.max_tokens:
         error = f"got {tokens} of {request.max_tokens} tokens"
     usage = final.usage if final.HasField("usage") and not error else None
@@ -113,25 +161,27 @@ async def _one(
         ttft_s=usage.ttft_s if usage else math.nan,
         tpot_s=usage.tpot_s if usage else math.nan,
         client_ttft_s=first - sent,
-        client_tpot_s=(last - first) / (tokens - 1) if tokens > 1 else 0.0,
+        client_tpot_s=client_tpot(first, last, tokens),
         error=error,
+        client_e2e_s=ended - sent,
     )
 
 
 async def replay(
-    target: str, trace: Trace, model: str = "", seed: int = 0, timeout_s: float = 600.0
+    target: str,
+    trace: Trace,
+    model: str = "",
+    seed: int = 0,
+    timeout_s: float = 600.0,
+    on_done: Callable[[], None] | None = None,
 ) -> list[RequestRecord]:
     """Send every request of ``trace`` at its arrival offset; returns the records in trace order."""
     requests = build_requests(trace, model, seed)
-    offsets = (trace.arrival_s - trace.arrival_s[0]).tolist()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.DuetStub(channel)
         await channel.channel_ready()
-        start = time.perf_counter()
-        tasks = []
-        for index, request in enumerate(requests):
-            delay = start + offsets[index] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(stub, index, request, offsets[index], start, timeout_s)))
-        return list(await asyncio.gather(*tasks))
+
+        async def send(index: int, scheduled_s: float, start: float) -> RequestRecord:
+            return await _one(stub, index, requests[index], scheduled_s, start, timeout_s)
+
+        return await open_loop(trace, send, on_done)

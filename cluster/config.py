@@ -120,9 +120,14 @@ class ServerConfig(_Strict):
 
 
 class DuetConfig(_Strict):
+    # disaggregated: prefill and decode pools with KV transfer between them. colocated: one pool
+    # of workers that each run whole requests (the ``colocated`` section), behind the same
+    # router: the baseline disaggregation is measured against on the same hardware.
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
     model: ModelConfig = ModelConfig()
     prefill: PoolConfig = PoolConfig(cpu_cores=[0])
     decode: PoolConfig = PoolConfig(cpu_cores=[1])
+    colocated: PoolConfig = PoolConfig(replicas=2, cpu_cores=[0, 1])
     kv_transfer: KVTransferConfig = KVTransferConfig()
     ray: RayConfig = RayConfig()
     server: ServerConfig = ServerConfig()

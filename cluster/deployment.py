@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.cluster.config import DuetConfig
 from duet.cluster.engine import resolve_model_path
-from duet.decode_worker.worker import DecodeWorker
+from duet.decode_worker.worker import ColocatedWorker, DecodeWorker
 from duet.kv_transfer.ports import is_bindable
 from duet.prefill_worker.worker import PrefillWorker
 from duet.kv_transfer.config import TRANSPORTS
@@ -62,6 +62,8 @@ def start_ray(config: DuetConfig) -> None:
 class Deployment:
     config: DuetConfig
     prefill: WorkerPool = field(default_factory=lambda: WorkerPool("prefill"))
+    # In a colocated deployment this pool holds the workers that run whole requests, and the
+    # prefill pool stays empty.
     decode: WorkerPool = field(default_factory=lambda: WorkerPool("decode"))
     server: Any = None
     port: int = 0
@@ -79,7 +81,12 @@ class Deployment:
         bind_port = server_config.port if port is None else port
         if bind_port and not is_bindable(server_config.host, bind_port):
             raise PortInUseError(_port_in_use("gRPC", server_config.host, bind_port, "--port"))
-        self.cluster = ClusterView(self.config.model.name, self.config.kv_transfer.transport, [self.prefill, self.decode])
+        colocated = self.config.mode == "colocated"
+        if colocated:
+            self.decode.role = "colocated"
+        pools = [self.decode] if colocated else [self.prefill, self.decode]
+        transport = "none (colocated)" if colocated else self.config.kv_transfer.transport
+        self.cluster = ClusterView(self.config.model.name, transport, pools)
         if server_config.metrics_port is not None:
             try:
                 self.cluster.metrics, metrics_port, self._metrics_server = start_metrics_server(
@@ -92,16 +99,20 @@ class Deployment:
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         start_ray(self.config)
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
-        self._create_workers(PrefillWorker, self.prefill, self.config.prefill)
-        self._create_workers(DecodeWorker, self.decode, self.config.decode)
+        if colocated:
+            self._create_workers(ColocatedWorker, self.decode, self.config.colocated)
+        else:
+            self._create_workers(PrefillWorker, self.prefill, self.config.prefill)
+            self._create_workers(DecodeWorker, self.decode, self.config.decode)
         await self._wait_ready()
-        limits = ModelLimits(self.config.model.name, *await self.prefill.members[0].actor.model_limits.remote())
+        first_worker = (self.prefill.members + self.decode.members)[0]
+        limits = ModelLimits(self.config.model.name, *await first_worker.actor.model_limits.remote())
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(self.config.model)))
         transfer = self.config.kv_transfer
         lifecycle = RequestLifecycle(
-            self.prefill,
+            None if colocated else self.prefill,
             self.decode,
             RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
             decode_before_prefill=TRANSPORTS[transfer.transport].pushes_to_decode,

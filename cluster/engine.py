@@ -57,12 +57,21 @@ def engine_kwargs(
 
 
 def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None) -> dict[str, str]:
-    """Environment for a vLLM CPU engine: an explicit KV cache size and, optionally, one core.
+    """Environment for a vLLM CPU engine: an explicit KV cache size, the model in the engine
+    core's process, and, optionally, one core.
 
     Without an explicit size the CPU worker demands 92% of NUMA node 0's memory free at start-up
     and refuses to start beside another engine.
+
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's CPU platform on its one-process executor
+    for single-rank engines: the model runs inside the engine core's process instead of a
+    separate worker process. That worker reads its shared-memory queue by spinning
+    (``sched_yield``) for a second after every message, which on a CPU host burns the very
+    cores the engines and the serving path share (docs/benchmarks.md). ``AsyncLLM`` still
+    runs its engine core in a process of its own, so the actor's event loop never waits on a
+    forward pass. Multi-rank engines need vLLM's multiprocess executor and keep it.
     """
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if cpu_core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
     return env

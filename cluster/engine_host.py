@@ -8,11 +8,12 @@ here once.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator, Literal
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
-from duet.cluster.worker_api import WorkerStatus
+from duet.cluster.token_outbox import TokenOutbox
+from duet.cluster.worker_api import TokenUpdate, WorkerStatus
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,
@@ -31,7 +32,7 @@ _ENGINE_LABELS = ("model_name", "engine")
 class EngineHost:
     """Base of the worker actors: owns one ``AsyncLLM`` and the request bookkeeping around it."""
 
-    role: Role
+    role: Role | Literal["colocated"]
 
     def __init__(self, name: str, config: DuetConfig, replica_index: int) -> None:
         self.name = name
@@ -44,10 +45,11 @@ class EngineHost:
         self._inflight: set[str] = set()
         self._served = 0
         self.kv_endpoint = ""
+        self.outbox = TokenOutbox()
 
     @property
     def pool(self) -> PoolConfig:
-        return self.config.prefill if self.role == "prefill" else self.config.decode
+        return {"prefill": self.config.prefill, "decode": self.config.decode}.get(self.role, self.config.colocated)
 
     async def start(self) -> WorkerStatus:
         """Create the engine; returns the ready status, or raises with the reason it failed."""
@@ -64,8 +66,9 @@ class EngineHost:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         transfer = self.config.kv_transfer
+        transfers_kv = self.role != "colocated"
         endpoint = None
-        if self.role in TRANSPORTS[transfer.transport].listening_roles:
+        if transfers_kv and self.role in TRANSPORTS[transfer.transport].listening_roles:
             # vLLM offsets each rank's port from the base: one port per rank.
             ranks = self.pool.tensor_parallel * self.pool.pipeline_parallel
             self._ports = reserve_ports(transfer.side_channel_host, base_port(transfer), ranks)
@@ -74,7 +77,7 @@ class EngineHost:
         on_cpu = is_cpu_only()
         cores = self.pool.cpu_cores
         core = cores[self.replica_index] if cores and on_cpu else None
-        env = engine_environment(transfer, endpoint, core)
+        env = engine_environment(transfer, endpoint, core) if transfers_kv else {}
         if on_cpu:
             env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
         apply_environment(env)
@@ -85,9 +88,18 @@ class EngineHost:
             max_num_batched_tokens=self.pool.max_num_batched_tokens,
             tensor_parallel=self.pool.tensor_parallel,
             pipeline_parallel=self.pool.pipeline_parallel,
-            kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint),
+            kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint) if transfers_kv else None,
         )
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    async def token_stream(self) -> AsyncIterator[list[TokenUpdate]]:
+        """Every request's new tokens, one batch per engine step; the router holds one open.
+
+        Called with ``num_returns="streaming"``. There is one reader per worker: the router
+        that owns it opens it once, when it first sends the worker a request.
+        """
+        async for batch in self.outbox.batches():
+            yield batch
 
     def model_limits(self) -> tuple[int, int]:
         """(max_model_len, vocab_size) as the engine resolved them from the model."""

@@ -29,7 +29,13 @@ class SamplingSpec:
         """The prefill half: the same sampling, one token."""
         return replace(self, max_tokens=1)
 
-    def to_vllm(self, kv_transfer_params: dict[str, Any] | None, cumulative: bool = False) -> Any:
+    def to_vllm(self, kv_transfer_params: dict[str, Any] | None, delta: bool = False) -> Any:
+        """vLLM's SamplingParams; ``delta`` streams only what is new since the last output.
+
+        Delta outputs are what a streaming worker needs: vLLM hands over each step's new token
+        ids and text (merging steps a slow reader missed), so nothing is re-sliced from a
+        growing cumulative output on every step.
+        """
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -42,7 +48,7 @@ class SamplingSpec:
             stop=list(self.stop) or None,
             stop_token_ids=list(self.stop_token_ids) or None,
             ignore_eos=self.ignore_eos,
-            output_kind=RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
         )
 
@@ -67,6 +73,12 @@ class DecodeChunk:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+
+
+# One request's new tokens as they cross from a worker to the router:
+# (request_id, token_ids, text, finish_reason). A plain tuple, because a whole engine step's
+# worth of them is pickled together many times a second (see TokenOutbox).
+TokenUpdate = tuple[str, list[int], str, FinishReason | None]
 
 
 @dataclass

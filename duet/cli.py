@@ -67,11 +67,12 @@ async def _run_deployment(config: "DuetConfig") -> int:
     from duet.cluster.deployment import Deployment, WorkerStartError
 
     deployment = Deployment(config)
-    print(
-        f"duet: starting {config.prefill.replicas} prefill + {config.decode.replicas} decode worker(s) "
-        f"for {config.model.name} (this takes about a minute on CPU)...",
-        flush=True,
+    workers = (
+        f"{config.colocated.replicas} colocated worker(s)"
+        if config.mode == "colocated"
+        else f"{config.prefill.replicas} prefill + {config.decode.replicas} decode worker(s)"
     )
+    print(f"duet: starting {workers} for {config.model.name} (this takes about a minute on CPU)...", flush=True)
     try:
         await deployment.start()
     except (WorkerStartError, OSError, TimeoutError) as error:
@@ -232,11 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(handler=_status)
 
-    from duet.benchmarks.kv_transfer import register_commands as register_bench
+    from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
+    from duet.benchmarks.serve_bench import register_command as register_bench_serve
     from duet.cluster.placement.commands import register_commands as register_planning
 
     register_planning(commands)  # plan, simulate, profile
-    register_bench(commands)  # bench transfer
+    bench = commands.add_parser("bench", help="benchmarks against a real deployment")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    register_bench_transfer(benches)  # bench transfer
+    register_bench_serve(benches)  # bench serve
     return parser
 
 

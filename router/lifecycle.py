@@ -27,6 +27,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from duet.cluster.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import PoolMember, WorkerPool
+from duet.router.token_stream import StreamBroken
 from duet.router.validation import ValidatedRequest
 
 logger = logging.getLogger(__name__)
@@ -116,11 +117,15 @@ class _Round:
 
 
 class RequestLifecycle:
-    """Runs requests across a prefill pool and a decode pool."""
+    """Runs requests across a prefill pool and a decode pool.
+
+    Without a prefill pool the deployment is colocated: each request runs whole on one worker
+    of ``decode`` (the baseline disaggregation is measured against, on the same hardware).
+    """
 
     def __init__(
         self,
-        prefill: WorkerPool,
+        prefill: WorkerPool | None,
         decode: WorkerPool,
         policy: RetryPolicy | None = None,
         decode_before_prefill: bool = False,
@@ -157,13 +162,36 @@ class RequestLifecycle:
         raise RequestFailed(f"gave up after {self.policy.max_attempts} attempts: {last_failure}")
 
     async def _run_round(self, round_: _Round) -> AsyncIterator[tuple[list[int], str, FinishReason | None]]:
+        if self.prefill_pool is None:
+            chunks = self._colocated_round(round_)
+        else:
+            chunks = self._disaggregated_round(round_)
+        try:
+            async for chunk in chunks:
+                yield chunk.token_ids, chunk.text, chunk.finish_reason
+        finally:
+            await chunks.aclose()  # runs the worker side's abort if the client left early
+
+    async def _colocated_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
+        """One worker computes the prompt and streams every token."""
+        worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
+        round_.prefill_worker = round_.decode_worker = worker.name
+        chunks = self._decode(worker, round_, None, kv_transfer_params=None)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    async def _disaggregated_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
+        assert self.prefill_pool is not None
         decode_worker = None
         if self.decode_before_prefill:
             decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
         prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s)
         round_.prefill_worker = prefill_worker.name
         result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if decode_worker else None)
-        yield [result.first_token_id], result.first_text, result.finish_reason
+        yield DecodeChunk([result.first_token_id], result.first_text, result.finish_reason)
         if result.finish_reason is not None:
             return
         if decode_worker is None:
@@ -182,13 +210,14 @@ class RequestLifecycle:
             chunks = self._decode(decode_worker, round_, result, kv_transfer_params=None)
             first = await anext(chunks)
         try:
-            yield first.token_ids, first.text, first.finish_reason
+            yield first
             async for chunk in chunks:
-                yield chunk.token_ids, chunk.text, chunk.finish_reason
+                yield chunk
         finally:
-            await chunks.aclose()  # runs the decode side's abort if the client left early
+            await chunks.aclose()
 
     async def _prefill(self, worker: PoolMember, round_: _Round, decode_endpoint: str | None) -> PrefillResult:
+        assert self.prefill_pool is not None
         worker.inflight += 1
         ref = worker.actor.prefill.remote(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
         try:
@@ -205,32 +234,61 @@ class RequestLifecycle:
         self,
         worker: PoolMember,
         round_: _Round,
-        prefill: PrefillResult,
+        prefill: PrefillResult | None,
         kv_transfer_params: dict[str, Any] | None,
     ) -> AsyncIterator[DecodeChunk]:
+        """Start the request on ``worker`` and relay its tokens from the worker's token stream.
+
+        Updates that queued up while the client's stream was busy are merged into one chunk,
+        so a loaded router sends fewer, larger messages instead of falling further behind.
+        """
+        request_id = round_.request_id
+        tokens = worker.tokens()
+        queue = tokens.subscribe(request_id)
         worker.inflight += 1
-        stream = worker.actor.generate.options(num_returns="streaming").remote(
-            round_.request_id,
+        call = worker.actor.decode.remote(
+            request_id,
             round_.prompt_token_ids,
             round_.sampling,
             kv_transfer_params,
-            prefill.first_token_id,
-            prefill.first_text,
+            prefill.first_token_id if prefill else None,
+            prefill.first_text if prefill else "",
         )
+        asyncio.wrap_future(call.future()).add_done_callback(lambda done: _report_call_failure(done, queue))
         finished = False
         try:
-            async for ref in stream:
-                chunk: DecodeChunk = await ref
-                finished = chunk.finish_reason is not None
-                yield chunk
-            if not finished:
-                raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing")
-        except (RayActorError, RayTaskError) as error:
-            raise self._worker_failure(self.decode_pool, worker, error) from error
+            while not finished:
+                updates = [await queue.get()]
+                while not queue.empty():
+                    updates.append(queue.get_nowait())
+                token_ids: list[int] = []
+                text = ""
+                broken: StreamBroken | None = None
+                for update in updates:
+                    if isinstance(update, StreamBroken):
+                        broken = update
+                        break
+                    token_ids += update[1]
+                    text += update[2]
+                    finished = update[3] is not None
+                    if finished:
+                        yield DecodeChunk(token_ids, text, update[3])
+                        return
+                if token_ids or text:
+                    yield DecodeChunk(token_ids, text)
+                if broken is not None:
+                    raise self._stream_failure(worker, broken)
         finally:
             worker.inflight -= 1
+            tokens.unsubscribe(request_id)
             if not finished:  # cancelled, timed out, failed, or the consumer stopped early
-                await _abort(worker, round_.request_id, stream)
+                await _abort(worker, request_id, call)
+
+    def _stream_failure(self, worker: PoolMember, broken: StreamBroken) -> BaseException:
+        if isinstance(broken.cause, (RayActorError, RayTaskError)):
+            return self._worker_failure(self.decode_pool, worker, broken.cause)
+        self.decode_pool.mark_failed(worker, broken)
+        return WorkerFailed(str(broken))
 
     @staticmethod
     def _worker_failure(pool: WorkerPool, worker: PoolMember, error: BaseException) -> BaseException:
@@ -239,6 +297,13 @@ class RequestLifecycle:
             return RequestFailed(f"{pool.role} worker {worker.name}: {error.cause}")
         pool.mark_failed(worker, error)
         return WorkerFailed(f"{pool.role} worker {worker.name} failed ({type(error).__name__})")
+
+
+def _report_call_failure(done: asyncio.Future[Any], queue: asyncio.Queue[Any]) -> None:
+    """Hand a failed worker call to the request waiting on its tokens (success needs nothing:
+    the finish arrives on the token stream)."""
+    if not done.cancelled() and done.exception() is not None:
+        queue.put_nowait(StreamBroken("the worker call failed", done.exception()))
 
 
 async def _abort(worker: PoolMember, request_id: str, task: object) -> None:

@@ -23,6 +23,23 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 700) for _ in range(length)]
 
 
+async def _decode_on(member, request_id, prompt, spec, prefill) -> list[int]:
+    """Run the decode half of a request on ``member`` and read its tokens as the router does."""
+    queue = member.tokens().subscribe(request_id)
+    try:
+        await member.actor.decode.remote(
+            request_id, prompt, spec, prefill.kv_transfer_params, prefill.first_token_id, prefill.first_text
+        )
+        tokens: list[int] = []
+        while True:
+            _, token_ids, _, finish = await queue.get()
+            tokens += token_ids
+            if finish is not None:
+                return tokens
+    finally:
+        member.tokens().unsubscribe(request_id)
+
+
 def test_prefill_killed_before_decode_pulls(client, deployment, reference, worker_status):
     """Decode recomputes the prompt (kv_load_failure_policy=recompute), then the router replaces the worker."""
     prompt = _prompt(700, seed=1)
@@ -32,13 +49,11 @@ def test_prefill_killed_before_decode_pulls(client, deployment, reference, worke
     result = ray.get(prefill.actor.prefill.remote("fault-prefill", prompt, spec))
     ray.kill(prefill.actor, no_restart=True)
 
-    decode = deployment.decode.members[0].actor
+    decode = deployment.decode.members[0]
     computed_before = worker_status("decode").engine_metrics.get(COMPUTED, 0)
     started = time.monotonic()
-    stream = decode.generate.options(num_returns="streaming").remote(
-        "fault-prefill", prompt, spec, result.kv_transfer_params, result.first_token_id, result.first_text
-    )
-    tokens = [result.first_token_id] + [t for ref in stream for t in ray.get(ref).token_ids]
+    decoded = deployment.background.run(_decode_on(decode, "fault-prefill", prompt, spec, result), timeout=60)
+    tokens = [result.first_token_id] + decoded
     elapsed = time.monotonic() - started
     assert tokens == expected
     assert elapsed < 15, f"decode took {elapsed:.1f} s to give up on the dead prefill worker"

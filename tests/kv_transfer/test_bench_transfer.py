@@ -86,8 +86,8 @@ def test_hidden_fraction_is_the_unexposed_share_of_wire_time():
 @pytest.mark.parametrize("sizes", ["", "1x", "0k", "64k", "1k,,abc"])
 def test_bad_sizes_exit_2_with_one_line(sizes, capsys):
     parser = argparse.ArgumentParser()
-    bench.register_commands(parser.add_subparsers())
-    args = parser.parse_args(["bench", "transfer", "--sizes", sizes])
+    bench.register_command(parser.add_subparsers())
+    args = parser.parse_args(["transfer", "--sizes", sizes])
     assert args.handler(args) == bench.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert err.startswith("duet bench transfer: error: --sizes") and err.count("\n") == 1

@@ -1,0 +1,177 @@
+"""``duet bench serve``: goodput of duet disaggregated, duet colocated and plain vLLM, side by side.
+
+One invocation replays the same trace (its own arrival times, scaled to each offered rate)
+against each system in turn, on the same machine, and reports for each: client-side TTFT,
+TPOT and end-to-end latency, SLO attainment for a loose and a tight TPOT target, goodput at 90%
+attainment, and the serving path's CPU per streamed token (every process of the system except
+vLLM's engine processes, whose work is the model itself; the load generator is not counted).
+Each system is warmed up first (a fresh engine's first minute is slower: first kernels per
+shape). Results go to JSON, a markdown table and PNG plots (docs/benchmarks.md).
+
+``--endpoint`` benchmarks an already running server instead (``grpc://host:port`` for duet,
+``http://host:port`` for an OpenAI-compatible one); pass ``--pid`` to measure its CPU too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from duet.benchmarks.host_overhead import host_cpu_seconds, process_name
+from duet.benchmarks.loadgen import RequestRecord, replay
+from duet.benchmarks.openai_replay import replay_openai
+from duet.benchmarks.serve_report import progress_callback, render_table, summarize, write_plots
+from duet.benchmarks.serving_systems import SYSTEMS, RunningSystem, SystemStartError, started
+from duet.cluster.config import DuetConfig, load_config
+from duet.cluster.placement.cluster_spec import traces_dir
+from duet.cluster.placement.simulator import Slo
+from duet.cluster.placement.trace import Trace, TraceError, load_trace
+
+EXIT_BAD_INPUT = 2
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "serve"
+SLOS = {"tight": Slo(1.0, 0.04), "loose": Slo(1.0, 0.1)}
+WARMUP_REQUESTS = 60
+
+
+@dataclass(frozen=True)
+class Plan:
+    trace: Trace
+    trace_label: str
+    rates: list[float]
+    systems: list[str]
+    out: Path
+    seed: int
+    endpoint: str = ""
+    pid: int | None = None
+
+
+async def _replay(system: RunningSystem, model: str, trace: Trace, seed: int, on_done: Any) -> list[RequestRecord]:
+    if system.grpc_target:
+        return await replay(system.grpc_target, trace, model=model, seed=seed, on_done=on_done)
+    return await replay_openai(system.http_url, model, trace, seed=seed, on_done=on_done)
+
+
+def _serving_cpu(pid: int | None) -> dict[int, float]:
+    return host_cpu_seconds(pid, include_self=False) if pid is not None else {}
+
+
+def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, seed: int) -> dict[str, Any]:
+    """Replay ``trace`` at ``rate``; records, summaries per SLO and serving-path CPU per token."""
+    pid = system.pid or None
+    before = _serving_cpu(pid)
+    with progress_callback(len(trace), f"{system.name} @ {rate:g} req/s") as on_done:
+        records = asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done))
+    after = _serving_cpu(pid)
+    spent = {p: seconds - before.get(p, 0.0) for p, seconds in after.items()}
+    tokens = sum(r.completion_tokens for r in records)
+    by_process: dict[str, float] = {}
+    for p, seconds in spent.items():
+        name = process_name(p)
+        by_process[name] = by_process.get(name, 0.0) + seconds
+    return {
+        "records": [r.to_dict() for r in records],
+        "summary": {name: summarize(records, slo) for name, slo in SLOS.items()},
+        "cpu_ms_per_token": 1000.0 * sum(spent.values()) / tokens if tokens and pid else None,
+        "cpu_s_by_process": {k: round(v, 3) for k, v in sorted(by_process.items(), key=lambda kv: -kv[1]) if v > 0.005},
+        "streamed_tokens": tokens,
+    }
+
+
+def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any]:
+    warmup = plan.trace.head(min(WARMUP_REQUESTS, len(plan.trace)))
+    with progress_callback(len(warmup), f"{system.name} warm-up"):
+        asyncio.run(_replay(system, model, warmup.at_rate(min(plan.rates)), plan.seed + 1, None))
+    return {"rates": {str(rate): measure_rate(system, model, plan.trace, rate, plan.seed) for rate in plan.rates}}
+
+
+def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "trace": plan.trace_label,
+        "requests": len(plan.trace),
+        "seed": plan.seed,
+        "slos": {name: {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s} for name, slo in SLOS.items()},
+        "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "systems": {},
+    }
+    if plan.endpoint:
+        grpc_target = plan.endpoint.removeprefix("grpc://") if plan.endpoint.startswith("grpc://") else ""
+        system = RunningSystem("endpoint", plan.pid or 0, grpc_target=grpc_target, http_url="" if grpc_target else plan.endpoint)
+        report["systems"]["endpoint"] = bench_system(system, plan, config.model.name)
+    for name in plan.systems:
+        with started(name, config, plan.out / "logs") as system:
+            report["systems"][name] = bench_system(system, plan, config.model.name)
+    report["machine"]["loadavg_after"] = os.getloadavg()
+    return report
+
+
+# ---- command line ------------------------------------------------------------------------
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default=str(traces_dir() / "AzureLLMInferenceTrace_conv.csv"),
+                        help="Azure .csv, Mooncake .jsonl, or synthetic:n=240,rate=4,cv=1 (default: Azure conversation)")
+    parser.add_argument("--requests", type=int, default=240, help="first N requests of the trace (default 240)")
+    parser.add_argument("--max-input", type=int, default=1800, help="cap prompt lengths (default 1800)")
+    parser.add_argument("--max-output", type=int, default=96, help="cap output lengths (default 96)")
+    parser.add_argument("--rates", default="4,8,12,16,24,32", help="offered req/s, comma-separated")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to start, from {', '.join(SYSTEMS)}")
+    parser.add_argument("--endpoint", default="", help="bench a running server: grpc://HOST:PORT or http://HOST:PORT")
+    parser.add_argument("--pid", type=int, help="with --endpoint: the server's process id, to measure its CPU")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=_bench_serve)
+
+
+def register_command(benches: argparse._SubParsersAction) -> None:
+    """Add ``bench serve`` to duet's CLI."""
+    _add_arguments(benches.add_parser("serve", help="goodput of duet vs plain vLLM on a trace, side by side"))
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """The run the arguments ask for; ValueError (or TraceError) naming the bad flag."""
+    try:
+        rates = sorted(float(r) for r in args.rates.split(",") if r.strip())
+    except ValueError:
+        raise ValueError(f"--rates {args.rates!r}: expected numbers like 4,8,16") from None
+    if not rates or rates[0] <= 0:
+        raise ValueError(f"--rates {args.rates!r}: give at least one rate, all > 0")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if not args.endpoint else []
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise ValueError(f"--systems: unknown {', '.join(unknown)} (choose from {', '.join(SYSTEMS)})")
+    if args.endpoint and not args.endpoint.startswith(("grpc://", "http://", "https://")):
+        raise ValueError(f"--endpoint {args.endpoint!r}: must start with grpc:// or http://")
+    if args.requests < 1:
+        raise ValueError(f"--requests {args.requests}: must be at least 1")
+    trace = load_trace(args.trace).head(args.requests).capped(args.max_input, args.max_output)
+    label = f"{Path(args.trace).name}, first {len(trace)} requests, input <= {args.max_input}, output <= {args.max_output}"
+    return Plan(trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_args(args)
+    except (ValueError, TraceError) as error:
+        print(f"duet bench serve: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        report = run(plan, load_config())
+    except SystemStartError as error:
+        print(f"duet bench serve: error: {error}", file=sys.stderr)
+        return 1
+    plan.out.mkdir(parents=True, exist_ok=True)
+    (plan.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    table = render_table(report)
+    (plan.out / "table.md").write_text(table + "\n")
+    plots = write_plots(report, plan.out)
+    print(table)
+    print(f"\nwrote {plan.out / 'report.json'}, {plan.out / 'table.md'} and {len(plots)} plots")
+    return 0

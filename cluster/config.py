@@ -16,6 +16,8 @@ from duet.cluster.yaml_config import read_yaml, validate_mapping
 
 BUILTIN_MODEL = "builtin"
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+# The same deployment, colocated: the baseline disaggregation is measured against.
+COLOCATED_CONFIG_PATH = DEFAULT_CONFIG_PATH.parent / "colocated.yaml"
 
 
 class ConfigError(ValueError):

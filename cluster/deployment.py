@@ -25,6 +25,7 @@ from duet.router.metrics import start_metrics_server
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.server import DuetServicer, start_server
 from duet.router.status import ClusterView
+from duet.router.token_stream import TokenReceiver
 from duet.router.validation import ModelLimits
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Deployment:
     port: int = 0
     cluster: ClusterView | None = None
     servicer: DuetServicer | None = None
+    tokens: TokenReceiver | None = None
     _metrics_server: Any = None
 
     async def start(self, port: int | None = None) -> "Deployment":
@@ -99,6 +101,8 @@ class Deployment:
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         start_ray(self.config)
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
+        self.tokens = TokenReceiver(_token_host(self.config))
+        self.tokens.start()
         if colocated:
             self._create_workers(ColocatedWorker, self.decode, self.config.colocated)
         else:
@@ -114,6 +118,7 @@ class Deployment:
         lifecycle = RequestLifecycle(
             None if colocated else self.prefill,
             self.decode,
+            self.tokens,
             RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
             decode_before_prefill=TRANSPORTS[transfer.transport].pushes_to_decode,
         )
@@ -131,7 +136,7 @@ class Deployment:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_ids[index], soft=False)
             return actor_class.options(
                 num_cpus=pool_config.num_cpus, num_gpus=pool_config.num_gpus, max_concurrency=1000, **options
-            ).remote(f"{pool.role}-{index}", self.config, index)
+            ).remote(f"{pool.role}-{index}", self.config, index, self.tokens.address if self.tokens else "")
 
         async def restart(member: PoolMember) -> None:
             """Replace a dead worker with a fresh actor and engine on the same replica slot."""
@@ -168,6 +173,15 @@ class Deployment:
             except Exception:  # already dead: nothing to shut down
                 pass
             ray.kill(member.actor)
+        if self.tokens is not None:
+            self.tokens.close()
+
+
+def _token_host(config: DuetConfig) -> str:
+    """The address workers push tokens to: loopback on a private local Ray, else this node's."""
+    if config.ray.address == "local":
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
 
 
 def _plan_node_ids(role: str, nodes: list[int] | None) -> list[str] | None:

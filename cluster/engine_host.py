@@ -7,13 +7,14 @@ here once.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Iterator, Literal
+from typing import Any, Iterator, Literal
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
 from duet.cluster.token_outbox import TokenOutbox
-from duet.cluster.worker_api import TokenUpdate, WorkerStatus
+from duet.cluster.worker_api import WorkerStatus
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,
@@ -34,7 +35,9 @@ class EngineHost:
 
     role: Role | Literal["colocated"]
 
-    def __init__(self, name: str, config: DuetConfig, replica_index: int) -> None:
+    def __init__(self, name: str, config: DuetConfig, replica_index: int, token_address: str = "") -> None:
+        """``token_address`` is the router's token receiver (``tcp://host:port``), where this
+        worker pushes the tokens it streams; prefill-only workers stream none."""
         self.name = name
         self.config = config
         self.replica_index = replica_index
@@ -46,6 +49,8 @@ class EngineHost:
         self._served = 0
         self.kv_endpoint = ""
         self.outbox = TokenOutbox()
+        self._token_address = token_address
+        self._sender: asyncio.Task[None] | None = None
 
     @property
     def pool(self) -> PoolConfig:
@@ -55,6 +60,8 @@ class EngineHost:
         """Create the engine; returns the ready status, or raises with the reason it failed."""
         try:
             self._start_engine()
+            if self._token_address:
+                self._sender = asyncio.get_running_loop().create_task(self.outbox.run(self._token_address))
             self._state = "ready"
         except Exception as error:  # reported to the launcher, which names the worker
             self._state, self._error = "failed", f"{type(error).__name__}: {error}"
@@ -92,15 +99,6 @@ class EngineHost:
         )
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
-    async def token_stream(self) -> AsyncIterator[list[TokenUpdate]]:
-        """Every request's new tokens, one batch per engine step; the router holds one open.
-
-        Called with ``num_returns="streaming"``. There is one reader per worker: the router
-        that owns it opens it once, when it first sends the worker a request.
-        """
-        async for batch in self.outbox.batches():
-            yield batch
-
     def model_limits(self) -> tuple[int, int]:
         """(max_model_len, vocab_size) as the engine resolved them from the model."""
         model_config = self.engine.model_config
@@ -134,6 +132,8 @@ class EngineHost:
             requests_inflight=len(self._inflight),
             engine_unfinished=unfinished,
             error=self._error,
+            token_updates=self.outbox.updates_sent,
+            token_batches=self.outbox.batches_sent,
             engine_metrics=_read_engine_metrics(),
         )
 
@@ -145,6 +145,8 @@ class EngineHost:
         return "\n".join(line for line in lines if "vllm:" in line) + "\n"
 
     def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -93,4 +93,7 @@ class WorkerStatus:
     requests_inflight: int = 0
     engine_unfinished: int = 0
     error: str = ""
+    # The token stream: per-request updates sent, and the batches that carried them.
+    token_updates: int = 0
+    token_batches: int = 0
     engine_metrics: dict[str, float] = field(default_factory=dict)

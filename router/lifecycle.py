@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from duet.cluster.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import PoolMember, WorkerPool
-from duet.router.token_stream import StreamBroken
+from duet.router.token_stream import StreamBroken, TokenReceiver
 from duet.router.validation import ValidatedRequest
 
 logger = logging.getLogger(__name__)
@@ -127,9 +127,11 @@ class RequestLifecycle:
         self,
         prefill: WorkerPool | None,
         decode: WorkerPool,
+        tokens: TokenReceiver,
         policy: RetryPolicy | None = None,
         decode_before_prefill: bool = False,
     ) -> None:
+        self.tokens = tokens
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.policy = policy or RetryPolicy()
@@ -237,14 +239,16 @@ class RequestLifecycle:
         prefill: PrefillResult | None,
         kv_transfer_params: dict[str, Any] | None,
     ) -> AsyncIterator[DecodeChunk]:
-        """Start the request on ``worker`` and relay its tokens from the worker's token stream.
+        """Start the request on ``worker`` and relay its tokens as they arrive from it.
+
+        The tokens come through the router's token receiver, not the call; the call's result
+        only says whether the worker failed (a dead actor, a dead engine).
 
         Updates that queued up while the client's stream was busy are merged into one chunk,
         so a loaded router sends fewer, larger messages instead of falling further behind.
         """
         request_id = round_.request_id
-        tokens = worker.tokens()
-        queue = tokens.subscribe(request_id)
+        queue = self.tokens.subscribe(request_id)
         worker.inflight += 1
         call = worker.actor.decode.remote(
             request_id,
@@ -280,7 +284,7 @@ class RequestLifecycle:
                     raise self._stream_failure(worker, broken)
         finally:
             worker.inflight -= 1
-            tokens.unsubscribe(request_id)
+            self.tokens.unsubscribe(request_id)
             if not finished:  # cancelled, timed out, failed, or the consumer stopped early
                 await _abort(worker, request_id, call)
 
@@ -299,11 +303,24 @@ class RequestLifecycle:
         return WorkerFailed(f"{pool.role} worker {worker.name} failed ({type(error).__name__})")
 
 
+# How long after a worker's call returned its request's last tokens may still be on the way.
+_LAST_TOKENS_GRACE_S = 10.0
+
+
 def _report_call_failure(done: asyncio.Future[Any], queue: asyncio.Queue[Any]) -> None:
-    """Hand a failed worker call to the request waiting on its tokens (success needs nothing:
-    the finish arrives on the token stream)."""
-    if not done.cancelled() and done.exception() is not None:
+    """Hand a failed worker call to the request waiting on its tokens.
+
+    A call that succeeded has put its finish on the token socket; should that never arrive (the
+    worker died right after), the request is failed after a grace period instead of waiting
+    forever. A request that did finish has stopped reading its queue by then.
+    """
+    if done.cancelled():
+        return
+    if done.exception() is not None:
         queue.put_nowait(StreamBroken("the worker call failed", done.exception()))
+        return
+    lost = StreamBroken(f"the worker finished the request but its last tokens did not arrive in {_LAST_TOKENS_GRACE_S:.0f} s")
+    asyncio.get_running_loop().call_later(_LAST_TOKENS_GRACE_S, queue.put_nowait, lost)
 
 
 async def _abort(worker: PoolMember, request_id: str, task: object) -> None:

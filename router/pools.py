@@ -14,8 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from duet.router.token_stream import TokenStream
-
 logger = logging.getLogger(__name__)
 
 
@@ -32,15 +30,6 @@ class PoolMember:
     inflight: int = 0
     restarts: int = 0
     error: str = ""
-    _tokens: TokenStream | None = field(default=None, repr=False)
-
-    def tokens(self) -> TokenStream:
-        """The token stream of the member's current actor (a replaced actor gets a new one)."""
-        if self._tokens is None or self._tokens.actor is not self.actor:
-            if self._tokens is not None:
-                self._tokens.close()
-            self._tokens = TokenStream(self.actor, self.name)
-        return self._tokens
 
 
 @dataclass

@@ -1,17 +1,22 @@
-"""The router's end of a worker's token stream: one Ray stream per worker, split by request.
+"""The router's end of the token streams: one ZeroMQ socket that every worker pushes to.
 
-A worker sends every request's new tokens over one long-lived Ray streaming call, one batch per
-engine step (see :mod:`duet.cluster.token_outbox` for why). :class:`TokenStream` reads it in one
-task and hands each update to the queue of the request it belongs to. When the stream breaks
-(the actor died), every request still listening gets the error, so a worker's death reaches its
-requests as fast as it reaches Ray, with no request polling for it.
+Workers send every request's new tokens in batches, one batch per engine step (see
+:mod:`duet.cluster.token_outbox` for why), as msgpack frames over a ZeroMQ PUSH socket to this
+one PULL socket. Ray stays the control plane (actor lifecycle, the per-request call that starts
+a request and reports its failure); only the per-token data bypasses it, because a Ray
+streaming-generator item costs an object, an owner notification and a poll per item, which on a
+CPU host was the largest part of the serving path's CPU per token. :class:`TokenReceiver` reads
+the socket in one task and hands each update to the queue of the request it belongs to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
 
 from duet.cluster.worker_api import TokenUpdate
 
@@ -19,26 +24,30 @@ logger = logging.getLogger(__name__)
 
 
 class StreamBroken(RuntimeError):
-    """The worker's token stream ended or failed; ``cause`` is Ray's error, if any."""
+    """A request's tokens stopped coming: its worker call failed (``cause``) or went silent."""
 
     def __init__(self, message: str, cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.cause = cause
 
 
-class TokenStream:
-    """Demultiplexes one worker actor's token stream into per-request queues."""
+class TokenReceiver:
+    """Binds the socket workers push tokens to, and demultiplexes updates by request id."""
 
-    def __init__(self, actor: Any, name: str) -> None:
-        self.actor = actor
-        self.name = name
+    def __init__(self, host: str) -> None:
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
         self._queues: dict[str, asyncio.Queue[TokenUpdate | StreamBroken]] = {}
-        self._pump: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name="token-receiver")
 
     def subscribe(self, request_id: str) -> asyncio.Queue[TokenUpdate | StreamBroken]:
-        """A queue for ``request_id``'s updates; subscribe before the worker starts the request."""
-        if self._pump is None or self._pump.done():
-            self._pump = asyncio.get_running_loop().create_task(self._read(), name=f"tokens-{self.name}")
+        """A queue for ``request_id``'s updates; subscribe before a worker starts the request."""
         queue: asyncio.Queue[TokenUpdate | StreamBroken] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
@@ -47,24 +56,15 @@ class TokenStream:
         self._queues.pop(request_id, None)
 
     def close(self) -> None:
-        """Stop reading (the worker is being replaced or shut down)."""
-        if self._pump is not None:
-            self._pump.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+        self._socket.close()
+        self._context.term()
 
     async def _read(self) -> None:
-        error: StreamBroken
-        try:
-            async for ref in self.actor.token_stream.options(num_returns="streaming").remote():
-                for update in await ref:
-                    queue = self._queues.get(update[0])
-                    if queue is not None:  # None: a request the router already gave up on
-                        queue.put_nowait(update)
-            error = StreamBroken(f"worker {self.name} closed its token stream")
-        except asyncio.CancelledError:
-            error = StreamBroken(f"the router stopped reading worker {self.name}")
-            raise
-        except Exception as cause:  # the actor died: Ray's error says how
-            error = StreamBroken(f"worker {self.name}'s token stream failed: {type(cause).__name__}", cause)
-        finally:
-            for queue in self._queues.values():
-                queue.put_nowait(error)
+        while True:
+            frame = await self._socket.recv(copy=True)
+            for update in msgpack.unpackb(frame, use_list=True):
+                queue = self._queues.get(update[0])
+                if queue is not None:  # None: a request the router already gave up on
+                    queue.put_nowait(update)

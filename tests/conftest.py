@@ -115,11 +115,17 @@ class ReferenceEngine:
         self.llm = LLM(**engine_kwargs(config.model, kv_cache_gib=1))
 
     def greedy(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+        return [ids for ids, _ in self.greedy_completions(prompts, max_tokens, ignore_eos)]
+
+    def greedy_completions(
+        self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False
+    ) -> list[tuple[list[int], str]]:
+        """Token ids and text (vLLM's own detokenization) of each greedy completion."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(output.outputs[0].token_ids) for output in outputs]
+        return [(list(output.outputs[0].token_ids), output.outputs[0].text) for output in outputs]
 
 
 @pytest.fixture(scope="session")

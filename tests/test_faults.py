@@ -23,9 +23,9 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 700) for _ in range(length)]
 
 
-async def _decode_on(member, request_id, prompt, spec, prefill) -> list[int]:
+async def _decode_on(deployment, member, request_id, prompt, spec, prefill) -> list[int]:
     """Run the decode half of a request on ``member`` and read its tokens as the router does."""
-    queue = member.tokens().subscribe(request_id)
+    queue = deployment.tokens.subscribe(request_id)
     try:
         await member.actor.decode.remote(
             request_id, prompt, spec, prefill.kv_transfer_params, prefill.first_token_id, prefill.first_text
@@ -37,7 +37,7 @@ async def _decode_on(member, request_id, prompt, spec, prefill) -> list[int]:
             if finish is not None:
                 return tokens
     finally:
-        member.tokens().unsubscribe(request_id)
+        deployment.tokens.unsubscribe(request_id)
 
 
 def test_prefill_killed_before_decode_pulls(client, deployment, reference, worker_status):
@@ -52,7 +52,7 @@ def test_prefill_killed_before_decode_pulls(client, deployment, reference, worke
     decode = deployment.decode.members[0]
     computed_before = worker_status("decode").engine_metrics.get(COMPUTED, 0)
     started = time.monotonic()
-    decoded = deployment.background.run(_decode_on(decode, "fault-prefill", prompt, spec, result), timeout=60)
+    decoded = deployment.background.run(_decode_on(deployment, decode, "fault-prefill", prompt, spec, result), timeout=60)
     tokens = [result.first_token_id] + decoded
     elapsed = time.monotonic() - started
     assert tokens == expected

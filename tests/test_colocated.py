@@ -1,0 +1,66 @@
+"""A colocated deployment (``mode: colocated``): the same router and API, workers that run whole
+requests. It is the baseline ``duet bench serve`` measures disaggregation against, so it must be
+exact and clean up like the disaggregated path."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import pytest
+import ray
+
+from duet.cluster.config import COLOCATED_CONFIG_PATH, load_config, parse_config
+from duet.cluster.deployment import Deployment
+from duet.router.client import DuetClient, build_request
+
+
+@pytest.fixture(scope="module")
+def colocated(running_deployment) -> Iterator[tuple[Deployment, DuetClient]]:
+    data = load_config(COLOCATED_CONFIG_PATH).model_dump()
+    data["server"]["metrics_port"] = 0
+    with running_deployment(parse_config(data)) as deployment:
+        with DuetClient(f"127.0.0.1:{deployment.port}") as client:
+            yield deployment, client
+
+
+def _worker_states(deployment: Deployment) -> list[Any]:
+    return [ray.get(member.actor.status.remote()) for member in deployment.decode.members]
+
+
+def test_colocated_requests_match_a_single_engine_and_use_both_workers(colocated, reference):
+    deployment, client = colocated
+    status = client.status()
+    assert [pool.role for pool in status.pools] == ["colocated"]
+    assert [w.name for w in status.pools[0].workers] == ["colocated-0", "colocated-1"]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 700) for _ in range(rng.randint(5, 1200))] for _ in range(8)]
+
+    def run(prompt: list[int]) -> tuple[list[int], Any]:
+        return client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True), timeout=300)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, prompts))
+    assert [ids for ids, _ in results] == reference.greedy(prompts, max_tokens=24, ignore_eos=True)
+    served_by = {last.usage.decode_worker for _, last in results}
+    assert served_by == {"colocated-0", "colocated-1"}, f"requests were not spread: {served_by}"
+    assert all(last.usage.prefill_worker == last.usage.decode_worker for _, last in results)
+
+
+def test_colocated_cancel_frees_the_worker(colocated):
+    deployment, client = colocated
+    stream = client.generate(build_request(prompt_token_ids=list(range(10, 300)), max_tokens=3000, ignore_eos=True), timeout=120)
+    received = 0
+    for message in stream:
+        received += len(message.token_ids)
+        if received >= 8:
+            break
+    stream.cancel()
+    deadline = time.monotonic() + 20
+    while any(s.requests_inflight or s.engine_unfinished for s in _worker_states(deployment)):
+        assert time.monotonic() < deadline, "a colocated worker still holds the cancelled request"
+        time.sleep(0.1)
+    ids, _ = client.generate_ids(build_request("still serving?", max_tokens=4, ignore_eos=True), timeout=60)
+    assert len(ids) == 4

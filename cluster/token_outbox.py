@@ -63,7 +63,7 @@ class TokenOutbox:
         try:
             async for batch in self.batches():
                 try:
-                    socket.send(msgpack.packb(batch), flags=zmq.NOBLOCK, copy=False)
+                    socket.send(msgpack.packb(batch), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     logger.warning("router at %s is not reading tokens; dropped %d updates", address, len(batch))
         finally:

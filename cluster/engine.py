@@ -56,7 +56,7 @@ def engine_kwargs(
     return kwargs
 
 
-def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None) -> dict[str, str]:
+def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None, one_process_executor: bool = True) -> dict[str, str]:
     """Environment for a vLLM CPU engine: an explicit KV cache size, the model in the engine
     core's process, and, optionally, one core.
 
@@ -69,9 +69,13 @@ def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None) -> dict[st
     (``sched_yield``) for a second after every message, which on a CPU host burns the very
     cores the engines and the serving path share (docs/benchmarks.md). ``AsyncLLM`` still
     runs its engine core in a process of its own, so the actor's event loop never waits on a
-    forward pass. Multi-rank engines need vLLM's multiprocess executor and keep it.
+    forward pass. Multi-rank engines need vLLM's multiprocess executor and keep it. An offline
+    ``vllm.LLM`` must not get it (``one_process_executor=False``): there the variable would run the
+    whole engine inside the calling process.
     """
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
+    if one_process_executor:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cpu_core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
     return env

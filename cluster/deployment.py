@@ -54,7 +54,16 @@ def start_ray(config: DuetConfig) -> None:
         return
     common = {"namespace": RAY_NAMESPACE, "log_to_driver": config.ray.worker_logs_to_driver}
     if config.ray.address == "local":
-        ray.init(num_cpus=config.ray.num_cpus, include_dashboard=False, **common)
+        # Ray starts worker processes at nice 15, and vLLM's engine processes inherit it from
+        # the actor that spawns them: under load the router and Ray's own daemons (nice 0) then
+        # preempt the engines' forward passes, which is TPOT and TTFT. Engines and serving path
+        # share the cores as equals, as in a plain vLLM server.
+        ray.init(
+            num_cpus=config.ray.num_cpus,
+            include_dashboard=False,
+            _system_config={"worker_niceness": 0},
+            **common,
+        )
     else:
         ray.init(address=config.ray.address, **common)
 

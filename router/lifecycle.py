@@ -149,41 +149,32 @@ class RequestLifecycle:
                 sampling=replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent)),
             )
             try:
-                async for token_ids, text, finish in self._run_round(round_):
-                    sent.extend(token_ids)
-                    clock.tokens_sent(len(token_ids))
-                    if finish is None:
-                        yield StreamEvent(token_ids, text)
-                        continue
-                    usage = clock.usage(len(request.prompt_token_ids), round_.prefill_worker, round_.decode_worker)
-                    yield StreamEvent(token_ids, text, finish, usage)
-                    return
+                chunks = await self._start_round(round_)
+                try:
+                    async for chunk in chunks:
+                        sent.extend(chunk.token_ids)
+                        clock.tokens_sent(len(chunk.token_ids))
+                        if chunk.finish_reason is None:
+                            yield StreamEvent(chunk.token_ids, chunk.text)
+                            continue
+                        usage = clock.usage(len(request.prompt_token_ids), round_.prefill_worker, round_.decode_worker)
+                        yield StreamEvent(chunk.token_ids, chunk.text, chunk.finish_reason, usage)
+                        return
+                finally:
+                    await chunks.aclose()  # runs the worker side's abort if the client left early
             except WorkerFailed as failure:
                 logger.warning("request %s: %s; resuming after %d tokens", request.request_id, failure, len(sent))
                 last_failure = failure
         raise RequestFailed(f"gave up after {self.policy.max_attempts} attempts: {last_failure}")
 
-    async def _run_round(self, round_: _Round) -> AsyncIterator[tuple[list[int], str, FinishReason | None]]:
-        if self.prefill_pool is None:
-            chunks = self._colocated_round(round_)
-        else:
-            chunks = self._disaggregated_round(round_)
-        try:
-            async for chunk in chunks:
-                yield chunk.token_ids, chunk.text, chunk.finish_reason
-        finally:
-            await chunks.aclose()  # runs the worker side's abort if the client left early
-
-    async def _colocated_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
-        """One worker computes the prompt and streams every token."""
+    async def _start_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
+        """The round's token chunks: colocated, one worker computes the prompt and streams every
+        token; disaggregated, prefill's first token, then the decode worker's."""
+        if self.prefill_pool is not None:
+            return self._disaggregated_round(round_)
         worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
         round_.prefill_worker = round_.decode_worker = worker.name
-        chunks = self._decode(worker, round_, None, kv_transfer_params=None)
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await chunks.aclose()
+        return self._decode(worker, round_, None, kv_transfer_params=None)
 
     async def _disaggregated_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
         assert self.prefill_pool is not None

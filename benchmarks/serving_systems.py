@@ -26,10 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from duet.benchmarks.serve_report import COLOCATED, DISAGG, VLLM
 from duet.cluster.config import COLOCATED_CONFIG_PATH, DuetConfig
 from duet.cluster.engine import resolve_model_path
 
-DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
 SYSTEMS = (DISAGG, COLOCATED, VLLM)
 _START_TIMEOUT_S = 600.0
 

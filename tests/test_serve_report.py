@@ -256,3 +256,27 @@ def test_openai_replay_records_http_errors_and_short_outputs():
     assert short[0].error == "got 3 of 4 tokens"
     assert short[1].error == "got 0 of 1 tokens"
     assert summarize(short, Slo(10.0, 10.0))["attainment"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        (["--rates", "x"], "--rates"),
+        (["--rates", "0,4"], "--rates"),
+        (["--systems", "duet-disagg,sglang"], "--systems"),
+        (["--endpoint", "127.0.0.1:50051"], "--endpoint"),
+        (["--requests", "0"], "--requests"),
+        (["--trace", "/nonexistent.csv"], "does not exist"),
+    ],
+)
+def test_bench_serve_bad_flags_exit_2_with_one_line(flags, names, capsys):
+    import argparse
+
+    from duet.benchmarks import serve_bench
+
+    parser = argparse.ArgumentParser()
+    serve_bench.register_command(parser.add_subparsers())
+    args = parser.parse_args(["serve", *flags])
+    assert args.handler(args) == serve_bench.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith("duet bench serve: error:") and names in err and err.count("\n") == 1

@@ -85,13 +85,21 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
 
 
 def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any]:
-    """Warm up, then measure every rate. The warm-up replays the trace (other prompts) for at
-    least a minute: a fresh engine's first minute is slower (first kernels per shape), enough to
-    move attainment by 25 points, and a shorter warm-up showed it at the first measured rate."""
-    warmup = plan.trace.at_rate(min(min(plan.rates), len(plan.trace) / WARMUP_S))
+    """Warm up for a minute, then measure every rate, each with prompts of its own.
+
+    The engines cache prompt prefixes, so a rate that re-sent an earlier rate's prompts would
+    skip most of its prefill work; every replay (the warm-up too) therefore draws fresh random
+    prompts from its own seed, the same seeds for every system. The warm-up exists because a
+    fresh engine's first minute is slower (first kernels per shape)."""
+    warmup = plan.trace.at_rate(len(plan.trace) / WARMUP_S)
     with progress_callback(len(warmup), f"{system.name} warm-up") as on_done:
-        asyncio.run(_replay(system, model, warmup, plan.seed + 1, on_done))
-    return {"rates": {str(rate): measure_rate(system, model, plan.trace, rate, plan.seed) for rate in plan.rates}}
+        asyncio.run(_replay(system, model, warmup, plan.seed, on_done))
+    return {
+        "rates": {
+            str(rate): measure_rate(system, model, plan.trace, rate, plan.seed + 1 + index)
+            for index, rate in enumerate(plan.rates)
+        }
+    }
 
 
 def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:
@@ -124,12 +132,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=240, help="first N requests of the trace (default 240)")
     parser.add_argument("--max-input", type=int, default=1800, help="cap prompt lengths (default 1800)")
     parser.add_argument("--max-output", type=int, default=96, help="cap output lengths (default 96)")
-    parser.add_argument("--rates", default="4,8,12,16,24,32", help="offered req/s, comma-separated")
+    parser.add_argument("--rates", default="2,4,6,8,12,16", help="offered req/s, comma-separated")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to start, from {', '.join(SYSTEMS)}")
     parser.add_argument("--endpoint", default="", help="bench a running server: grpc://HOST:PORT or http://HOST:PORT")
     parser.add_argument("--pid", type=int, help="with --endpoint: the server's process id, to measure its CPU")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="prompts: the warm-up uses SEED, rate i SEED+1+i")
     parser.set_defaults(handler=_bench_serve)
 
 

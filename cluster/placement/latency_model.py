@@ -113,7 +113,7 @@ class LatencyModel:
     weight_bytes: float | None = None
     max_pp: int = 8
     note: str = ""
-    # CPU ms per streamed output token that the serving path (router, Ray streaming, engine
+    # CPU ms per streamed output token that the serving path (router, token relay, engine
     # front ends, client) spends on the engines' own processors; 0 where engines have devices
     # of their own (GPUs). The simulator charges it to the engines as tokens stream (see
     # duet.cluster.placement.simulator).

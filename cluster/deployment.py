@@ -138,6 +138,10 @@ class Deployment:
     def _create_workers(self, worker_class: type, pool: WorkerPool, pool_config: Any) -> None:
         actor_class = ray.remote(worker_class)
         node_ids = _plan_node_ids(pool.role, pool_config.nodes)
+        # Only workers that stream tokens (decode, colocated) get the router's token socket;
+        # prefill workers return their one token through the Ray call and open no socket.
+        assert self.tokens is not None
+        token_address = self.tokens.address if issubclass(worker_class, DecodeWorker) else ""
 
         def create(index: int) -> Any:
             options: dict[str, Any] = {}
@@ -145,7 +149,7 @@ class Deployment:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_ids[index], soft=False)
             return actor_class.options(
                 num_cpus=pool_config.num_cpus, num_gpus=pool_config.num_gpus, max_concurrency=1000, **options
-            ).remote(f"{pool.role}-{index}", self.config, index, self.tokens.address if self.tokens else "")
+            ).remote(f"{pool.role}-{index}", self.config, index, token_address)
 
         async def restart(member: PoolMember) -> None:
             """Replace a dead worker with a fresh actor and engine on the same replica slot."""

@@ -537,7 +537,7 @@ async def _serving(config: Any) -> AsyncIterator[tuple[Any, Any]]:
     from duet.cluster.deployment import Deployment
     from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 
-    deployment = await Deployment(config).start(port=0)
+    deployment = await Deployment(config).start(port=0, http_port=None)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
             yield deployment, pb_grpc.DuetStub(channel)

@@ -55,7 +55,7 @@ def _free_port() -> int:
 
 
 def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[str, str]]:
-    duet = [sys.executable, "-m", "duet.cli", "serve", "--port", str(port), "--metrics-port", "0"]
+    duet = [sys.executable, "-m", "duet.cli", "serve", "--port", str(port), "--metrics-port", "0", "--http-port", "-1"]
     if name == DISAGG:
         return duet, {}
     if name == COLOCATED:

@@ -37,12 +37,21 @@ class ModelConfig(_Strict):
     max_model_len: int | None = Field(default=None, ge=16)
     enforce_eager: bool = True
     seed: int = 0
+    # Jinja chat template file for /v1/chat/completions, for models whose tokenizer has none.
+    chat_template: str | None = None
 
     @field_validator("path")
     @classmethod
     def _path_exists(cls, value: str) -> str:
         if value != BUILTIN_MODEL and not (Path(value).expanduser() / "config.json").is_file():
             raise ValueError(f"{value!r} is not a Hugging Face model directory (no config.json)")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_exists(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).expanduser().is_file():
+            raise ValueError(f"{value!r} is not a readable file (a Jinja chat template)")
         return value
 
 
@@ -110,9 +119,47 @@ class RayConfig(_Strict):
     worker_logs_to_driver: bool = False
 
 
+class TlsConfig(_Strict):
+    """TLS for both front ends (gRPC and HTTP): the server's certificate, and optionally a CA
+    whose client certificates are required (mutual TLS)."""
+
+    cert_file: str = Field(description="PEM certificate chain the server presents")
+    key_file: str = Field(description="PEM private key of that certificate")
+    client_ca_file: str | None = Field(default=None, description="mutual TLS: clients must present a certificate this CA signed")
+
+    @field_validator("cert_file", "key_file", "client_ca_file")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).expanduser().is_file():
+            raise ValueError(f"{value!r} is not a readable file")
+        return value
+
+
+class AuthConfig(_Strict):
+    """Who may call: API keys (sent as ``Authorization: Bearer KEY`` on both APIs) and the quotas
+    each key gets. With no key configured, duet serves without authentication (loopback only,
+    unless ``server.allow_unauthenticated``)."""
+
+    # YAML list of {name, key, requests_per_minute?, max_concurrent_requests?}; see docs/security.md.
+    api_keys_file: str | None = None
+    # Environment variable holding comma-separated keys (optionally NAME:KEY), default quotas.
+    api_keys_env: str = "DUET_API_KEYS"
+    # Per-key quotas (a key's own entry in the keys file overrides them); null is unlimited.
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)
+    # OpenAI-compatible HTTP API on the same host; 0 picks a free port; null disables it.
+    http_port: int | None = Field(default=8000, ge=0, le=65535)
+    # Largest HTTP request body accepted (413 beyond it).
+    http_max_body_bytes: int = Field(default=4 * 2**20, ge=1024)
+    tls: TlsConfig | None = None
+    auth: AuthConfig = AuthConfig()
+    # Serving a non-loopback address without API keys must be asked for explicitly.
+    allow_unauthenticated: bool = False
     # Admission limit: requests beyond it get RESOURCE_EXHAUSTED instead of queueing unbounded.
     max_inflight_requests: int = Field(default=128, ge=1)
     # Prometheus endpoint (/metrics): request metrics and every worker's vLLM metrics.

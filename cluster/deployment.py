@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -23,7 +24,9 @@ from duet.kv_transfer.config import TRANSPORTS
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.metrics import start_metrics_server
 from duet.router.pools import PoolMember, WorkerPool
-from duet.router.server import DuetServicer, start_server
+from duet.router.auth import Gatekeeper
+from duet.router.front_ends import FrontEnds, check_exposure
+from duet.router.serving import RequestService
 from duet.router.status import ClusterView
 from duet.router.token_stream import TokenReceiver
 from duet.router.validation import ModelLimits
@@ -75,23 +78,31 @@ class Deployment:
     # In a colocated deployment this pool holds the workers that run whole requests, and the
     # prefill pool stays empty.
     decode: WorkerPool = field(default_factory=lambda: WorkerPool("decode"))
-    server: Any = None
-    port: int = 0
+    front_ends: FrontEnds | None = None
+    port: int = 0  # the gRPC API's
+    http_port: int | None = None  # the OpenAI HTTP API's (None: disabled)
     cluster: ClusterView | None = None
-    servicer: DuetServicer | None = None
+    service: RequestService | None = None
     tokens: TokenReceiver | None = None
+    # A warning to show the operator (serving a public address without authentication).
+    exposure_warning: str | None = None
     _metrics_server: Any = None
 
-    async def start(self, port: int | None = None) -> "Deployment":
-        """Start workers and the gRPC server; ``port`` overrides the config (0 picks a free one).
+    async def start(self, port: int | None = None, http_port: int | None = -1) -> "Deployment":
+        """Start workers and both front ends; ``port`` and ``http_port`` override the config
+        (0 picks a free port; the default -1 keeps the config's HTTP port).
 
-        Both listening ports are claimed before any worker starts, so a port already in use
-        fails in a second with its name, not after a minute of engine start-up.
+        Listening ports and API keys are checked before any worker starts, so a port in use or
+        a bad keys file fails in a second with its name, not after a minute of engine start-up.
         """
         server_config = self.config.server
         bind_port = server_config.port if port is None else port
-        if bind_port and not is_bindable(server_config.host, bind_port):
-            raise PortInUseError(_port_in_use("gRPC", server_config.host, bind_port, "--port"))
+        bind_http = server_config.http_port if http_port == -1 else http_port
+        for what, wanted, flag in (("gRPC", bind_port, "--port"), ("HTTP", bind_http, "--http-port")):
+            if wanted and not is_bindable(server_config.host, wanted):
+                raise PortInUseError(_port_in_use(what, server_config.host, wanted, flag))
+        gatekeeper = Gatekeeper.from_config(server_config.auth)
+        self.exposure_warning = check_exposure(server_config, gatekeeper)
         colocated = self.config.mode == "colocated"
         if colocated:
             self.decode.role = "colocated"
@@ -131,8 +142,11 @@ class Deployment:
             RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
             decode_before_prefill=TRANSPORTS[transfer.transport].pushes_to_decode,
         )
-        self.servicer = DuetServicer(lifecycle, limits, tokenizer, self.cluster, server_config.max_inflight_requests)
-        self.server, self.port = await start_server(self.servicer, server_config.host, bind_port)
+        self.service = RequestService(
+            lifecycle, limits, tokenizer, self.cluster, gatekeeper, server_config.max_inflight_requests
+        )
+        self.front_ends = await FrontEnds.start(self.service, server_config, bind_port, bind_http, _chat_template(self.config))
+        self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
         return self
 
     def _create_workers(self, worker_class: type, pool: WorkerPool, pool_config: Any) -> None:
@@ -176,8 +190,8 @@ class Deployment:
             member.kv_endpoint = status.kv_endpoint
 
     async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=2)
+        if self.front_ends is not None:
+            await self.front_ends.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         for member in self.prefill.members + self.decode.members:
@@ -188,6 +202,12 @@ class Deployment:
             ray.kill(member.actor)
         if self.tokens is not None:
             self.tokens.close()
+
+
+def _chat_template(config: DuetConfig) -> str | None:
+    """The configured chat template's text (None: the tokenizer's own)."""
+    path = config.model.chat_template
+    return Path(path).expanduser().read_text() if path else None
 
 
 def _token_host(config: DuetConfig) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 TINY_MODEL_NAME = "duet-tiny-llama"
 # Bumped whenever the recipe below changes, so that a stale cache is never served.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 _SEED = 1234
 
 _LLAMA_CONFIG = {
@@ -34,6 +34,11 @@ _LLAMA_CONFIG = {
     "tie_word_embeddings": False,
 }
 _TARGET_VOCAB_SIZE = 4096
+# A plain role-tagged chat format, so /v1/chat/completions works on the built-in model.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 _WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which "
@@ -127,6 +132,7 @@ def _write_tokenizer(out: Path, llama_config: dict) -> None:
         eos_token="</s>",
         unk_token="<unk>",
         model_max_length=llama_config["max_position_embeddings"],
+        chat_template=CHAT_TEMPLATE,
     )
     fast.save_pretrained(out)
 

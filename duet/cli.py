@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -34,7 +35,23 @@ def _rpc_failure(error: grpc.RpcError, target: str) -> int:
     code = error.code()
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (error.details() or "").lower():
         return _fail(f"no duet server at {target} (start one with `duet serve`, or pass --target)")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return _fail(f"{error.details()} (pass --api-key or set $DUET_API_KEY)")
     return _fail(f"{code.name}: {error.details()}")
+
+
+def _client(args: argparse.Namespace) -> DuetClient:
+    return DuetClient(
+        args.target, api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
+    )
+
+
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--api-key", default=os.environ.get("DUET_API_KEY"), help="API key (default: $DUET_API_KEY)")
+    parser.add_argument("--tls-ca", help="connect with TLS, trusting this CA's certificate (PEM)")
+    parser.add_argument("--tls-cert", help="client certificate for mutual TLS (PEM)")
+    parser.add_argument("--tls-key", help="client certificate's private key (PEM)")
 
 
 # ---- serve -------------------------------------------------------------------------------
@@ -57,6 +74,16 @@ def _serve(args: argparse.Namespace) -> int:
             data["server"]["port"] = args.port
         if args.metrics_port is not None:
             data["server"]["metrics_port"] = args.metrics_port
+        if args.http_port is not None:
+            data["server"]["http_port"] = None if args.http_port < 0 else args.http_port
+        if args.host is not None:
+            data["server"]["host"] = args.host
+        if args.api_keys_file is not None:
+            data["server"]["auth"]["api_keys_file"] = args.api_keys_file
+        if args.allow_unauthenticated:
+            data["server"]["allow_unauthenticated"] = True
+        if args.tls_cert or args.tls_key:
+            data["server"]["tls"] = {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca}
         config = parse_config(data, source="command line")
     except (ConfigError, PlanError) as error:
         return _fail(str(error))
@@ -68,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _run_deployment(config: "DuetConfig") -> int:
+    from duet.cluster.config import ConfigError
     from duet.cluster.deployment import Deployment, WorkerStartError
 
     deployment = Deployment(config)
@@ -79,13 +107,20 @@ async def _run_deployment(config: "DuetConfig") -> int:
     print(f"duet: starting {workers} for {config.model.name} (this takes about a minute on CPU)...", flush=True)
     try:
         await deployment.start()
-    except (WorkerStartError, OSError, TimeoutError) as error:
+    except (WorkerStartError, ConfigError, OSError, TimeoutError) as error:
         await deployment.stop()
         return _fail(str(error))
+    if deployment.exposure_warning:
+        print(f"duet: WARNING: {deployment.exposure_warning}", file=sys.stderr, flush=True)
     metrics = deployment.cluster.metrics_endpoint if deployment.cluster else ""
+    host = config.server.host
+    scheme = "https" if config.server.tls else "http"
     print(
-        f"duet: serving {config.model.name} on {config.server.host}:{deployment.port}"
+        f"duet: serving {config.model.name} on {host}:{deployment.port} (gRPC)"
+        + (f", {scheme}://{host}:{deployment.http_port}/v1 (OpenAI)" if deployment.http_port else "")
         + (f", metrics on http://{metrics}/metrics" if metrics else "")
+        + (", TLS" if config.server.tls else "")
+        + (", API keys required" if deployment.service and deployment.service.gatekeeper.enabled else "")
         + " (Ctrl-C stops)",
         flush=True,
     )
@@ -114,7 +149,7 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         model=args.model,
     )
-    with DuetClient(args.target) as client:
+    with _client(args) as client:
         last = pb.GenerateResponse()
         try:
             for last in client.generate(request, timeout=args.timeout):
@@ -142,7 +177,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    with DuetClient(args.target) as client:
+    with _client(args) as client:
         try:
             status = client.status()
         except grpc.RpcError as error:
@@ -216,6 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", help="name clients use for --model (default: its directory name)")
     serve.add_argument("--port", type=int, help="gRPC port (default: from the config, 50051; 0 picks one)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (default: from the config, 9400; 0 picks one)")
+    serve.add_argument("--http-port", type=int, help="OpenAI HTTP API port (default: from the config, 8000; 0 picks one; -1 disables)")
+    serve.add_argument("--host", help="address both APIs listen on (default: from the config, 127.0.0.1)")
+    serve.add_argument("--api-keys-file", help="YAML file of API keys and their quotas (docs/security.md)")
+    serve.add_argument(
+        "--allow-unauthenticated", action="store_true", help="serve a non-loopback --host without API keys"
+    )
+    serve.add_argument("--tls-cert", help="serve both APIs over TLS with this certificate (PEM)")
+    serve.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    serve.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
     serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", help="stream a completion from a running duet")
@@ -228,17 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--model", default="", help="model name to check against the server's")
-    generate.add_argument("--target", default=DEFAULT_TARGET)
     generate.add_argument("--timeout", type=float, default=300.0)
+    _add_client_arguments(generate)
     generate.set_defaults(handler=_generate)
 
     status = commands.add_parser("status", help="show the pools, each worker's state and requests served")
-    status.add_argument("--target", default=DEFAULT_TARGET)
+    _add_client_arguments(status)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(handler=_status)
 
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.serve_bench import register_command as register_bench_serve
+    from duet.benchmarks.vllm_client import register_command as register_bench_vllm_client
     from duet.cluster.placement.commands import register_commands as register_planning
 
     register_planning(commands)  # plan, simulate, profile
@@ -246,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     register_bench_transfer(benches)  # bench transfer
     register_bench_serve(benches)  # bench serve
+    register_bench_vllm_client(benches)  # bench vllm-client
     return parser
 
 

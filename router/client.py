@@ -9,6 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
+from duet.router.tls import grpc_channel_credentials
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -44,16 +45,33 @@ def build_request(
 
 
 class DuetClient:
-    """A blocking client; one channel, safe to share across threads."""
+    """A blocking client; one channel, safe to share across threads.
 
-    def __init__(self, target: str = DEFAULT_TARGET) -> None:
+    ``api_key`` is sent as ``authorization: Bearer KEY`` metadata on every call. With
+    ``tls_ca`` (the CA that signed the server's certificate) the channel uses TLS; add
+    ``tls_cert`` and ``tls_key`` for a server that requires client certificates.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
         self.target = target
-        self._channel = grpc.insecure_channel(target)
+        if tls_ca or tls_cert:
+            self._channel = grpc.secure_channel(target, grpc_channel_credentials(tls_ca, tls_cert, tls_key))
+        else:
+            self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.DuetStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
         """Stream responses; cancel by calling ``.cancel()`` on the returned iterator."""
-        return self._stub.Generate(request, timeout=timeout)
+        return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
 
     def generate_ids(self, request: pb.GenerateRequest, timeout: float | None = None) -> tuple[list[int], pb.GenerateResponse]:
         """Run a request to completion: all token ids and the final message (finish, usage)."""
@@ -64,7 +82,7 @@ class DuetClient:
         return ids, last
 
     def status(self, timeout: float = 10.0) -> pb.ClusterStatus:
-        return self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout)
+        return self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata)
 
     def is_serving(self, timeout: float = 2.0) -> bool:
         """Whether the standard gRPC health service reports duet as SERVING."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
@@ -142,9 +143,12 @@ class RequestLifecycle:
         clock = _Clock()
         sent: list[int] = []
         last_failure: WorkerFailed | None = None
+        # Clients choose request ids and two may choose the same one; the engines and the token
+        # socket key on this one, which is unique.
+        internal_id = f"{request.request_id}-{secrets.token_hex(4)}"
         for attempt in range(self.policy.max_attempts):
             round_ = _Round(
-                request_id=request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}",
+                request_id=internal_id if attempt == 0 else f"{internal_id}-retry{attempt}",
                 prompt_token_ids=request.prompt_token_ids + sent,
                 sampling=replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent)),
             )

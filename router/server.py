@@ -1,16 +1,19 @@
 """duet's gRPC server: the ``duet.v1.Duet`` service, health checking and reflection.
 
-Requests are validated before they reach a worker (INVALID_ARGUMENT naming the field), admitted
-up to ``server.max_inflight_requests`` (beyond it RESOURCE_EXHAUSTED: backpressure the client can
-retry on, not an unbounded queue), then run by :class:`RequestLifecycle`. A malformed message,
+Callers present their API key as ``authorization: Bearer KEY`` metadata (UNAUTHENTICATED
+without a valid one, when keys are configured). Requests are validated before they reach a
+worker (INVALID_ARGUMENT naming the field), then served by the shared :class:`RequestService`:
+a key over its quota or a deployment at ``server.max_inflight_requests`` gets
+RESOURCE_EXHAUSTED with a ``retry-after`` (seconds) trailing-metadata hint, backpressure the
+client can retry on rather than an unbounded queue. A malformed message,
 including a string field that is not UTF-8, is answered with INVALID_ARGUMENT too, instead of the
 INTERNAL error grpc would give for a message it cannot parse.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import math
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -19,11 +22,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from duet.router.lifecycle import RequestFailed, RequestLifecycle, StreamEvent
-from duet.router.pools import NoWorkerAvailable
+from duet.cluster.config import TlsConfig
+from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
+from duet.router.lifecycle import StreamEvent
 from duet.router.proto import duet_api_pb2 as pb
-from duet.router.status import ClusterView
-from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, validate
+from duet.router.serving import Overloaded, RequestService, Unavailable
+from duet.router.tls import grpc_server_credentials
+from duet.router.validation import InvalidRequest, validate
 from duet.router.wire import describe_decode_error
 
 logger = logging.getLogger(__name__)
@@ -53,58 +58,51 @@ def _parse_generate_request(data: bytes) -> pb.GenerateRequest | MalformedReques
 
 
 class DuetServicer:
-    def __init__(
-        self,
-        lifecycle: RequestLifecycle,
-        limits: ModelLimits,
-        tokenizer: Tokenizer,
-        cluster: ClusterView,
-        max_inflight: int,
-    ) -> None:
-        self.lifecycle = lifecycle
-        self.limits = limits
-        self.tokenizer = tokenizer
-        self.cluster = cluster
-        self.max_inflight = max_inflight
+    """The gRPC front end: credentials from the ``authorization`` metadata, the rest through
+    the shared :class:`RequestService`."""
+
+    def __init__(self, service: RequestService) -> None:
+        self.service = service
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            return self.service.authenticate(metadata.get("authorization"))
+        except Unauthenticated as error:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+            raise  # unreachable: abort raises
 
     async def Generate(
         self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        caller = await self._caller(context)
         if isinstance(request, MalformedRequest):
-            self.cluster.reject("invalid")
+            self.service.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
         try:
-            validated = validate(request, self.limits, self.tokenizer)
+            validated = validate(request, self.service.limits, self.service.tokenizer)
         except InvalidRequest as error:
-            self.cluster.reject("invalid")
+            self.service.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if self.cluster.inflight >= self.max_inflight:
-            self.cluster.reject("overloaded")
+        try:
+            async for event in self.service.generate(validated, caller):
+                yield _response(validated.request_id, event)
+        except (QuotaExceeded, Overloaded) as error:
+            # The retry hint travels as trailing metadata, in whole seconds (at least 1).
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.cluster.inflight} requests in flight (limit {self.max_inflight}); retry later",
+                str(error),
+                trailing_metadata=(("retry-after", str(max(1, math.ceil(error.retry_after_s)))),),
             )
-        self.cluster.admit()
-        outcome, usage = "failed", None
-        try:
-            async for event in self.lifecycle.run(validated):
-                usage = event.usage or usage
-                yield _response(validated.request_id, event)
-            outcome = "served"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except (RequestFailed, NoWorkerAvailable) as error:
-            logger.warning("request %s failed: %s", validated.request_id, error)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {error}")
+        except Unavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except Exception as error:
             logger.exception("request %s failed", validated.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"request {validated.request_id} failed: {error}")
-        finally:
-            self.cluster.finish(outcome, usage)
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
-        return await self.cluster.status()
+        await self._caller(context)
+        return await self.service.cluster.status()
 
 
 def _response(request_id: str, event: StreamEvent) -> pb.GenerateResponse:
@@ -133,8 +131,14 @@ def _generic_handler(servicer: DuetServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-async def start_server(servicer: DuetServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (``port=0`` picks a free one)."""
+async def start_server(
+    servicer: DuetServicer, host: str, port: int, tls: TlsConfig | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the bound port (``port=0`` picks a free one).
+
+    Health checking and reflection need no API key (probes and tooling); with ``tls`` every
+    service is served over TLS only.
+    """
     # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_generic_handler(servicer),))
@@ -144,7 +148,10 @@ async def start_server(servicer: DuetServicer, host: str, port: int) -> tuple[gr
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (
+        server.add_secure_port(address, grpc_server_credentials(tls)) if tls else server.add_insecure_port(address)
+    )
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (is another duet server running?)")
     await server.start()

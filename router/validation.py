@@ -23,6 +23,7 @@ class InvalidRequest(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
+        self.problem = problem
 
 
 class Tokenizer(Protocol):

@@ -75,7 +75,7 @@ def _running_deployment(config: DuetConfig) -> Iterator[Any]:
     from duet.cluster.deployment import Deployment
 
     loop = BackgroundLoop()
-    running = loop.run(Deployment(config).start(port=0), timeout=900)
+    running = loop.run(Deployment(config).start(port=0, http_port=0), timeout=900)
     running.background = loop  # tests that talk to the router's objects run on its loop
     try:
         yield running

@@ -103,9 +103,9 @@ def test_reflection_lists_the_service(deployment):
 
 
 def test_overload_gets_resource_exhausted(client, deployment):
-    servicer = deployment.servicer
-    limit = servicer.max_inflight
-    servicer.max_inflight = 1
+    service = deployment.service
+    limit = service.max_inflight
+    service.max_inflight = 1
     try:
         long_stream = client.generate(
             build_request(prompt_token_ids=[5] * 50, max_tokens=2000, ignore_eos=True), timeout=120
@@ -117,4 +117,4 @@ def test_overload_gets_resource_exhausted(client, deployment):
         assert deployment.cluster.outcomes["overloaded"] >= 1
         long_stream.cancel()
     finally:
-        servicer.max_inflight = limit
+        service.max_inflight = limit

@@ -79,7 +79,7 @@ def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment,
 
 
 def test_transfer_timeout_falls_back_to_recompute(client, deployment, reference, worker_status):
-    lifecycle = deployment.servicer.lifecycle
+    lifecycle = deployment.service.lifecycle
     policy = lifecycle.policy
     lifecycle.policy = replace(policy, transfer_timeout_s=0.0)  # every hand-off exceeds it
     try:

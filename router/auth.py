@@ -1,0 +1,168 @@
+"""Who may call duet, and how much: API keys and per-key quotas, shared by both front ends.
+
+A key is checked in constant time and is never logged or echoed: a caller is known by its key's
+*name* from then on. Quotas belong to the key, not to the front end, so a key's requests over
+gRPC and over HTTP draw on the same budget:
+
+- ``requests_per_minute``: a token bucket holding up to a minute's worth of requests, refilled
+  continuously; an empty bucket answers with the seconds until the next request is allowed;
+- ``max_concurrent_requests``: requests of that key in flight at once.
+
+Keys come from a YAML file (one entry per key, each with optional quotas of its own) and from an
+environment variable (comma-separated, default quotas), so that secrets can come from a
+Kubernetes Secret mounted either way.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from duet.cluster.config import AuthConfig, ConfigError
+from duet.cluster.yaml_config import read_yaml, validate_mapping
+
+
+class Unauthenticated(Exception):
+    """No key, or one that is not configured (gRPC UNAUTHENTICATED, HTTP 401)."""
+
+
+class QuotaExceeded(Exception):
+    """A key is over one of its quotas (gRPC RESOURCE_EXHAUSTED, HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class _KeyEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    key: SecretStr = Field(min_length=8)
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+
+
+class _KeysFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[_KeyEntry] = Field(min_length=1)
+
+
+@dataclass
+class Caller:
+    """An authenticated key: its name and its quota state (never the key itself)."""
+
+    name: str
+    requests_per_minute: float | None
+    max_concurrent_requests: int | None
+    inflight: int = 0
+    _tokens: float = field(default=0.0, repr=False)
+    _refilled_at: float = field(default_factory=time.monotonic, repr=False)
+
+    def __post_init__(self) -> None:
+        self._tokens = self.requests_per_minute or 0.0
+
+    def _take_rate_token(self) -> None:
+        if self.requests_per_minute is None:
+            return
+        now = time.monotonic()
+        per_second = self.requests_per_minute / 60.0
+        self._tokens = min(self.requests_per_minute, self._tokens + (now - self._refilled_at) * per_second)
+        self._refilled_at = now
+        if self._tokens < 1.0:
+            wait = (1.0 - self._tokens) / per_second
+            raise QuotaExceeded(
+                f"API key {self.name!r} is over its rate limit of {self.requests_per_minute:g} requests per minute; "
+                f"retry in {math.ceil(wait)} s",
+                wait,
+            )
+        self._tokens -= 1.0
+
+    def acquire(self) -> None:
+        """Take one request slot of this key; raise QuotaExceeded if it has none left.
+
+        Every successful ``acquire`` must be paired with a ``release`` when the request ends.
+        """
+        if self.max_concurrent_requests is not None and self.inflight >= self.max_concurrent_requests:
+            raise QuotaExceeded(
+                f"API key {self.name!r} has {self.inflight} requests in flight "
+                f"(limit {self.max_concurrent_requests}); retry when one finishes",
+                1.0,
+            )
+        self._take_rate_token()
+        self.inflight += 1
+
+    def release(self) -> None:
+        self.inflight -= 1
+
+
+# The caller of a deployment without keys: no quotas, nothing to check.
+ANONYMOUS = Caller("anonymous", None, None)
+
+
+class Gatekeeper:
+    """The configured keys; ``authenticate`` maps a presented bearer token to its Caller."""
+
+    def __init__(self, keys: list[tuple[str, Caller]]) -> None:
+        self._keys = [(secret.encode(), caller) for secret, caller in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def authenticate(self, token: str | None) -> Caller:
+        if not self._keys:
+            return ANONYMOUS
+        if not token:
+            raise Unauthenticated("an API key is required: send it as 'Authorization: Bearer KEY'")
+        presented = token.encode()
+        found = None
+        for secret, caller in self._keys:  # every key compared: the time taken says nothing
+            if hmac.compare_digest(secret, presented):
+                found = caller
+        if found is None:
+            raise Unauthenticated("the API key is not valid")
+        return found
+
+    def authenticate_header(self, authorization: str | None) -> Caller:
+        """Authenticate an ``Authorization`` header value (``Bearer KEY``)."""
+        token = None
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not value.strip():
+                raise Unauthenticated("the Authorization header must be 'Bearer KEY'")
+            token = value.strip()
+        return self.authenticate(token)
+
+    @classmethod
+    def from_config(cls, auth: AuthConfig, environ: dict[str, str] | None = None) -> "Gatekeeper":
+        """Load keys from ``auth.api_keys_file`` and the ``auth.api_keys_env`` variable."""
+        environ = os.environ if environ is None else environ
+        keys: list[tuple[str, Caller]] = []
+        if auth.api_keys_file:
+            path = Path(auth.api_keys_file).expanduser()
+            data = read_yaml(path, "API keys file", ConfigError)
+            entries = validate_mapping(_KeysFile, data, str(path), ConfigError).keys
+            for entry in entries:
+                keys.append((entry.key.get_secret_value(), Caller(
+                    entry.name,
+                    entry.requests_per_minute or auth.requests_per_minute,
+                    entry.max_concurrent_requests or auth.max_concurrent_requests,
+                )))
+        for index, item in enumerate(filter(None, (part.strip() for part in environ.get(auth.api_keys_env, "").split(",")))):
+            name, _, secret = item.rpartition(":")
+            keys.append((secret, Caller(name or f"{auth.api_keys_env}[{index}]", auth.requests_per_minute, auth.max_concurrent_requests)))
+        names = [caller.name for _, caller in keys]
+        duplicate = next((name for name in names if names.count(name) > 1), None)
+        if duplicate is not None:
+            raise ConfigError(f"API key name {duplicate!r} is used twice; give every key its own name")
+        if any(len(secret) < 8 for secret, _ in keys):
+            raise ConfigError(f"{auth.api_keys_env}: every API key must be at least 8 characters")
+        return cls(keys)

@@ -1,0 +1,80 @@
+"""Both front ends of one deployment, started and stopped together over one RequestService.
+
+The gRPC API and the OpenAI HTTP API share the host, the TLS settings and the callers' keys and
+quotas (held by the service's Gatekeeper). A deployment can open more than one pair, for
+example a TLS pair beside a loopback one, all serving the same pools.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from duet.cluster.config import ConfigError, ServerConfig
+from duet.router.auth import Gatekeeper
+from duet.router.http_server import OpenAIFrontEnd, start_http_server
+from duet.router.server import DuetServicer, start_server
+from duet.router.serving import RequestService
+from duet.router.tls import http_ssl_context
+
+logger = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
+def check_exposure(server: ServerConfig, gatekeeper: Gatekeeper) -> str | None:
+    """Refuse to serve a non-loopback address without API keys unless explicitly allowed.
+
+    Returns a warning to print when it is allowed; raises ConfigError when it is not.
+    """
+    if is_loopback(server.host) or gatekeeper.enabled:
+        return None
+    if not server.allow_unauthenticated:
+        raise ConfigError(
+            f"server.host {server.host} is reachable from other machines and no API keys are configured: "
+            "set server.auth.api_keys_file or $DUET_API_KEYS (docs/security.md), or pass "
+            "--allow-unauthenticated to serve anyone who can connect"
+        )
+    return (
+        f"serving {server.host} WITHOUT authentication (--allow-unauthenticated): anyone who can "
+        "reach it can use this deployment"
+    )
+
+
+@dataclass
+class FrontEnds:
+    grpc_server: Any
+    grpc_port: int
+    http_runner: Any
+    http_port: int | None
+
+    @classmethod
+    async def start(
+        cls, service: RequestService, server: ServerConfig, grpc_port: int, http_port: int | None, chat_template: str | None
+    ) -> "FrontEnds":
+        """Start gRPC on ``grpc_port`` and HTTP on ``http_port`` (None: no HTTP; 0: any port)."""
+        grpc_server, bound_grpc = await start_server(DuetServicer(service), server.host, grpc_port, server.tls)
+        http_runner, bound_http = None, None
+        if http_port is not None:
+            front_end = OpenAIFrontEnd(service, server.http_max_body_bytes, chat_template)
+            ssl_context = http_ssl_context(server.tls) if server.tls else None
+            try:
+                http_runner, bound_http = await start_http_server(front_end, server.host, http_port, ssl_context)
+            except OSError:
+                await grpc_server.stop(grace=None)
+                raise
+        return cls(grpc_server, bound_grpc, http_runner, bound_http)
+
+    async def stop(self) -> None:
+        await self.grpc_server.stop(grace=2)
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()

@@ -140,7 +140,7 @@ class Deployment:
             self.decode,
             self.tokens,
             RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
-            decode_before_prefill=TRANSPORTS[transfer.transport].pushes_to_decode,
+            prefill_pushes_kv=TRANSPORTS[transfer.transport].pushes_to_decode,
         )
         self.service = RequestService(
             lifecycle, limits, tokenizer, self.cluster, gatekeeper, server_config.max_inflight_requests

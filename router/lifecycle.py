@@ -130,14 +130,14 @@ class RequestLifecycle:
         decode: WorkerPool,
         tokens: TokenReceiver,
         policy: RetryPolicy | None = None,
-        decode_before_prefill: bool = False,
+        prefill_pushes_kv: bool = False,
     ) -> None:
         self.tokens = tokens
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.policy = policy or RetryPolicy()
-        # Push transports stream KV during prefill, so the decode worker is chosen first.
-        self.decode_before_prefill = decode_before_prefill
+        # Push transports stream KV during prefill, so prefill is told the decode worker.
+        self.prefill_pushes_kv = prefill_pushes_kv
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
@@ -182,16 +182,17 @@ class RequestLifecycle:
 
     async def _disaggregated_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
         assert self.prefill_pool is not None
-        decode_worker = None
-        if self.decode_before_prefill:
-            decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
+        # The decode worker is chosen before prefill runs: a prompt is only computed when a
+        # decode worker can take its KV (otherwise the prefill worker would hold that KV for a
+        # request that fails, until its lease runs out), and push transports need its address.
+        decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
         prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s)
         round_.prefill_worker = prefill_worker.name
-        result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if decode_worker else None)
+        result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
         yield DecodeChunk([result.first_token_id], result.first_text, result.finish_reason)
         if result.finish_reason is not None:
             return
-        if decode_worker is None:
+        if decode_worker.state != "ready":  # it failed while the prompt ran: take another
             decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
         round_.decode_worker = decode_worker.name
         chunks = self._decode(decode_worker, round_, result, result.kv_transfer_params)

@@ -156,6 +156,23 @@ def worker_status(deployment: Any) -> Callable[[str], Any]:
     return report
 
 
+@pytest.fixture(scope="session")
+def wait_until_idle(worker_status: Callable[[str], Any]) -> Callable[..., Any]:
+    """Wait until a role's worker holds no request (router side and engine side); its status."""
+    import time
+
+    def wait(role: str, timeout_s: float = 20.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = worker_status(role)
+            if status.requests_inflight == 0 and status.engine_unfinished == 0:
+                return status
+            assert time.monotonic() < deadline, f"{role} still holds a request: {status}"
+            time.sleep(0.1)
+
+    return wait
+
+
 def _stream_killing_worker(client: DuetClient, request: Any, member: Any) -> list[int]:
     """Stream ``request`` and kill ``member``'s actor the moment the first token arrives.
 

@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
-
 from duet.router.client import build_request
 
 GENERATED = "vllm:generation_tokens_total"
 
 
-def _wait_until_idle(worker_status, role: str, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = worker_status(role)
-        if status.requests_inflight == 0 and status.engine_unfinished == 0:
-            return status
-        assert time.monotonic() < deadline, f"{role} still holds the request: {status}"
-        time.sleep(0.1)
-
-
-def test_cancel_mid_stream_frees_both_workers(client, worker_status):
+def test_cancel_mid_stream_frees_both_workers(client, worker_status, wait_until_idle):
     before = worker_status("decode").engine_metrics.get(GENERATED, 0)
     stream = client.generate(
         build_request(prompt_token_ids=list(range(10, 400)), max_tokens=3000, ignore_eos=True), timeout=120
@@ -34,8 +21,8 @@ def test_cancel_mid_stream_frees_both_workers(client, worker_status):
     assert worker_status("decode").requests_inflight == 1
     stream.cancel()
 
-    decode = _wait_until_idle(worker_status, "decode")
-    prefill = _wait_until_idle(worker_status, "prefill")
+    decode = wait_until_idle("decode")
+    prefill = wait_until_idle("prefill")
     assert decode.engine_unfinished == 0 and prefill.engine_unfinished == 0
     generated = decode.engine_metrics.get(GENERATED, 0) - before
     assert generated < 3000, "the decode engine generated the whole request despite the cancel"

@@ -32,16 +32,19 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(server: ServerConfig, gatekeeper: Gatekeeper) -> str | None:
-    """Refuse to serve a non-loopback address without API keys unless explicitly allowed.
+    """Refuse to serve a non-loopback address without authentication (API keys or client
+    certificates) unless explicitly allowed.
 
     Returns a warning to print when it is allowed; raises ConfigError when it is not.
     """
-    if is_loopback(server.host) or gatekeeper.enabled:
+    client_certificates = server.tls is not None and server.tls.client_ca_file is not None
+    if is_loopback(server.host) or gatekeeper.enabled or client_certificates:
         return None
     if not server.allow_unauthenticated:
         raise ConfigError(
             f"server.host {server.host} is reachable from other machines and no API keys are configured: "
-            "set server.auth.api_keys_file or $DUET_API_KEYS (docs/security.md), or pass "
+            "set server.auth.api_keys_file or $DUET_API_KEYS, or require client certificates "
+            "(server.tls.client_ca_file; docs/security.md), or pass "
             "--allow-unauthenticated to serve anyone who can connect"
         )
     return (

@@ -180,10 +180,10 @@ class OpenAIFrontEnd:
 
     async def _serve(self, http: web.Request, chat: bool) -> web.StreamResponse:
         caller = self.service.authenticate(http.headers.get("Authorization"))
-        body = await _json_body(http, self.max_body_bytes)
         request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
         limits, tokenizer = self.service.limits, self.service.tokenizer
         try:
+            body = await _json_body(http, self.max_body_bytes)
             if chat:
                 parsed: Any = parse(ChatCompletionRequest, body)
                 request_id = parsed.request_id or request_id

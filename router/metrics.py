@@ -30,7 +30,7 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
-            "duet_requests", "Requests by outcome: served, failed, cancelled, invalid, overloaded.", ["outcome"], registry=registry
+            "duet_requests", "Requests by outcome: served, failed, cancelled, invalid, overloaded, quota, unauthenticated.", ["outcome"], registry=registry
         )
         self.inflight = Gauge("duet_requests_inflight", "Requests being served.", registry=registry)
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token at the router.", buckets=_LATENCY_BUCKETS, registry=registry)

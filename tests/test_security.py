@@ -241,7 +241,7 @@ def test_keys_from_the_environment():
     assert gatekeeper.authenticate("plain-secret-5678").max_concurrent_requests == 3
 
 
-def test_public_address_without_keys_needs_the_explicit_flag():
+def test_public_address_without_keys_needs_the_explicit_flag(certs):
     no_keys = Gatekeeper([])
     assert check_exposure(ServerConfig(host="127.0.0.1"), no_keys) is None
     with pytest.raises(ConfigError, match="--allow-unauthenticated"):
@@ -250,6 +250,8 @@ def test_public_address_without_keys_needs_the_explicit_flag():
     assert warning and "WITHOUT authentication" in warning
     with_keys = Gatekeeper.from_config(AuthConfig(), environ={"DUET_API_KEYS": "some-secret-key"})
     assert check_exposure(ServerConfig(host="0.0.0.0"), with_keys) is None
+    mutual_tls = TlsConfig(cert_file=certs.server_cert, key_file=certs.server_key, client_ca_file=certs.ca)
+    assert check_exposure(ServerConfig(host="0.0.0.0", tls=mutual_tls), no_keys) is None
 
 
 def test_serve_on_a_public_address_without_keys_fails_fast():

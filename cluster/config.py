@@ -168,6 +168,27 @@ class ServerConfig(_Strict):
     worker_start_timeout_s: float = Field(default=600.0, gt=0)
 
 
+class RouterConfig(_Strict):
+    """How the router picks workers, watches them, and removes them (router/policies.py)."""
+
+    prefill_policy: Literal["least_requests", "least_prompt_tokens", "prefix_affinity"] = "least_prompt_tokens"
+    decode_policy: Literal["least_requests", "least_kv_load"] = "least_kv_load"
+    # prefix_affinity: tokens per hashed block (null: the engines' KV block size), and the load
+    # guard: a worker whose outstanding prompt tokens exceed load_factor x the pool mean (and the
+    # mean by more than one engine step) is skipped.
+    prefix_block_size: int | None = Field(default=None, ge=1)
+    load_factor: float = Field(default=1.5, ge=1.0)
+    # Conditional disaggregation: a prompt shorter than this is prefilled by the decode worker
+    # itself (no KV transfer); 0 disaggregates every request.
+    local_prefill_max_tokens: int = Field(default=0, ge=0)
+    # Health watching: every worker is pinged (a round trip to its engine) this often; one that
+    # is dead, or does not answer within the timeout (a hung engine), is replaced at once.
+    health_interval_s: float = Field(default=1.0, gt=0)
+    health_timeout_s: float = Field(default=5.0, gt=0)
+    # Removing a worker waits this long for its requests to finish; the rest resume elsewhere.
+    drain_timeout_s: float = Field(default=60.0, ge=0)
+
+
 class DuetConfig(_Strict):
     # disaggregated: prefill and decode pools with KV transfer between them. colocated: one pool
     # of workers that each run whole requests (the ``colocated`` section), behind the same
@@ -178,6 +199,7 @@ class DuetConfig(_Strict):
     decode: PoolConfig = PoolConfig(cpu_cores=[1])
     colocated: PoolConfig = PoolConfig(replicas=2, cpu_cores=[0, 1])
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    router: RouterConfig = RouterConfig()
     ray: RayConfig = RayConfig()
     server: ServerConfig = ServerConfig()
 

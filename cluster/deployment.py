@@ -13,17 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.cluster.config import DuetConfig
-from duet.cluster.engine import resolve_model_path
+from duet.cluster.cores import CoreAllocator
+from duet.cluster.engine import is_cpu_only, resolve_model_path
+from duet.cluster.pool_manager import PoolManager, root_cause
 from duet.decode_worker.worker import ColocatedWorker, DecodeWorker
 from duet.kv_transfer.ports import is_bindable
 from duet.prefill_worker.worker import PrefillWorker
 from duet.kv_transfer.config import TRANSPORTS
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.metrics import start_metrics_server
-from duet.router.pools import PoolMember, WorkerPool
+from duet.router.health import HealthWatcher
+from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
+from duet.router.pools import ScaleError, WorkerPool
 from duet.router.auth import Gatekeeper
 from duet.router.front_ends import FrontEnds, check_exposure
 from duet.router.serving import RequestService
@@ -86,6 +89,8 @@ class Deployment:
     tokens: TokenReceiver | None = None
     # A warning to show the operator (serving a public address without authentication).
     exposure_warning: str | None = None
+    managers: dict[str, PoolManager] = field(default_factory=dict)
+    health: HealthWatcher | None = None
     _metrics_server: Any = None
 
     async def start(self, port: int | None = None, http_port: int | None = -1) -> "Deployment":
@@ -123,14 +128,27 @@ class Deployment:
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
         self.tokens = TokenReceiver(_token_host(self.config))
         self.tokens.start()
+        cores = CoreAllocator() if is_cpu_only() else None
         if colocated:
-            self._create_workers(ColocatedWorker, self.decode, self.config.colocated)
+            self.managers = {"colocated": self._manager(ColocatedWorker, self.decode, self.config.colocated, cores)}
         else:
-            self._create_workers(PrefillWorker, self.prefill, self.config.prefill)
-            self._create_workers(DecodeWorker, self.decode, self.config.decode)
+            self.managers = {
+                "prefill": self._manager(PrefillWorker, self.prefill, self.config.prefill, cores),
+                "decode": self._manager(DecodeWorker, self.decode, self.config.decode, cores),
+            }
+        for manager in self.managers.values():
+            manager.create(manager.pool_config.replicas)
         await self._wait_ready()
         first_worker = (self.prefill.members + self.decode.members)[0]
-        limits = ModelLimits(self.config.model.name, *await first_worker.actor.model_limits.remote())
+        max_model_len, vocab_size, block_size = await first_worker.actor.model_limits.remote()
+        limits = ModelLimits(self.config.model.name, max_model_len, vocab_size)
+        self._set_policies(block_size)
+        self.health = HealthWatcher(
+            [self.prefill, self.decode] if not colocated else [self.decode],
+            self.config.router.health_interval_s,
+            self.config.router.health_timeout_s,
+        )
+        self.health.start()
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(self.config.model)))
@@ -141,65 +159,79 @@ class Deployment:
             self.tokens,
             RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
             prefill_pushes_kv=TRANSPORTS[transfer.transport].pushes_to_decode,
+            local_prefill_max_tokens=self.config.router.local_prefill_max_tokens,
         )
         self.service = RequestService(
             lifecycle, limits, tokenizer, self.cluster, gatekeeper, server_config.max_inflight_requests
         )
-        self.front_ends = await FrontEnds.start(self.service, server_config, bind_port, bind_http, _chat_template(self.config))
+        if self.config.router.local_prefill_max_tokens:
+            self.cluster.routing_notes.append(
+                f"conditional disaggregation: prompts under {self.config.router.local_prefill_max_tokens} tokens "
+                "are prefilled on the decode worker"
+            )
+        self.front_ends = await FrontEnds.start(
+            self.service, server_config, bind_port, bind_http, _chat_template(self.config), operator=self
+        )
         self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
         return self
 
-    def _create_workers(self, worker_class: type, pool: WorkerPool, pool_config: Any) -> None:
-        actor_class = ray.remote(worker_class)
-        node_ids = _plan_node_ids(pool.role, pool_config.nodes)
+    def _manager(self, worker_class: type, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None) -> PoolManager:
         # Only workers that stream tokens (decode, colocated) get the router's token socket;
         # prefill workers return their one token through the Ray call and open no socket.
         assert self.tokens is not None
         token_address = self.tokens.address if issubclass(worker_class, DecodeWorker) else ""
+        return PoolManager(
+            pool, worker_class, pool_config, self.config, token_address, cores,
+            plan_nodes=_plan_node_ids(pool.role, pool_config.nodes),
+        )
 
-        def create(index: int) -> Any:
-            options: dict[str, Any] = {}
-            if node_ids is not None:
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_ids[index], soft=False)
-            return actor_class.options(
-                num_cpus=pool_config.num_cpus, num_gpus=pool_config.num_gpus, max_concurrency=1000, **options
-            ).remote(f"{pool.role}-{index}", self.config, index, token_address)
+    def _set_policies(self, engine_block_size: int) -> None:
+        router = self.config.router
+        prefill_policies = {
+            "least_requests": LeastRequests,
+            "least_prompt_tokens": LeastPromptTokens,
+            "prefix_affinity": lambda: PrefixAffinity(router.prefix_block_size or engine_block_size, router.load_factor),
+        }
+        self.prefill.policy = prefill_policies[router.prefill_policy]()
+        self.decode.policy = {"least_requests": LeastRequests, "least_kv_load": LeastKvLoad}[router.decode_policy]()
 
-        async def restart(member: PoolMember) -> None:
-            """Replace a dead worker with a fresh actor and engine on the same replica slot."""
-            ray.kill(member.actor, no_restart=True)
-            index = pool.members.index(member)
-            replacement = create(index)
-            status = await asyncio.wait_for(replacement.start.remote(), self.config.server.worker_start_timeout_s)
-            member.actor, member.kv_endpoint = replacement, status.kv_endpoint
+    def scale(self, role: str, replicas: int) -> list[str]:
+        """Grow or shrink pool ``role`` to ``replicas`` workers (the Admin service's ScalePool)."""
+        return self.manager(role).scale_to(replicas)
 
-        pool.restart = restart
-        for index in range(pool_config.replicas):
-            pool.members.append(PoolMember(name=f"{pool.role}-{index}", actor=create(index)))
+    def drain(self, worker: str, timeout_s: float | None = None) -> str:
+        """Remove ``worker`` after its requests finish (the Admin service's DrainWorker)."""
+        for manager in self.managers.values():
+            if manager.pool.find(worker) is not None:
+                return manager.drain(worker, timeout_s)
+        known = ", ".join(m.name for manager in self.managers.values() for m in manager.pool.members)
+        raise ScaleError(f"worker: no worker named {worker!r} (workers: {known})")
+
+    def manager(self, role: str) -> PoolManager:
+        """The manager of pool ``role``; ScaleError naming the roles this deployment has."""
+        if role not in self.managers:
+            raise ScaleError(f"role: this deployment has no {role!r} pool (it has: {', '.join(self.managers)})")
+        return self.managers[role]
 
     async def _wait_ready(self) -> None:
-        members = self.prefill.members + self.decode.members
+        pairs = [(manager, member) for manager in self.managers.values() for member in manager.pool.members]
+        members = [member for _, member in pairs]
         timeout = self.config.server.worker_start_timeout_s
-        results = await asyncio.wait_for(
-            asyncio.gather(*(m.actor.start.remote() for m in members), return_exceptions=True), timeout
-        )
-        failures = [f"{m.name}: {_root_cause(r)}" for m, r in zip(members, results) if isinstance(r, BaseException)]
+        starts = [manager.start(member) for manager, member in pairs]
+        results = await asyncio.wait_for(asyncio.gather(*starts, return_exceptions=True), timeout)
+        failures = [f"{m.name}: {root_cause(r)}" for m, r in zip(members, results) if isinstance(r, BaseException)]
         if failures:
             raise WorkerStartError("workers failed to start:\n  " + "\n  ".join(failures))
-        for member, status in zip(members, results):
-            member.kv_endpoint = status.kv_endpoint
 
     async def stop(self) -> None:
         if self.front_ends is not None:
             await self.front_ends.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
-        for member in self.prefill.members + self.decode.members:
-            try:
-                await member.actor.shutdown.remote()
-            except Exception:  # already dead: nothing to shut down
-                pass
-            ray.kill(member.actor)
+        if self.health is not None:
+            self.health.stop()
+        for manager in self.managers.values():
+            await manager.stop()
         if self.tokens is not None:
             self.tokens.close()
 
@@ -229,7 +261,3 @@ def _plan_node_ids(role: str, nodes: list[int] | None) -> list[str] | None:
         )
     return [alive[index]["NodeID"] for index in nodes]
 
-
-def _root_cause(error: BaseException) -> str:
-    cause = getattr(error, "cause", None) or error
-    return f"{type(cause).__name__}: {cause}"

@@ -35,12 +35,14 @@ class EngineHost:
 
     role: Role | Literal["colocated"]
 
-    def __init__(self, name: str, config: DuetConfig, replica_index: int, token_address: str = "") -> None:
-        """``token_address`` is the router's token receiver (``tcp://host:port``), where this
-        worker pushes the tokens it streams; prefill-only workers stream none."""
+    def __init__(self, name: str, config: DuetConfig, cpu_core: int | None, token_address: str = "") -> None:
+        """``cpu_core`` is the core its forward pass is pinned to on a CPU host (the
+        deployment's core allocator chooses it). ``token_address`` is the router's token
+        receiver (``tcp://host:port``), where this worker pushes the tokens it streams;
+        prefill-only workers stream none."""
         self.name = name
         self.config = config
-        self.replica_index = replica_index
+        self.cpu_core = cpu_core
         self.engine: Any = None
         self._state = "starting"
         self._error = ""
@@ -82,8 +84,7 @@ class EngineHost:
             endpoint = TransferEndpoint(transfer.side_channel_host, self._ports.base_port)
             self.kv_endpoint = str(endpoint)
         on_cpu = is_cpu_only()
-        cores = self.pool.cpu_cores
-        core = cores[self.replica_index] if cores and on_cpu else None
+        core = self.cpu_core if on_cpu else None
         env = engine_environment(transfer, endpoint, core) if transfers_kv else {}
         if on_cpu:
             env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
@@ -99,10 +100,17 @@ class EngineHost:
         )
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
-    def model_limits(self) -> tuple[int, int]:
-        """(max_model_len, vocab_size) as the engine resolved them from the model."""
+    def model_limits(self) -> tuple[int, int, int]:
+        """(max_model_len, vocab_size, KV block size) as the engine resolved them."""
         model_config = self.engine.model_config
-        return model_config.max_model_len, model_config.get_vocab_size()
+        return model_config.max_model_len, model_config.get_vocab_size(), self.engine.vllm_config.cache_config.block_size
+
+    async def ping(self) -> tuple[float, int]:
+        """A round trip to the engine (raises if it is dead; never returns if it hangs), and
+        this worker's load: (KV cache usage, requests running in the engine)."""
+        await self.engine.is_sleeping()
+        metrics = _read_engine_metrics()
+        return metrics.get("vllm:kv_cache_usage_perc", 0.0), int(metrics.get("vllm:num_requests_running", 0))
 
     @contextmanager
     def _tracked(self, request_id: str) -> Iterator[None]:

@@ -197,7 +197,7 @@ def _print_status(status: pb.ClusterStatus) -> None:
 
     table = Table(title=f"duet · {status.model} · KV transport {status.kv_transport}")
     for column in (
-        "pool", "worker", "state", "KV channel", "served", "in flight", "KV used",
+        "pool", "worker", "state", "core", "KV channel", "served", "in flight", "prompt tokens queued", "KV used",
         "prompt tokens transferred / computed", "KV transfers (MiB, GiB/s, failed)",
     ):
         table.add_column(column)
@@ -209,9 +209,11 @@ def _print_status(status: pb.ClusterStatus) -> None:
                 worker.state
                 + (f", restarted {worker.restarts}x" if worker.restarts else "")
                 + (f" ({worker.error})" if worker.error else ""),
+                "-" if worker.cpu_core < 0 else str(worker.cpu_core),
                 worker.kv_endpoint,
                 str(worker.requests_served),
                 str(worker.requests_inflight),
+                str(worker.outstanding_prompt_tokens),
                 f"{worker.kv_cache_usage:.1%}",
                 f"{worker.prompt_tokens_transferred} / {worker.prompt_tokens_computed}",
                 _transfer_cell(worker),
@@ -221,6 +223,8 @@ def _print_status(status: pb.ClusterStatus) -> None:
     # Piped output (scripts, CI logs) gets full rows instead of an 80-column squeeze.
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
+    for line in status.routing:
+        console.print(f"routing: {line}")
     console.print(
         f"requests: {status.requests_served} served, {status.requests_inflight} in flight, "
         f"{status.requests_failed} failed"
@@ -235,6 +239,62 @@ def _transfer_cell(worker: pb.WorkerState) -> str:
         f"{worker.kv_transfers} ({worker.kv_transfer_bytes / 2**20:.1f} MiB, {rate:.2f} GiB/s, "
         f"{worker.kv_transfer_failures} failed)"
     )
+
+
+# ---- scale and drain ---------------------------------------------------------------------
+
+
+def _parse_targets(items: list[str]) -> dict[str, int] | str:
+    """``["prefill=3", "decode=2"]`` as a mapping, or the problem as a message."""
+    targets: dict[str, int] = {}
+    for item in items:
+        role, _, count = item.partition("=")
+        if not role or not count.lstrip("-").isdigit():
+            return f"{item!r}: expected ROLE=COUNT, e.g. prefill=2"
+        targets[role] = int(count)
+    return targets
+
+
+def _scale(args: argparse.Namespace) -> int:
+    targets = _parse_targets(args.targets)
+    if isinstance(targets, str):
+        return _fail(targets)
+    with _client(args) as client:
+        try:
+            for role, replicas in targets.items():
+                for change in client.scale(role, replicas):
+                    print(change)
+            if args.wait:
+                return _wait_settled(client, args.wait_timeout)
+        except grpc.RpcError as error:
+            return _rpc_failure(error, args.target)
+    return 0
+
+
+def _wait_settled(client: DuetClient, timeout_s: float) -> int:
+    """Wait until no worker is starting or draining; show the pools."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.list_workers()
+        moving = [w.name for pool in status.pools for w in pool.workers if w.state in ("starting", "draining", "restarting")]
+        if not moving:
+            _print_status(status)
+            return 0
+        if time.monotonic() > deadline:
+            return _fail(f"still settling after {timeout_s:.0f} s: {', '.join(moving)}")
+        time.sleep(1.0)
+
+
+def _drain(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        try:
+            for change in client.drain(args.worker, args.timeout):
+                print(change)
+        except grpc.RpcError as error:
+            return _rpc_failure(error, args.target)
+    return 0
 
 
 # ---- parser ------------------------------------------------------------------------------
@@ -280,6 +340,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_arguments(status)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(handler=_status)
+
+    scale = commands.add_parser("scale", help="grow or shrink pools while serving: duet scale prefill=2 decode=2")
+    scale.add_argument("targets", nargs="+", metavar="ROLE=COUNT")
+    scale.add_argument("--wait", action="store_true", help="wait until new workers are ready and removed ones gone")
+    scale.add_argument("--wait-timeout", type=float, default=900.0)
+    _add_client_arguments(scale)
+    scale.set_defaults(handler=_scale)
+
+    drain = commands.add_parser("drain", help="remove a worker once its requests finish")
+    drain.add_argument("worker", help="a worker name from `duet status` (e.g. decode-1)")
+    drain.add_argument("--timeout", type=float, help="seconds to wait for its requests (default: router.drain_timeout_s)")
+    _add_client_arguments(drain)
+    drain.set_defaults(handler=_drain)
 
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.serve_bench import register_command as register_bench_serve

@@ -47,6 +47,8 @@ class _KeyEntry(BaseModel):
     key: SecretStr = Field(min_length=8)
     requests_per_minute: float | None = Field(default=None, gt=0)
     max_concurrent_requests: int | None = Field(default=None, ge=1)
+    # May call the Admin service (scale pools, drain workers).
+    admin: bool = False
 
 
 class _KeysFile(BaseModel):
@@ -62,6 +64,7 @@ class Caller:
     name: str
     requests_per_minute: float | None
     max_concurrent_requests: int | None
+    admin: bool = False
     inflight: int = 0
     _tokens: float = field(default=0.0, repr=False)
     _refilled_at: float = field(default_factory=time.monotonic, repr=False)
@@ -103,8 +106,9 @@ class Caller:
         self.inflight -= 1
 
 
-# The caller of a deployment without keys: no quotas, nothing to check.
-ANONYMOUS = Caller("anonymous", None, None)
+# The caller of a deployment without keys (loopback, or explicitly unauthenticated): no quotas,
+# and it may operate the pools, as whoever can reach the port could restart duet anyway.
+ANONYMOUS = Caller("anonymous", None, None, admin=True)
 
 
 class Gatekeeper:
@@ -155,6 +159,7 @@ class Gatekeeper:
                     entry.name,
                     entry.requests_per_minute or auth.requests_per_minute,
                     entry.max_concurrent_requests or auth.max_concurrent_requests,
+                    admin=entry.admin,
                 )))
         for index, item in enumerate(filter(None, (part.strip() for part in environ.get(auth.api_keys_env, "").split(",")))):
             name, _, secret = item.rpartition(":")

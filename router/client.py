@@ -67,6 +67,7 @@ class DuetClient:
         else:
             self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.DuetStub(self._channel)
+        self._admin = pb_grpc.AdminStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
@@ -83,6 +84,19 @@ class DuetClient:
 
     def status(self, timeout: float = 10.0) -> pb.ClusterStatus:
         return self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata)
+
+    def scale(self, role: str, replicas: int, timeout: float = 30.0) -> list[str]:
+        """Admin: grow or shrink pool ``role`` to ``replicas`` workers; what changed, a line each."""
+        reply = self._admin.ScalePool(pb.ScalePoolRequest(role=role, replicas=replicas), timeout=timeout, metadata=self._metadata)
+        return list(reply.changes)
+
+    def drain(self, worker: str, timeout_s: float | None = None, timeout: float = 30.0) -> list[str]:
+        """Admin: remove ``worker`` once its requests finish (or after ``timeout_s``)."""
+        request = pb.DrainWorkerRequest(worker=worker, timeout_s=timeout_s)
+        return list(self._admin.DrainWorker(request, timeout=timeout, metadata=self._metadata).changes)
+
+    def list_workers(self, timeout: float = 10.0) -> pb.ClusterStatus:
+        return self._admin.ListWorkers(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata)
 
     def is_serving(self, timeout: float = 2.0) -> bool:
         """Whether the standard gRPC health service reports duet as SERVING."""

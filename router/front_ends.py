@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duet.cluster.config import ConfigError, ServerConfig
+from duet.router.admin import AdminServicer, PoolOperator
 from duet.router.auth import Gatekeeper
 from duet.router.http_server import OpenAIFrontEnd, start_http_server
 from duet.router.server import DuetServicer, start_server
@@ -62,10 +63,18 @@ class FrontEnds:
 
     @classmethod
     async def start(
-        cls, service: RequestService, server: ServerConfig, grpc_port: int, http_port: int | None, chat_template: str | None
+        cls,
+        service: RequestService,
+        server: ServerConfig,
+        grpc_port: int,
+        http_port: int | None,
+        chat_template: str | None,
+        operator: PoolOperator | None = None,
     ) -> "FrontEnds":
-        """Start gRPC on ``grpc_port`` and HTTP on ``http_port`` (None: no HTTP; 0: any port)."""
-        grpc_server, bound_grpc = await start_server(DuetServicer(service), server.host, grpc_port, server.tls)
+        """Start gRPC on ``grpc_port`` and HTTP on ``http_port`` (None: no HTTP; 0: any port);
+        with an ``operator`` the gRPC server also serves the Admin service."""
+        admin = AdminServicer(service, operator) if operator is not None else None
+        grpc_server, bound_grpc = await start_server(DuetServicer(service), server.host, grpc_port, server.tls, admin)
         http_runner, bound_http = None, None
         if http_port is not None:
             front_end = OpenAIFrontEnd(service, server.http_max_body_bytes, chat_template)

@@ -131,6 +131,7 @@ class RequestLifecycle:
         tokens: TokenReceiver,
         policy: RetryPolicy | None = None,
         prefill_pushes_kv: bool = False,
+        local_prefill_max_tokens: int = 0,
     ) -> None:
         self.tokens = tokens
         self.prefill_pool = prefill
@@ -138,6 +139,8 @@ class RequestLifecycle:
         self.policy = policy or RetryPolicy()
         # Push transports stream KV during prefill, so prefill is told the decode worker.
         self.prefill_pushes_kv = prefill_pushes_kv
+        # Conditional disaggregation: shorter prompts are prefilled on the decode worker.
+        self.local_prefill_max_tokens = local_prefill_max_tokens
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
@@ -174,9 +177,11 @@ class RequestLifecycle:
     async def _start_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
         """The round's token chunks: colocated, one worker computes the prompt and streams every
         token; disaggregated, prefill's first token, then the decode worker's."""
-        if self.prefill_pool is not None:
+        if self.prefill_pool is not None and len(round_.prompt_token_ids) >= self.local_prefill_max_tokens:
             return self._disaggregated_round(round_)
-        worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
+        # Colocated, or a prompt short enough that the hand-off would cost more than it saves
+        # (conditional disaggregation): the decode worker computes the prompt itself.
+        worker = await self.decode_pool.acquire(self.policy.worker_wait_s, round_.prompt_token_ids)
         round_.prefill_worker = round_.decode_worker = worker.name
         return self._decode(worker, round_, None, kv_transfer_params=None)
 
@@ -185,15 +190,16 @@ class RequestLifecycle:
         # The decode worker is chosen before prefill runs: a prompt is only computed when a
         # decode worker can take its KV (otherwise the prefill worker would hold that KV for a
         # request that fails, until its lease runs out), and push transports need its address.
-        decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
-        prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s)
+        prompt = round_.prompt_token_ids
+        decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt)
+        prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
         round_.prefill_worker = prefill_worker.name
         result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
         yield DecodeChunk([result.first_token_id], result.first_text, result.finish_reason)
         if result.finish_reason is not None:
             return
-        if decode_worker.state != "ready":  # it failed while the prompt ran: take another
-            decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s)
+        if decode_worker.state != "ready":  # it failed or began draining while the prompt ran
+            decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt)
         round_.decode_worker = decode_worker.name
         chunks = self._decode(decode_worker, round_, result, result.kv_transfer_params)
         try:
@@ -217,6 +223,7 @@ class RequestLifecycle:
     async def _prefill(self, worker: PoolMember, round_: _Round, decode_endpoint: str | None) -> PrefillResult:
         assert self.prefill_pool is not None
         worker.inflight += 1
+        worker.outstanding_tokens += len(round_.prompt_token_ids)
         ref = worker.actor.prefill.remote(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
         try:
             return await ref
@@ -227,6 +234,7 @@ class RequestLifecycle:
             raise self._worker_failure(self.prefill_pool, worker, error) from error
         finally:
             worker.inflight -= 1
+            worker.outstanding_tokens -= len(round_.prompt_token_ids)
 
     async def _decode(
         self,
@@ -246,6 +254,7 @@ class RequestLifecycle:
         request_id = round_.request_id
         queue = self.tokens.subscribe(request_id)
         worker.inflight += 1
+        worker.outstanding_tokens += len(round_.prompt_token_ids)
         call = worker.actor.decode.remote(
             request_id,
             round_.prompt_token_ids,
@@ -280,6 +289,7 @@ class RequestLifecycle:
                     raise self._stream_failure(worker, broken)
         finally:
             worker.inflight -= 1
+            worker.outstanding_tokens -= len(round_.prompt_token_ids)
             self.tokens.unsubscribe(request_id)
             if not finished:  # cancelled, timed out, failed, or the consumer stopped early
                 await _abort(worker, request_id, call)

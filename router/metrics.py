@@ -17,7 +17,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from duet.router.pools import WorkerPool
+from duet.router.pools import WORKER_STATES, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class WorkerMetricsCollector(Collector):
         self.pools = pools
 
     def collect(self) -> Iterator[Metric]:
+        yield self._worker_states()
         merged: dict[str, Metric] = {}
         for pool in self.pools:
             for member in pool.members:
@@ -61,6 +62,15 @@ class WorkerMetricsCollector(Collector):
                         labels = {**sample.labels, "worker": member.name, "role": pool.role}
                         target.add_sample(sample.name, labels, sample.value, sample.timestamp)
         yield from merged.values()
+
+    def _worker_states(self) -> Metric:
+        """``duet_workers{role, state}``: how many workers of each pool are in each state."""
+        family = Metric("duet_workers", "Workers by pool and state (starting, ready, draining, restarting, failed).", "gauge")
+        for pool in self.pools:
+            for state in WORKER_STATES:
+                count = sum(1 for member in pool.members if member.state == state)
+                family.add_sample("duet_workers", {"role": pool.role, "state": state}, count)
+        return family
 
 
 def start_metrics_server(host: str, port: int, pools: list[WorkerPool]) -> tuple[RouterMetrics, int, object]:

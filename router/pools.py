@@ -1,9 +1,17 @@
-"""Worker pools as the router sees them: Ray actor handles, their health and how busy each is.
+"""Worker pools as the router sees them: Ray actor handles, their state and how busy each is.
 
-A member that fails (its actor died, or its engine did) is taken out of rotation at once and
-handed to the pool's ``restart`` callback (the deployment replaces the actor); requests wait for a
-ready member up to a bound instead of failing while a replacement starts. Picking is
-least-in-flight among ready members; richer routing policies plug in here in a later issue.
+A member's state is one of:
+
+- ``starting``: its engine is coming up; it joins rotation when ready;
+- ``ready``: in rotation;
+- ``draining``: being removed; takes no new requests, finishes the ones it has;
+- ``restarting``: it died (actor or engine) and its replacement is starting;
+- ``failed``: its replacement could not start.
+
+A member that fails is taken out of rotation at once and handed to the pool's ``restart``
+callback (the deployment replaces the actor); a draining member that fails is simply gone.
+Requests wait for a ready member up to a bound while one is starting or restarting, instead of
+failing. Which ready member a request gets is the pool's routing policy (router/policies.py).
 """
 
 from __future__ import annotations
@@ -14,48 +22,81 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from duet.router.policies import LeastRequests, RoutingPolicy
+
 logger = logging.getLogger(__name__)
+
+
+class ScaleError(ValueError):
+    """A scale or drain request that cannot be carried out; the message names the field, or the
+    resource the cluster is short of (``out_of_resources``)."""
+
+    def __init__(self, message: str, out_of_resources: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_resources = out_of_resources
 
 
 class NoWorkerAvailable(RuntimeError):
     """No member of a pool became ready within the wait bound."""
 
 
+WORKER_STATES = ("starting", "ready", "draining", "restarting", "failed")
+# States in which a member will (again) take requests, so requests may wait for it.
+_COMING = ("starting", "restarting")
+
+
 @dataclass
 class PoolMember:
     name: str
     actor: Any  # a Ray ActorHandle
-    state: str = "ready"  # ready | restarting | failed
+    state: str = "ready"  # starting | ready | draining | restarting | failed
     kv_endpoint: str = ""  # where its KV transfer channel listens (host:port), once started
     inflight: int = 0
+    # Prompt tokens of the requests it is computing (prefill) or holding (decode) right now.
+    outstanding_tokens: int = 0
     restarts: int = 0
     error: str = ""
+    cpu_core: int | None = None  # the core its forward pass is pinned to (CPU hosts)
+    # The worker's last load report (router/health.py): KV cache usage and running requests.
+    kv_usage: float = 0.0
+    running: int = 0
 
 
 @dataclass
 class WorkerPool:
     role: str
     members: list[PoolMember] = field(default_factory=list)
+    policy: RoutingPolicy = field(default_factory=LeastRequests)
     # Replaces a failed member's actor in place; supplied by the deployment.
     restart: Callable[[PoolMember], Awaitable[None]] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
-    def pick(self) -> PoolMember:
-        """The ready member with the fewest requests in flight (first one on ties)."""
-        ready = [member for member in self.members if member.state == "ready"]
+    def ready(self) -> list[PoolMember]:
+        return [member for member in self.members if member.state == "ready"]
+
+    def pick(self, prompt: list[int] | None = None) -> PoolMember:
+        """The ready member the pool's policy chooses for ``prompt``."""
+        ready = self.ready()
         if not ready:
             raise NoWorkerAvailable(f"no {self.role} worker is ready")
-        return min(ready, key=lambda member: member.inflight)
+        return self.policy.choose(ready, prompt or [])
 
-    async def acquire(self, timeout_s: float) -> PoolMember:
+    def find(self, name: str) -> PoolMember | None:
+        return next((member for member in self.members if member.name == name), None)
+
+    def changed(self) -> None:
+        """Wake requests waiting for a member (one became ready, or the pool changed)."""
+        self._changed.set()
+
+    async def acquire(self, timeout_s: float, prompt: list[int] | None = None) -> PoolMember:
         """Pick a ready member, waiting up to ``timeout_s`` for one (e.g. during a restart)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return self.pick()
+                return self.pick(prompt)
             except NoWorkerAvailable:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not any(m.state == "restarting" for m in self.members):
+                if remaining <= 0 or not any(m.state in _COMING for m in self.members):
                     raise NoWorkerAvailable(
                         f"no {self.role} worker became ready within {timeout_s:.0f} s "
                         f"({', '.join(f'{m.name}: {m.state}' for m in self.members)})"
@@ -67,7 +108,15 @@ class WorkerPool:
                     pass
 
     def mark_failed(self, member: PoolMember, error: BaseException) -> None:
-        """Take ``member`` out of rotation and start its replacement (once per failure)."""
+        """Take ``member`` out of rotation and start its replacement (once per failure).
+
+        A draining member is not replaced: it was leaving anyway, and its requests resume on
+        the others as after any failure.
+        """
+        if member.state == "draining":
+            logger.warning("%s worker %s failed while draining: %s", self.role, member.name, error)
+            member.state, member.error = "failed", f"{type(error).__name__}: {error}"
+            return
         if member.state != "ready":
             return
         logger.warning("%s worker %s failed: %s", self.role, member.name, error)

@@ -25,7 +25,9 @@ from grpc_reflection.v1alpha import reflection
 from duet.cluster.config import TlsConfig
 from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import StreamEvent
+from duet.router.admin import AdminServicer
 from duet.router.proto import duet_api_pb2 as pb
+from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.serving import Overloaded, RequestService, Unavailable
 from duet.router.tls import grpc_server_credentials
 from duet.router.validation import InvalidRequest, validate
@@ -34,6 +36,7 @@ from duet.router.wire import describe_decode_error
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Duet"].full_name
+ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 _FINISH = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -132,7 +135,7 @@ def _generic_handler(servicer: DuetServicer) -> grpc.GenericRpcHandler:
 
 
 async def start_server(
-    servicer: DuetServicer, host: str, port: int, tls: TlsConfig | None = None
+    servicer: DuetServicer, host: str, port: int, tls: TlsConfig | None = None, admin: AdminServicer | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (``port=0`` picks a free one).
 
@@ -142,12 +145,13 @@ async def start_server(
     # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_generic_handler(servicer),))
+    services = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    if admin is not None:
+        pb_grpc.add_AdminServicer_to_server(admin, server)
+        services.append(ADMIN_SERVICE_NAME)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
+    reflection.enable_server_reflection(services, server)
     address = f"{host}:{port}"
     bound = (
         server.add_secure_port(address, grpc_server_credentials(tls)) if tls else server.add_insecure_port(address)

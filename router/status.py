@@ -29,6 +29,8 @@ class ClusterView:
         self.outcomes: Counter[str] = Counter()
         self.metrics: RouterMetrics | None = None
         self.metrics_endpoint = ""
+        # Routing facts beyond each pool's policy (conditional disaggregation's threshold).
+        self.routing_notes: list[str] = []
 
     def admit(self) -> None:
         self.inflight += 1
@@ -64,6 +66,7 @@ class ClusterView:
             requests_failed=self.outcomes["failed"],
             kv_transport=self.transport,
             metrics_endpoint=self.metrics_endpoint,
+            routing=[f"{pool.role}: {pool.policy.describe()}" for pool in self.pools] + self.routing_notes,
         )
 
     async def _pool_status(self, pool: WorkerPool) -> pb.Pool:
@@ -72,20 +75,24 @@ class ClusterView:
 
 
 async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
-    if member.state != "ready":  # dead or being replaced: the router knows more than the actor
-        return pb.WorkerState(name=member.name, role=role, state=member.state, error=member.error, restarts=member.restarts)
+    router_side = {
+        "name": member.name,
+        "role": role,
+        "state": member.state,
+        "restarts": member.restarts,
+        "outstanding_prompt_tokens": member.outstanding_tokens,
+        "cpu_core": -1 if member.cpu_core is None else member.cpu_core,
+    }
+    if member.state not in ("ready", "draining"):  # starting, dead or being replaced
+        return pb.WorkerState(error=member.error, **router_side)
     try:
         status: WorkerStatus = await asyncio.wait_for(member.actor.status.remote(), _STATUS_TIMEOUT_S)
     except Exception as error:
-        return pb.WorkerState(
-            name=member.name, role=role, state="unreachable", error=f"{type(error).__name__}: {error}", restarts=member.restarts
-        )
+        return pb.WorkerState(error=f"unreachable: {type(error).__name__}: {error}", **router_side)
     metrics = status.engine_metrics
     transfers = transfer_totals(metrics)
     return pb.WorkerState(
-        name=status.name,
-        role=status.role,
-        state=status.state,
+        **router_side,
         kv_endpoint=status.kv_endpoint,
         requests_served=status.requests_served,
         requests_inflight=status.requests_inflight,
@@ -93,7 +100,6 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
         prompt_tokens_transferred=int(metrics.get(_TRANSFERRED, 0)),
         prompt_tokens_computed=int(metrics.get(_COMPUTED, 0)),
         error=status.error,
-        restarts=member.restarts,
         kv_transfers=transfers.transfers,
         kv_transfer_bytes=transfers.bytes,
         kv_transfer_seconds=transfers.seconds,

@@ -138,3 +138,173 @@ class Duet:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Operating the pools while they serve. Errors: INVALID_ARGUMENT (a bad count, an unknown role
+    or worker, naming the field), RESOURCE_EXHAUSTED (the cluster cannot fit more workers, naming
+    the resource). Calls return at once; workers start and drain in the background, and
+    ListWorkers shows their states (starting, ready, draining, restarting, failed).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ScalePool = channel.unary_unary(
+                '/duet.v1.Admin/ScalePool',
+                request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.ScalePoolRequest.SerializeToString,
+                response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+                _registered_method=True)
+        self.DrainWorker = channel.unary_unary(
+                '/duet.v1.Admin/DrainWorker',
+                request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/duet.v1.Admin/ListWorkers',
+                request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.ClusterStatus.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operating the pools while they serve. Errors: INVALID_ARGUMENT (a bad count, an unknown role
+    or worker, naming the field), RESOURCE_EXHAUSTED (the cluster cannot fit more workers, naming
+    the resource). Calls return at once; workers start and drain in the background, and
+    ListWorkers shows their states (starting, ready, draining, restarting, failed).
+    """
+
+    def ScalePool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainWorker(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ScalePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScalePool,
+                    request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.ScalePoolRequest.FromString,
+                    response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.SerializeToString,
+            ),
+            'DrainWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.GetStatusRequest.FromString,
+                    response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.ClusterStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'duet.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('duet.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operating the pools while they serve. Errors: INVALID_ARGUMENT (a bad count, an unknown role
+    or worker, naming the field), RESOURCE_EXHAUSTED (the cluster cannot fit more workers, naming
+    the resource). Calls return at once; workers start and drain in the background, and
+    ListWorkers shows their states (starting, ready, draining, restarting, failed).
+    """
+
+    @staticmethod
+    def ScalePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Admin/ScalePool',
+            duet_dot_router_dot_proto_dot_duet__api__pb2.ScalePoolRequest.SerializeToString,
+            duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Admin/DrainWorker',
+            duet_dot_router_dot_proto_dot_duet__api__pb2.DrainWorkerRequest.SerializeToString,
+            duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Admin/ListWorkers',
+            duet_dot_router_dot_proto_dot_duet__api__pb2.GetStatusRequest.SerializeToString,
+            duet_dot_router_dot_proto_dot_duet__api__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

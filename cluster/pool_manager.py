@@ -1,0 +1,191 @@
+"""One pool's workers over their lifetime: create, start, replace, scale, drain, remove.
+
+The router's :class:`WorkerPool` is what requests see (states, load); this is what changes it.
+A new worker is created in state ``starting`` and joins rotation only once its engine is ready.
+Removal drains: the worker takes no new requests, its requests finish (or, past the drain
+timeout, are cut off and resume on the other workers, as after any failure), then its engine is
+shut down, its actor killed, and its core and ports released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from duet.cluster.config import DuetConfig, PoolConfig
+from duet.cluster.cores import CoreAllocator
+from duet.router.pools import PoolMember, ScaleError, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolManager:
+    pool: WorkerPool
+    worker_class: type
+    pool_config: PoolConfig
+    config: DuetConfig
+    token_address: str
+    cores: CoreAllocator | None
+    # Ray node ids for the first replicas, as a placement plan assigned them.
+    plan_nodes: list[str] | None = None
+    _next_index: int = 0
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.pool.restart = self.restart
+
+    # ---- creating and starting ----------------------------------------------------------
+
+    def create(self, count: int) -> list[PoolMember]:
+        """Create ``count`` workers' actors (state ``starting``); their engines are not started."""
+        members = []
+        for _ in range(count):
+            index = self._next_index
+            self._next_index += 1
+            configured = self.pool_config.cpu_cores
+            preferred = configured[index] if configured and index < len(configured) else None
+            core = self.cores.take(preferred) if self.cores is not None else None
+            node = self.plan_nodes[index] if self.plan_nodes and index < len(self.plan_nodes) else None
+            member = PoolMember(f"{self.pool.role}-{index}", self._actor(f"{self.pool.role}-{index}", core, node), "starting")
+            member.cpu_core = core
+            self.pool.members.append(member)
+            members.append(member)
+        return members
+
+    def _actor(self, name: str, core: int | None, node_id: str | None) -> Any:
+        options: dict[str, Any] = {}
+        if node_id is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        return ray.remote(self.worker_class).options(
+            num_cpus=self.pool_config.num_cpus, num_gpus=self.pool_config.num_gpus, max_concurrency=1000, **options
+        ).remote(name, self.config, core, self.token_address)
+
+    async def start(self, member: PoolMember) -> None:
+        """Start ``member``'s engine; it joins rotation when ready. Raises if it cannot start."""
+        try:
+            status = await asyncio.wait_for(member.actor.start.remote(), self.config.server.worker_start_timeout_s)
+        except BaseException as error:
+            member.state, member.error = "failed", root_cause(error)
+            raise
+        member.kv_endpoint = status.kv_endpoint
+        if member.state == "starting":  # not drained while it started
+            member.state = "ready"
+        self.pool.changed()
+
+    async def restart(self, member: PoolMember) -> None:
+        """Replace a dead worker with a fresh actor and engine under the same name and core."""
+        ray.kill(member.actor, no_restart=True)
+        member.actor = self._actor(member.name, member.cpu_core, None)
+        status = await asyncio.wait_for(member.actor.start.remote(), self.config.server.worker_start_timeout_s)
+        member.kv_endpoint = status.kv_endpoint
+
+    # ---- scaling ------------------------------------------------------------------------
+
+    def active(self) -> list[PoolMember]:
+        """Members that count towards the pool's size (everything not leaving or failed)."""
+        return [m for m in self.pool.members if m.state in ("starting", "ready", "restarting")]
+
+    def scale_to(self, replicas: int) -> list[str]:
+        """Grow or shrink the pool to ``replicas`` workers; returns what was done, a line each.
+
+        Growing checks the cluster's free resources first and fails fast naming the one that is
+        short; new workers start in the background. Shrinking drains the newest workers.
+        """
+        if replicas < 1:
+            raise ScaleError(f"replicas: the {self.pool.role} pool needs at least 1 worker, got {replicas}")
+        active = self.active()
+        if replicas > len(active):
+            added = self.add(replicas - len(active))
+            return [f"{member.name}: starting" for member in added]
+        # Leaving first: workers still starting, then the newest (their requests still drain).
+        order = sorted(active, key=lambda m: (m.state != "starting", -self.pool.members.index(m)))
+        return [self.drain(member.name) for member in order[: len(active) - replicas]]
+
+    def add(self, count: int) -> list[PoolMember]:
+        self._check_resources(count)
+        members = self.create(count)
+        for member in members:
+            self._background(self._start_logged(member))
+        return members
+
+    async def _start_logged(self, member: PoolMember) -> None:
+        try:
+            await self.start(member)
+        except Exception:
+            logger.error("%s worker %s failed to start: %s", self.pool.role, member.name, member.error)
+
+    def _check_resources(self, count: int) -> None:
+        free = ray.available_resources()
+        for resource, each in (("CPU", self.pool_config.num_cpus), ("GPU", self.pool_config.num_gpus)):
+            need = each * count
+            if need and free.get(resource, 0.0) + 1e-9 < need:
+                total = ray.cluster_resources().get(resource, 0.0)
+                raise ScaleError(
+                    f"replicas: {count} more {self.pool.role} worker(s) need {need:g} {resource}, "
+                    f"the Ray cluster has {free.get(resource, 0.0):g} of {total:g} free",
+                    out_of_resources=True,
+                )
+
+    # ---- draining and removing ------------------------------------------------------------
+
+    def drain(self, name: str, timeout_s: float | None = None) -> str:
+        """Start removing worker ``name``: no new requests, then gone once its requests end."""
+        member = self.pool.find(name)
+        if member is None:
+            known = ", ".join(m.name for m in self.pool.members)
+            raise ScaleError(f"worker: no {self.pool.role} worker named {name!r} (this pool has: {known})")
+        if member.state == "draining":
+            return f"{name}: already draining"
+        if member.state in ("ready", "restarting", "starting") and len(self.active()) <= 1:
+            raise ScaleError(f"worker: {name} is the last active {self.pool.role} worker; scale up before draining it")
+        member.state = "draining"
+        timeout = self.config.router.drain_timeout_s if timeout_s is None else timeout_s
+        self._background(self._drain(member, timeout))
+        return f"{name}: draining"
+
+    async def _drain(self, member: PoolMember, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while member.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if member.inflight > 0:
+            logger.warning(
+                "%s: drain timeout (%.0f s) with %d request(s) in flight; they resume on other workers",
+                member.name, timeout_s, member.inflight,
+            )
+        await self.remove(member)
+
+    async def remove(self, member: PoolMember) -> None:
+        """Shut ``member``'s engine down, kill its actor, release its core and ports."""
+        try:
+            await asyncio.wait_for(member.actor.shutdown.remote(), 30)
+        except Exception:  # already dead: nothing to shut down
+            pass
+        ray.kill(member.actor, no_restart=True)
+        if member in self.pool.members:
+            self.pool.members.remove(member)
+        if self.cores is not None:
+            self.cores.release(member.cpu_core)
+        self.pool.changed()
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for member in list(self.pool.members):
+            await self.remove(member)
+
+    def _background(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def root_cause(error: BaseException) -> str:
+    cause = getattr(error, "cause", None) or error
+    return f"{type(cause).__name__}: {cause}"

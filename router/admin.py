@@ -1,0 +1,66 @@
+"""The ``duet.v1.Admin`` gRPC service: scale pools, drain workers, list them with their states.
+
+It only translates: the pools are changed by the deployment's pool managers
+(cluster/pool_manager.py), reached through :class:`PoolOperator`. When API keys are configured
+only keys marked ``admin: true`` may call it (PERMISSION_DENIED otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import grpc
+
+from duet.router.auth import Unauthenticated
+from duet.router.pools import ScaleError
+from duet.router.proto import duet_api_pb2 as pb
+from duet.router.serving import RequestService
+
+
+class PoolOperator(Protocol):
+    """What the Admin service needs from a deployment."""
+
+    def scale(self, role: str, replicas: int) -> list[str]: ...
+
+    def drain(self, worker: str, timeout_s: float | None) -> str: ...
+
+
+class AdminServicer:
+    def __init__(self, service: RequestService, operator: PoolOperator) -> None:
+        self.service = service
+        self.operator = operator
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            caller = self.service.authenticate(metadata.get("authorization"))
+        except Unauthenticated as error:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+        if not caller.admin:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"API key {caller.name!r} is not an admin key")
+
+    async def ScalePool(self, request: pb.ScalePoolRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(context)
+        return await self._change(context, lambda: self.operator.scale(request.role, request.replicas))
+
+    async def DrainWorker(self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(context)
+        if not request.worker:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker: required (a name from ListWorkers)")
+        timeout = request.timeout_s if request.HasField("timeout_s") else None
+        if timeout is not None and timeout < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {timeout}")
+        return await self._change(context, lambda: [self.operator.drain(request.worker, timeout)])
+
+    async def ListWorkers(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
+        await self._authorize(context)
+        return await self.service.cluster.status()
+
+    @staticmethod
+    async def _change(context: grpc.aio.ServicerContext, change: Callable[[], list[str]]) -> pb.AdminReply:
+        try:
+            return pb.AdminReply(changes=change())
+        except ScaleError as error:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if error.out_of_resources else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(error))
+            raise  # unreachable: abort raises

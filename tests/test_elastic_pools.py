@@ -1,0 +1,156 @@
+"""Pools that change while serving, on real vLLM workers: scale up and back down under load,
+health watching without traffic, and the Admin API's errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+import ray
+
+from duet.cluster.config import ConfigError, parse_config
+from duet.kv_transfer.ports import is_bindable
+from duet.router.client import DuetClient, build_request
+
+STREAMS = 32
+
+
+def _engine_processes() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name", "cmdline"]) if "EngineCore" in " ".join(p.info["cmdline"] or []) + (p.info["name"] or "")}
+
+
+def _wait_settled(client: DuetClient, timeout_s: float = 600) -> dict[str, list[str]]:
+    """Wait until no worker is starting or draining; the pools' worker names by role."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.list_workers()
+        states = [w.state for pool in status.pools for w in pool.workers]
+        if not {"starting", "draining", "restarting"} & set(states):
+            assert set(states) == {"ready"}, status
+            return {pool.role: [w.name for w in pool.workers] for pool in status.pools}
+        assert time.monotonic() < deadline, f"pools did not settle: {status}"
+        time.sleep(0.5)
+
+
+def test_scale_up_and_down_while_streaming_is_exact(deployment, client, reference):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(10, 700) for _ in range(rng.randrange(40, 400))] for _ in range(16)]
+    expected = reference.greedy(prompts, max_tokens=48, ignore_eos=True)
+    engines_before = _engine_processes()
+    results: list[tuple[int, list[int]]] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def stream(worker: int) -> None:
+        index = worker
+        while not stop.is_set():
+            try:
+                ids, _ = client.generate_ids(build_request(prompt_token_ids=prompts[index % 16], max_tokens=48, ignore_eos=True), timeout=300)
+                results.append((index % 16, ids))
+            except BaseException as error:  # recorded: the test fails on any
+                failures.append(error)
+                return
+            index += STREAMS
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert sorted(client.scale("prefill", 2) + client.scale("decode", 2)) == ["decode-1: starting", "prefill-1: starting"]
+        pools = _wait_settled(client)
+        assert pools == {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]}
+        served_before = len(results)
+        time.sleep(10)  # requests now spread over both workers of each pool
+        new_members = {role: pool.members[1] for role, pool in (("prefill", deployment.prefill), ("decode", deployment.decode))}
+        new_endpoint = new_members["prefill"].kv_endpoint
+        assert sorted(client.scale("prefill", 1) + client.scale("decode", 1)) == ["decode-1: draining", "prefill-1: draining"]
+        assert _wait_settled(client) == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(300)
+    assert not failures, failures[:3]
+    assert len(results) > served_before > STREAMS
+    wrong = [index for index, ids in results if ids != expected[index]]
+    assert not wrong, f"{len(wrong)} of {len(results)} streams differ from colocated vLLM"
+    # The removed workers are gone: actors dead, engine processes exited, ports free again.
+    for member in new_members.values():
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(member.actor.status.remote(), timeout=30)
+    deadline = time.monotonic() + 30
+    while _engine_processes() - engines_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _engine_processes() - engines_before, "a removed worker's engine is still running"
+    host, port = new_endpoint.rsplit(":", 1)
+    assert is_bindable(host, int(port)), f"the removed prefill worker's KV port {port} is still taken"
+
+
+def test_a_killed_idle_worker_is_replaced_without_any_request(deployment, client):
+    member = deployment.decode.members[0]
+    restarts = member.restarts
+    pid = ray.get(member.actor.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while member.state == "ready":
+        assert time.monotonic() - killed < 5, "the dead worker was not noticed within 5 s"
+        time.sleep(0.05)
+    assert member.state == "restarting"
+    _wait_settled(client)
+    assert member.restarts == restarts + 1
+    ids, _ = client.generate_ids(build_request("after the restart", max_tokens=4, ignore_eos=True), timeout=120)
+    assert len(ids) == 4
+
+
+@pytest.mark.parametrize(
+    "call, code, field",
+    [
+        (lambda c: c.scale("decode", -1), grpc.StatusCode.INVALID_ARGUMENT, "replicas"),
+        (lambda c: c.scale("decode", 0), grpc.StatusCode.INVALID_ARGUMENT, "replicas"),
+        (lambda c: c.scale("embedder", 2), grpc.StatusCode.INVALID_ARGUMENT, "role"),
+        (lambda c: c.scale("decode", 500), grpc.StatusCode.RESOURCE_EXHAUSTED, "CPU"),
+        (lambda c: c.drain("decode-42"), grpc.StatusCode.INVALID_ARGUMENT, "worker"),
+        (lambda c: c.drain("decode-0"), grpc.StatusCode.INVALID_ARGUMENT, "last active"),
+        (lambda c: c.drain("decode-0", timeout_s=-1), grpc.StatusCode.INVALID_ARGUMENT, "timeout_s"),
+    ],
+    ids=["negative", "zero", "unknown-role", "beyond-resources", "unknown-worker", "last-worker", "negative-timeout"],
+)
+def test_bad_admin_requests_are_clear_errors(client, call, code, field):
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as raised:
+        call(client)
+    assert raised.value.code() == code and field in raised.value.details()
+    assert time.monotonic() - started < 5  # fails fast, never waits for resources
+    assert [w.state for pool in client.list_workers().pools for w in pool.workers] == ["ready", "ready"]
+    ids, _ = client.generate_ids(build_request("still serving", max_tokens=2, ignore_eos=True), timeout=60)
+    assert len(ids) == 2
+
+
+def test_unknown_policy_name_names_the_field():
+    with pytest.raises(ConfigError, match=r"router\.prefill_policy"):
+        parse_config({"router": {"prefill_policy": "round_robin"}})
+
+
+def test_status_shows_the_routing_policies(client):
+    routing = list(client.status().routing)
+    assert routing[:2] == ["prefill: least_prompt_tokens", "decode: least_kv_load"]
+
+
+def test_short_prompts_prefill_on_the_decode_worker(deployment, client, reference):
+    """Conditional disaggregation: under the threshold the decode worker computes the prompt."""
+    lifecycle = deployment.service.lifecycle
+    lifecycle.local_prefill_max_tokens = 64
+    try:
+        short, long = list(range(20, 50)), list(range(20, 120))
+        short_ids, short_last = client.generate_ids(build_request(prompt_token_ids=short, max_tokens=8, ignore_eos=True))
+        long_ids, long_last = client.generate_ids(build_request(prompt_token_ids=long, max_tokens=8, ignore_eos=True))
+    finally:
+        lifecycle.local_prefill_max_tokens = 0
+    assert short_last.usage.prefill_worker == short_last.usage.decode_worker == "decode-0"
+    assert long_last.usage.prefill_worker == "prefill-0"
+    assert [short_ids, long_ids] == reference.greedy([short, long], max_tokens=8, ignore_eos=True)

@@ -1,0 +1,56 @@
+"""Routing policies on pool members (pure: the members' load figures are set directly)."""
+
+from __future__ import annotations
+
+from duet.router.policies import LeastKvLoad, LeastPromptTokens, PrefixAffinity
+from duet.router.pools import PoolMember
+
+
+def _members(*outstanding: int) -> list[PoolMember]:
+    return [PoolMember(f"prefill-{i}", actor=None, outstanding_tokens=tokens) for i, tokens in enumerate(outstanding)]
+
+
+def test_least_prompt_tokens_weighs_tokens_not_requests():
+    busy_by_count, busy_by_tokens = _members(100, 4000)
+    busy_by_count.inflight, busy_by_tokens.inflight = 3, 1
+    assert LeastPromptTokens().choose([busy_by_count, busy_by_tokens], []) is busy_by_count
+
+
+def test_least_kv_load_prefers_free_kv_then_fewer_sequences():
+    members = _members(0, 0, 0)
+    members[0].kv_usage, members[1].kv_usage, members[2].kv_usage = 0.70, 0.10, 0.10
+    members[1].running, members[2].running = 9, 2
+    assert LeastKvLoad().choose(members, []) is members[2]
+
+
+def test_prefix_affinity_follows_the_longest_cached_prefix():
+    policy = PrefixAffinity(block_size=4, load_factor=1.5, slack_tokens=0)
+    members = _members(0, 0)
+    system_prompt = list(range(100, 116))  # four blocks
+    first = policy.choose(members, system_prompt + [1, 2, 3, 4])
+    other = members[1] if first is members[0] else members[0]
+    # A different prompt goes elsewhere on load (least prompt tokens), then the shared prefix
+    # brings the next request back to the worker that holds it.
+    first.outstanding_tokens = 20
+    assert policy.choose(members, [9] * 12) is other
+    first.outstanding_tokens = other.outstanding_tokens = 10
+    assert policy.choose(members, system_prompt + [7, 7, 7, 7]) is first
+    assert policy.cached_blocks(first.name, policy.block_hashes(system_prompt)) == 4
+
+
+def test_prefix_affinity_load_guard_skips_an_overloaded_worker():
+    policy = PrefixAffinity(block_size=4, load_factor=1.5, slack_tokens=0)
+    hot, cold = _members(0, 0)
+    prompt = list(range(40))
+    policy._remember(hot.name, policy.block_hashes(prompt))
+    hot.outstanding_tokens, cold.outstanding_tokens = 4000, 100  # hot: ~2x the mean
+    assert policy.choose([hot, cold], prompt) is cold
+    hot.outstanding_tokens = 120  # within 1.5x of the mean again
+    assert policy.choose([hot, cold], prompt) is hot
+
+
+def test_block_hashes_name_the_whole_prefix():
+    policy = PrefixAffinity(block_size=2)
+    a, b = policy.block_hashes([1, 2, 3, 4, 5]), policy.block_hashes([9, 2, 3, 4])
+    assert len(a) == 2 and len(b) == 2  # partial blocks are not cached by the engine either
+    assert a[1] != b[1]  # same second block, different prefix

@@ -53,6 +53,7 @@ class RequestRecord:
     client_tpot_s: float
     error: str = ""
     client_e2e_s: float = math.nan  # from sending to the end of the stream (or the failure)
+    prefill_worker: str = ""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -129,7 +130,7 @@ async def open_loop(
     return list(await asyncio.gather(*tasks))
 
 
-async def _one(
+async def send_one(
     stub: pb_grpc.DuetStub, index: int, request: pb.GenerateRequest, scheduled_s: float, start: float, timeout_s: float
 ) -> RequestRecord:
     sent = time.perf_counter()
@@ -164,6 +165,7 @@ async def _one(
         client_tpot_s=client_tpot(first, last, tokens),
         error=error,
         client_e2e_s=ended - sent,
+        prefill_worker=usage.prefill_worker if usage else "",
     )
 
 
@@ -182,6 +184,6 @@ async def replay(
         await channel.channel_ready()
 
         async def send(index: int, scheduled_s: float, start: float) -> RequestRecord:
-            return await _one(stub, index, requests[index], scheduled_s, start, timeout_s)
+            return await send_one(stub, index, requests[index], scheduled_s, start, timeout_s)
 
         return await open_loop(trace, send, on_done)

@@ -105,6 +105,10 @@ class EngineHost:
         model_config = self.engine.model_config
         return model_config.max_model_len, model_config.get_vocab_size(), self.engine.vllm_config.cache_config.block_size
 
+    async def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache (benchmarks compare routing policies from cold)."""
+        await self.engine.reset_prefix_cache()
+
     async def ping(self) -> tuple[float, int]:
         """A round trip to the engine (raises if it is dead; never returns if it hangs), and
         this worker's load: (KV cache usage, requests running in the engine)."""

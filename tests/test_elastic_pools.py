@@ -44,6 +44,7 @@ def test_scale_up_and_down_while_streaming_is_exact(deployment, client, referenc
     expected = reference.greedy(prompts, max_tokens=48, ignore_eos=True)
     engines_before = _engine_processes()
     results: list[tuple[int, list[int]]] = []
+    ttfts: list[tuple[float, float]] = []  # (sent at, TTFT) of every request
     failures: list[BaseException] = []
     stop = threading.Event()
 
@@ -51,8 +52,10 @@ def test_scale_up_and_down_while_streaming_is_exact(deployment, client, referenc
         index = worker
         while not stop.is_set():
             try:
-                ids, _ = client.generate_ids(build_request(prompt_token_ids=prompts[index % 16], max_tokens=48, ignore_eos=True), timeout=300)
+                sent = time.monotonic()
+                ids, last = client.generate_ids(build_request(prompt_token_ids=prompts[index % 16], max_tokens=48, ignore_eos=True), timeout=300)
                 results.append((index % 16, ids))
+                ttfts.append((sent, last.usage.ttft_s))
             except BaseException as error:  # recorded: the test fails on any
                 failures.append(error)
                 return
@@ -68,6 +71,15 @@ def test_scale_up_and_down_while_streaming_is_exact(deployment, client, referenc
         served_before = len(results)
         time.sleep(10)  # requests now spread over both workers of each pool
         new_members = {role: pool.members[1] for role, pool in (("prefill", deployment.prefill), ("decode", deployment.decode))}
+        # Under load, with two workers per pool, kill one: the other takes every request, and no
+        # request waits for the replacement's start-up.
+        killed_at = _kill_process(new_members["prefill"])
+        _wait_noticed(new_members["prefill"], killed_at)
+        _wait_settled(client)
+        replacement_s = time.monotonic() - killed_at
+        after_kill = [ttft for sent, ttft in ttfts if killed_at < sent < killed_at + replacement_s - 5]
+        assert after_kill and max(after_kill) < replacement_s / 2, (max(after_kill), replacement_s)
+        assert new_members["prefill"].restarts == 1
         new_endpoint = new_members["prefill"].kv_endpoint
         assert sorted(client.scale("prefill", 1) + client.scale("decode", 1)) == ["decode-1: draining", "prefill-1: draining"]
         assert _wait_settled(client) == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
@@ -91,15 +103,24 @@ def test_scale_up_and_down_while_streaming_is_exact(deployment, client, referenc
     assert is_bindable(host, int(port)), f"the removed prefill worker's KV port {port} is still taken"
 
 
+def _kill_process(member) -> float:
+    """SIGKILL a worker's actor process; when it was killed."""
+    pid = ray.get(member.actor.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _wait_noticed(member, killed_at: float) -> None:
+    """Wait until the router has taken ``member`` out of rotation; at most 5 s, no request sent."""
+    while member.state == "ready":
+        assert time.monotonic() - killed_at < 5, "the dead worker was not noticed within 5 s"
+        time.sleep(0.05)
+
+
 def test_a_killed_idle_worker_is_replaced_without_any_request(deployment, client):
     member = deployment.decode.members[0]
     restarts = member.restarts
-    pid = ray.get(member.actor.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    while member.state == "ready":
-        assert time.monotonic() - killed < 5, "the dead worker was not noticed within 5 s"
-        time.sleep(0.05)
+    _wait_noticed(member, _kill_process(member))
     assert member.state == "restarting"
     _wait_settled(client)
     assert member.restarts == restarts + 1

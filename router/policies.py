@@ -8,7 +8,7 @@ with its parameters, in ``duet status``:
   forty times the work of a 100-token one, which request counts do not see;
 - ``prefix_affinity`` (prefill): the worker that already holds the longest prefix of the prompt
   in its prefix cache, unless its outstanding work exceeds the pool mean by ``load_factor``;
-  otherwise least prompt tokens;
+  among workers holding equally long prefixes (or none), the one with fewest prompt tokens;
 - ``least_kv_load`` (decode): the lowest KV-cache usage, then the fewest running sequences, as
   the workers last reported them (router/health.py polls them every second).
 """
@@ -85,7 +85,6 @@ class PrefixAffinity:
         self.slack_tokens = slack_tokens
         self.capacity = capacity
         self._holders: OrderedDict[bytes, set[str]] = OrderedDict()
-        self.fallback = LeastPromptTokens()
 
     def block_hashes(self, prompt: list[int]) -> list[bytes]:
         hashes, parent = [], b""
@@ -115,9 +114,11 @@ class PrefixAffinity:
     def choose(self, ready: "list[PoolMember]", prompt: list[int]) -> "PoolMember":
         hashes = self.block_hashes(prompt)
         candidates = self.eligible(ready)
-        best = max(candidates, key=lambda member: self.cached_blocks(member.name, hashes))
-        if self.cached_blocks(best.name, hashes) == 0:
-            best = self.fallback.choose(candidates, prompt)
+        # Longest cached prefix; among equals (a system prompt every worker holds) the least loaded.
+        best = max(
+            candidates,
+            key=lambda member: (self.cached_blocks(member.name, hashes), -member.outstanding_tokens, -member.inflight),
+        )
         self._remember(best.name, hashes)
         return best
 

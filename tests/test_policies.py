@@ -41,12 +41,22 @@ def test_prefix_affinity_follows_the_longest_cached_prefix():
 def test_prefix_affinity_load_guard_skips_an_overloaded_worker():
     policy = PrefixAffinity(block_size=4, load_factor=1.5, slack_tokens=0)
     hot, cold = _members(0, 0)
-    prompt = list(range(40))
+    prompt, other_prompt = list(range(40)), list(range(100, 140))
     policy._remember(hot.name, policy.block_hashes(prompt))
+    policy._remember(hot.name, policy.block_hashes(other_prompt))
     hot.outstanding_tokens, cold.outstanding_tokens = 4000, 100  # hot: ~2x the mean
     assert policy.choose([hot, cold], prompt) is cold
-    hot.outstanding_tokens = 120  # within 1.5x of the mean again
-    assert policy.choose([hot, cold], prompt) is hot
+    hot.outstanding_tokens = 120  # within 1.5x of the mean again: affinity beats a small imbalance
+    assert policy.choose([hot, cold], other_prompt) is hot
+
+
+def test_prefix_affinity_breaks_ties_by_load():
+    policy = PrefixAffinity(block_size=4, slack_tokens=0)
+    a, b = _members(300, 200)
+    system_prompt = list(range(8))
+    for member in (a, b):  # both hold the shared system prompt
+        policy._remember(member.name, policy.block_hashes(system_prompt))
+    assert policy.choose([a, b], system_prompt + [50, 51, 52, 53]) is b
 
 
 def test_block_hashes_name_the_whole_prefix():

@@ -355,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     drain.set_defaults(handler=_drain)
 
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
+    from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
     from duet.benchmarks.prefix_affinity import register_command as register_bench_affinity
     from duet.benchmarks.serve_bench import register_command as register_bench_serve
     from duet.benchmarks.vllm_client import register_command as register_bench_vllm_client
@@ -367,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_serve(benches)  # bench serve
     register_bench_vllm_client(benches)  # bench vllm-client
     register_bench_affinity(benches)  # bench affinity
+    register_bench_local_prefill(benches)  # bench local-prefill
     return parser
 
 

@@ -74,6 +74,12 @@ class PoolConfig(_Strict):
     # Tokens one engine step may compute (vLLM's chunked-prefill budget), set explicitly so that
     # the engines and the planner's simulator (SimConfig.prefill_max_batch_tokens) agree.
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # vllm: a real engine. simulated: SIMULATED timing from a latency model, no model computed
+    # (control-plane scale tests and what-if runs only; cluster/simulated_engine.py).
+    engine: Literal["vllm", "simulated"] = "vllm"
+    # simulated: "distserve:MODEL" (DistServe's A100 profiles in ../shared/traces) or the path of
+    # a `duet profile` output.
+    simulated_profile: str = "distserve:opt-13b"
 
     @model_validator(mode="after")
     def _one_entry_per_replica(self) -> "PoolConfig":
@@ -202,6 +208,13 @@ class DuetConfig(_Strict):
     router: RouterConfig = RouterConfig()
     ray: RayConfig = RayConfig()
     server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _simulated_engines_pull(self) -> "DuetConfig":
+        simulated = any(pool.engine == "simulated" for pool in (self.prefill, self.decode, self.colocated))
+        if simulated and self.kv_transfer.transport != "nixl":
+            raise ValueError("kv_transfer.transport: simulated engines model the nixl (pull) hand-off; use nixl")
+        return self
 
 
 def parse_config(data: object, source: str = "config") -> DuetConfig:

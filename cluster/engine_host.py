@@ -8,13 +8,14 @@ here once.
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import contextmanager
 from typing import Any, Iterator, Literal
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
 from duet.cluster.token_outbox import TokenOutbox
-from duet.cluster.worker_api import WorkerStatus
+from duet.cluster.worker_api import SamplingSpec, WorkerStatus
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,
@@ -25,6 +26,8 @@ from duet.kv_transfer.config import (
 )
 from duet.kv_transfer.ports import PortReservation, reserve_ports
 
+
+logger = logging.getLogger(__name__)
 
 # Labels every sample of one engine shares; dropped when flattening for status reports.
 _ENGINE_LABELS = ("model_name", "engine")
@@ -58,10 +61,17 @@ class EngineHost:
     def pool(self) -> PoolConfig:
         return {"prefill": self.config.prefill, "decode": self.config.decode}.get(self.role, self.config.colocated)
 
+    @property
+    def simulated(self) -> bool:
+        return self.pool.engine == "simulated"
+
     async def start(self) -> WorkerStatus:
         """Create the engine; returns the ready status, or raises with the reason it failed."""
         try:
-            self._start_engine()
+            if self.simulated:
+                self._start_simulated_engine()
+            else:
+                self._start_engine()
             if self._token_address:
                 self._sender = asyncio.get_running_loop().create_task(self.outbox.run(self._token_address))
             self._state = "ready"
@@ -100,6 +110,32 @@ class EngineHost:
         )
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
+    def _start_simulated_engine(self) -> None:
+        from duet.cluster.simulated_engine import SimulatedEngine, simulated_perf
+
+        logger.warning("%s: SIMULATED engine (%s), no model is computed", self.name, self.pool.simulated_profile)
+        perf, kv_bytes_per_token = simulated_perf(self.pool.simulated_profile, self.pool.tensor_parallel, self.pool.pipeline_parallel)
+        max_model_len, vocab_size = simulated_model_shape(self.config)
+        self.engine = SimulatedEngine(
+            perf, max_model_len, vocab_size,
+            max_num_seqs=self.pool.max_num_seqs,
+            max_num_batched_tokens=self.pool.max_num_batched_tokens,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
+        self.kv_endpoint = "simulated"
+
+    def _params(self, sampling: SamplingSpec, kv_transfer_params: dict[str, Any] | None, delta: bool = False) -> Any:
+        """The engine's request parameters: vLLM's SamplingParams, or the simulated engine's."""
+        if self.simulated:
+            from duet.cluster.simulated_engine import SimulatedParams
+
+            return SimulatedParams(sampling, kv_transfer_params)
+        return sampling.to_vllm(kv_transfer_params=kv_transfer_params, delta=delta)
+
+    def simulated_engine_seconds(self) -> dict[str, float]:
+        """SIMULATED engines only: seconds each request spent in the engine, by request id."""
+        return dict(self.engine.engine_seconds) if self.simulated else {}
+
     def model_limits(self) -> tuple[int, int, int]:
         """(max_model_len, vocab_size, KV block size) as the engine resolved them."""
         model_config = self.engine.model_config
@@ -113,6 +149,8 @@ class EngineHost:
         """A round trip to the engine (raises if it is dead; never returns if it hangs), and
         this worker's load: (KV cache usage, requests running in the engine)."""
         await self.engine.is_sleeping()
+        if self.simulated:
+            return self.engine.load()
         metrics = _read_engine_metrics()
         return metrics.get("vllm:kv_cache_usage_perc", 0.0), int(metrics.get("vllm:num_requests_running", 0))
 
@@ -138,7 +176,7 @@ class EngineHost:
         return WorkerStatus(
             name=self.name,
             role=self.role,
-            state=self._state,
+            state=f"{self._state} (SIMULATED engine)" if self.simulated else self._state,
             kv_endpoint=self.kv_endpoint,
             requests_served=self._served,
             requests_inflight=len(self._inflight),
@@ -146,7 +184,7 @@ class EngineHost:
             error=self._error,
             token_updates=self.outbox.updates_sent,
             token_batches=self.outbox.batches_sent,
-            engine_metrics=_read_engine_metrics(),
+            engine_metrics={} if self.simulated else _read_engine_metrics(),
         )
 
     def metrics_text(self) -> str:
@@ -165,6 +203,17 @@ class EngineHost:
         if self._ports is not None:
             self._ports.release()
         self._state = "stopped"
+
+
+def simulated_model_shape(config: DuetConfig) -> tuple[int, int]:
+    """(max_model_len, vocab_size) of the configured model, read from its config.json only."""
+    import json
+
+    from duet.cluster.engine import resolve_model_path
+
+    model_config = json.loads((resolve_model_path(config.model) / "config.json").read_text())
+    max_len = config.model.max_model_len or model_config.get("max_position_embeddings", 4096)
+    return max_len, model_config["vocab_size"]
 
 
 def _read_engine_metrics() -> dict[str, float]:

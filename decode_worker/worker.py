@@ -43,7 +43,7 @@ class DecodeWorker(EngineHost):
         streams every token (colocated serving). Without ``kv_transfer_params`` the engine
         computes the prompt itself (colocated, or the fallback when a KV hand-off failed).
         """
-        params = sampling.to_vllm(kv_transfer_params=kv_transfer_params, delta=True)
+        params = self._params(sampling, kv_transfer_params, delta=True)
         skip_first = first_token_id is not None
         put = self.outbox.put
         with self._tracked(request_id):

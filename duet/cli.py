@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
     from duet.benchmarks.prefix_affinity import register_command as register_bench_affinity
+    from duet.benchmarks.router_overhead import register_command as register_bench_router
     from duet.benchmarks.serve_bench import register_command as register_bench_serve
     from duet.benchmarks.vllm_client import register_command as register_bench_vllm_client
     from duet.cluster.placement.commands import register_commands as register_planning
@@ -369,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_vllm_client(benches)  # bench vllm-client
     register_bench_affinity(benches)  # bench affinity
     register_bench_local_prefill(benches)  # bench local-prefill
+    register_bench_router(benches)  # bench router
     return parser
 
 

@@ -33,7 +33,7 @@ class PrefillWorker(EngineHost):
         # Asking for remote decode only matters if a decode step will follow.
         wants_decode = sampling.max_tokens > 1
         transfer = prefill_request_params(self.config.kv_transfer, decode_endpoint) if wants_decode else None
-        params = sampling.for_prefill().to_vllm(kv_transfer_params=transfer)
+        params = self._params(sampling.for_prefill(), transfer)
         final: Any = None
         with self._tracked(request_id):
             async for output in self.engine.generate(

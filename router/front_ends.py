@@ -7,6 +7,7 @@ example a TLS pair beside a loopback one, all serving the same pools.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from duet.cluster.config import ConfigError, ServerConfig
 from duet.router.admin import AdminServicer, PoolOperator
 from duet.router.auth import Gatekeeper
 from duet.router.http_server import OpenAIFrontEnd, start_http_server
-from duet.router.server import DuetServicer, start_server
+from duet.router.server import DuetServicer, report_readiness, start_server
 from duet.router.serving import RequestService
 from duet.router.tls import http_ssl_context
 
@@ -60,6 +61,7 @@ class FrontEnds:
     grpc_port: int
     http_runner: Any
     http_port: int | None
+    readiness: asyncio.Task[None]  # keeps grpc.health.v1 in step with the pools
 
     @classmethod
     async def start(
@@ -74,7 +76,10 @@ class FrontEnds:
         """Start gRPC on ``grpc_port`` and HTTP on ``http_port`` (None: no HTTP; 0: any port);
         with an ``operator`` the gRPC server also serves the Admin service."""
         admin = AdminServicer(service, operator) if operator is not None else None
-        grpc_server, bound_grpc = await start_server(DuetServicer(service), server.host, grpc_port, server.tls, admin)
+        grpc_server, bound_grpc, health_service = await start_server(
+            DuetServicer(service), server.host, grpc_port, server.tls, admin
+        )
+        readiness = asyncio.get_running_loop().create_task(report_readiness(health_service, service.is_ready))
         http_runner, bound_http = None, None
         if http_port is not None:
             front_end = OpenAIFrontEnd(service, server.http_max_body_bytes, chat_template)
@@ -82,11 +87,13 @@ class FrontEnds:
             try:
                 http_runner, bound_http = await start_http_server(front_end, server.host, http_port, ssl_context)
             except OSError:
+                readiness.cancel()
                 await grpc_server.stop(grace=None)
                 raise
-        return cls(grpc_server, bound_grpc, http_runner, bound_http)
+        return cls(grpc_server, bound_grpc, http_runner, bound_http, readiness)
 
     async def stop(self) -> None:
+        self.readiness.cancel()
         await self.grpc_server.stop(grace=2)
         if self.http_runner is not None:
             await self.http_runner.cleanup()

@@ -12,10 +12,11 @@ INTERNAL error grpc would give for a message it cannot parse.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -136,8 +137,9 @@ def _generic_handler(servicer: DuetServicer) -> grpc.GenericRpcHandler:
 
 async def start_server(
     servicer: DuetServicer, host: str, port: int, tls: TlsConfig | None = None, admin: AdminServicer | None = None
-) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (``port=0`` picks a free one).
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start serving; returns the server, the bound port (``port=0`` picks a free one) and the
+    health service (see :func:`report_readiness`).
 
     Health checking and reflection need no API key (probes and tooling); with ``tls`` every
     service is served over TLS only.
@@ -159,7 +161,19 @@ async def start_server(
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (is another duet server running?)")
     await server.start()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+    return server, bound, health_servicer
+
+
+async def report_readiness(health_servicer: health.aio.HealthServicer, is_ready: Callable[[], bool]) -> None:
+    """Keep the health service's status in step with ``is_ready`` (runs until cancelled).
+
+    SERVING while every pool has a ready worker, NOT_SERVING otherwise, checked every second,
+    like HTTP ``/health``: a load balancer or a Kubernetes readiness probe then takes a
+    deployment without workers out of rotation.
+    """
+    while True:
+        status = health_pb2.HealthCheckResponse.SERVING if is_ready() else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, status)
+        await asyncio.sleep(1.0)
 

@@ -89,6 +89,8 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
         status: WorkerStatus = await asyncio.wait_for(member.actor.status.remote(), _STATUS_TIMEOUT_S)
     except Exception as error:
         return pb.WorkerState(error=f"unreachable: {type(error).__name__}: {error}", **router_side)
+    if "SIMULATED" in status.state:  # say so wherever a simulated engine serves
+        router_side["state"] = f"{member.state} (SIMULATED engine)"
     metrics = status.engine_metrics
     transfers = transfer_totals(metrics)
     return pb.WorkerState(

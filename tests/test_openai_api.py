@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 
 import openai
 import pytest
@@ -94,8 +95,16 @@ def test_models_and_health(sdk, model, deployment):
     assert status == 200
 
 
-def test_no_ready_worker_is_503(sdk, model, deployment):
-    """With no decode worker ready (none restarting either), health and requests say 503."""
+def _wait_for_grpc_health(client, serving: bool) -> None:
+    deadline = time.monotonic() + 5
+    while client.is_serving() != serving:
+        assert time.monotonic() < deadline, f"grpc.health.v1 did not turn {'SERVING' if serving else 'NOT_SERVING'}"
+        time.sleep(0.1)
+
+
+def test_no_ready_worker_is_503(sdk, model, deployment, client):
+    """With no decode worker ready (none restarting either), health and requests say so: HTTP
+    503, and the gRPC health service NOT_SERVING until a worker is ready again."""
     members = deployment.decode.members
     saved = [member.state for member in members]
     try:
@@ -106,9 +115,11 @@ def test_no_ready_worker_is_503(sdk, model, deployment):
         with pytest.raises(openai.InternalServerError) as raised:
             sdk.completions.create(model=model, prompt=PROMPT, max_tokens=2)
         assert raised.value.status_code == 503 and "no decode worker" in raised.value.message
+        _wait_for_grpc_health(client, serving=False)
     finally:
         for member, state in zip(members, saved):
             member.state = state
+    _wait_for_grpc_health(client, serving=True)
 
 
 def test_overload_is_429_with_retry_after(sdk, model, deployment):

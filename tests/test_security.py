@@ -29,6 +29,7 @@ from certs import make_certificates
 
 ALICE = "alice-key-7f3a9c2e"  # two requests per minute
 BOB = "bob-key-d41b66f0"  # one request at a time
+ROOT = "root-key-5c0ffee1"  # may call the Admin service
 PROMPT = "The router sends the prompt to a prefill worker"
 
 
@@ -43,15 +44,16 @@ def keys_file(tmp_path_factory) -> str:
     path.write_text(yaml.safe_dump({"keys": [
         {"name": "alice", "key": ALICE, "requests_per_minute": 2},
         {"name": "bob", "key": BOB, "max_concurrent_requests": 1},
+        {"name": "root", "key": ROOT, "admin": True},
     ]}))
     return str(path)
 
 
 def _front_ends(deployment, server: ServerConfig):
-    """Start a gRPC + HTTP pair on ``deployment``'s serving path with ``server``'s security."""
+    """Start a gRPC + HTTP pair (and the Admin service) on ``deployment``'s serving path with
+    ``server``'s security."""
     service = dataclasses.replace(deployment.service, gatekeeper=Gatekeeper.from_config(server.auth, environ={}))
-    started = deployment.background.run(FrontEnds.start(service, server, 0, 0, None), timeout=30)
-    return started
+    return deployment.background.run(FrontEnds.start(service, server, 0, 0, None, operator=deployment), timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +177,20 @@ def test_health_needs_no_key(tls_pair, certs):
 def test_a_caller_is_known_by_its_key_name_only(keys_file):
     caller = Gatekeeper.from_config(AuthConfig(api_keys_file=keys_file), environ={}).authenticate(ALICE)
     assert caller.name == "alice" and ALICE not in repr(vars(caller))
+
+
+def test_only_admin_keys_may_operate_the_pools(tls_pair, certs):
+    with _grpc_client(tls_pair, certs, key=BOB, client_cert=False) as user:
+        with pytest.raises(grpc.RpcError) as raised:
+            user.scale("decode", 1)
+        assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED and "'bob'" in raised.value.details()
+    with _grpc_client(tls_pair, certs, key=None, client_cert=False) as anonymous:
+        with pytest.raises(grpc.RpcError) as raised:
+            anonymous.list_workers()
+        assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with _grpc_client(tls_pair, certs, key=ROOT, client_cert=False) as admin:
+        assert [pool.role for pool in admin.list_workers().pools] == ["prefill", "decode"]
+        assert admin.scale("decode", 1) == []  # already one: nothing to change
 
 
 # ---- quotas ------------------------------------------------------------------------------

@@ -41,8 +41,12 @@ from duet.benchmarks.loadgen import RequestRecord, replay_result
 from duet.cluster.placement.simulator import Slo
 
 DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
+# duet disaggregated driven through its OpenAI HTTP API by the client that drives vLLM: the same
+# front-end protocol on both sides of the comparison.
+DISAGG_HTTP = "duet-disagg-http"
 GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
-RATIOS = ((DISAGG, VLLM), (DISAGG, COLOCATED))  # the comparisons the table reports
+# The comparisons the table reports, for the systems a run included.
+RATIOS = ((DISAGG, VLLM), (DISAGG_HTTP, VLLM), (DISAGG, COLOCATED))
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -165,6 +169,8 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
             cells.append(bound + _fmt(good[system][slo], ".2f"))
         lines.append(_row([system, *cells]))
     for top, bottom in RATIOS:
+        if top not in report["systems"] or bottom not in report["systems"]:
+            continue
         if top in good and bottom in good:
             times = [ratio(good[top][s], good[bottom][s]) for s in slos]
             cells = [_fmt(t, ".2f") + ("x" if t is not None and math.isfinite(t) else "") for t in times]

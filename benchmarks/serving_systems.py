@@ -26,11 +26,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from duet.benchmarks.serve_report import COLOCATED, DISAGG, VLLM
+from duet.benchmarks.serve_report import COLOCATED, DISAGG, DISAGG_HTTP, VLLM
 from duet.cluster.config import COLOCATED_CONFIG_PATH, DuetConfig
 from duet.cluster.engine import resolve_model_path
 
-SYSTEMS = (DISAGG, COLOCATED, VLLM)
+SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP)
+# Systems measured through the OpenAI HTTP API (the others through duet's gRPC API).
+_HTTP = (VLLM, DISAGG_HTTP)
 _START_TIMEOUT_S = 600.0
 
 
@@ -58,6 +60,8 @@ def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[
     duet = [sys.executable, "-m", "duet.cli", "serve", "--port", str(port), "--metrics-port", "0", "--http-port", "-1"]
     if name == DISAGG:
         return duet, {}
+    if name == DISAGG_HTTP:  # the HTTP API on `port`, gRPC on any free one
+        return [*duet[:4], "--port", "0", "--metrics-port", "0", "--http-port", str(port)], {}
     if name == COLOCATED:
         return duet + ["--config", str(COLOCATED_CONFIG_PATH)], {}
     return (
@@ -107,7 +111,7 @@ def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSys
             time.sleep(1)
         target = f"127.0.0.1:{port}"
         yield RunningSystem(
-            name, process.pid, grpc_target="" if name == VLLM else target, http_url=f"http://{target}" if name == VLLM else ""
+            name, process.pid, grpc_target="" if name in _HTTP else target, http_url=f"http://{target}" if name in _HTTP else ""
         )
     finally:
         _stop(process)

@@ -8,6 +8,7 @@ GENERATED = "vllm:generation_tokens_total"
 
 
 def test_cancel_mid_stream_frees_both_workers(client, worker_status, wait_until_idle):
+    wait_until_idle("decode")  # requests earlier tests cancelled may still be leaving
     before = worker_status("decode").engine_metrics.get(GENERATED, 0)
     stream = client.generate(
         build_request(prompt_token_ids=list(range(10, 400)), max_tokens=3000, ignore_eos=True), timeout=120

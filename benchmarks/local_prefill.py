@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ async def _time_request(stub: Any, prompt: list[int], max_tokens: int) -> tuple[
     tokens, second = 0, float("nan")
     async for message in stub.Generate(build_request(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True)):
         tokens += len(message.token_ids)
-        if tokens >= 2 and second != second:
+        if tokens >= 2 and math.isnan(second):
             second = time.perf_counter() - sent
     return second, time.perf_counter() - sent
 

@@ -67,14 +67,18 @@ class PoolManager:
             num_cpus=self.pool_config.num_cpus, num_gpus=self.pool_config.num_gpus, max_concurrency=1000, **options
         ).remote(name, self.config, core, self.token_address)
 
+    async def _start_engine(self, member: PoolMember) -> None:
+        """Start the engine of ``member``'s actor (bounded) and learn its KV endpoint."""
+        status = await asyncio.wait_for(member.actor.start.remote(), self.config.server.worker_start_timeout_s)
+        member.kv_endpoint = status.kv_endpoint
+
     async def start(self, member: PoolMember) -> None:
         """Start ``member``'s engine; it joins rotation when ready. Raises if it cannot start."""
         try:
-            status = await asyncio.wait_for(member.actor.start.remote(), self.config.server.worker_start_timeout_s)
+            await self._start_engine(member)
         except BaseException as error:
             member.state, member.error = "failed", root_cause(error)
             raise
-        member.kv_endpoint = status.kv_endpoint
         if member.state == "starting":  # not drained while it started
             member.state = "ready"
         self.pool.changed()
@@ -83,8 +87,7 @@ class PoolManager:
         """Replace a dead worker with a fresh actor and engine under the same name and core."""
         ray.kill(member.actor, no_restart=True)
         member.actor = self._actor(member.name, member.cpu_core, None)
-        status = await asyncio.wait_for(member.actor.start.remote(), self.config.server.worker_start_timeout_s)
-        member.kv_endpoint = status.kv_endpoint
+        await self._start_engine(member)
 
     # ---- scaling ------------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ from typing import Callable, Protocol
 
 import grpc
 
-from duet.router.auth import Unauthenticated
 from duet.router.pools import ScaleError
 from duet.router.proto import duet_api_pb2 as pb
+from duet.router.server import authenticated_caller
 from duet.router.serving import RequestService
 
 
@@ -31,11 +31,7 @@ class AdminServicer:
         self.operator = operator
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        metadata = dict(context.invocation_metadata() or ())
-        try:
-            caller = self.service.authenticate(metadata.get("authorization"))
-        except Unauthenticated as error:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+        caller = await authenticated_caller(self.service, context)
         if not caller.admin:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"API key {caller.name!r} is not an admin key")
 

@@ -88,11 +88,11 @@ class _Reply:
     model: str
     request: ValidatedRequest
     return_token_ids: bool
-    id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def __post_init__(self) -> None:
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + self.request.request_id
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.request.request_id
 
     @property
     def object(self) -> str:

@@ -190,7 +190,11 @@ def completion_to_validated(
         if len(prompt) != 1:
             raise InvalidRequest("prompt", f"duet serves one prompt per request, got a batch of {len(prompt)}")
         prompt = prompt[0]
-    max_tokens = request.max_tokens if request.max_tokens is not None else limits.max_model_len
+    max_tokens = request.max_tokens
+    if max_tokens is None:  # OpenAI: as many as the context leaves room for
+        if isinstance(prompt, str):
+            prompt = tokenizer.encode(prompt)  # once: its length sets max_tokens
+        max_tokens = max(1, limits.max_model_len - len(prompt))
     grpc_request = _grpc_request(request, max_tokens, request_id)
     if isinstance(prompt, str):
         grpc_request.prompt = prompt
@@ -198,8 +202,6 @@ def completion_to_validated(
         if any(token < 0 for token in prompt):
             raise InvalidRequest("prompt", "token ids must be >= 0")
         grpc_request.prompt_token_ids.ids.extend(prompt)
-    if request.max_tokens is None:  # OpenAI: as many as the context leaves room for
-        grpc_request.max_tokens = max(1, limits.max_model_len - _prompt_length(grpc_request, tokenizer))
     return _validated(grpc_request, limits, tokenizer, "prompt")
 
 
@@ -244,9 +246,3 @@ def chat_to_validated(
         if error.field == "max_tokens":
             raise InvalidRequest(max_field, error.problem) from None
         raise
-
-
-def _prompt_length(request: pb.GenerateRequest, tokenizer: Tokenizer) -> int:
-    if request.WhichOneof("input") == "prompt":
-        return len(tokenizer.encode(request.prompt))
-    return len(request.prompt_token_ids.ids)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,13 +26,15 @@ from grpc_reflection.v1alpha import reflection
 from duet.cluster.config import TlsConfig
 from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import StreamEvent
-from duet.router.admin import AdminServicer
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.serving import Overloaded, RequestService, Unavailable
 from duet.router.tls import grpc_server_credentials
 from duet.router.validation import InvalidRequest, validate
 from duet.router.wire import describe_decode_error
+
+if TYPE_CHECKING:
+    from duet.router.admin import AdminServicer
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,18 @@ def _parse_generate_request(data: bytes) -> pb.GenerateRequest | MalformedReques
         return MalformedRequest(describe_decode_error(pb.GenerateRequest.DESCRIPTOR, data))
 
 
+async def authenticated_caller(service: RequestService, context: grpc.aio.ServicerContext) -> Caller:
+    """The caller named by a call's ``authorization`` metadata; aborts UNAUTHENTICATED otherwise.
+
+    Every duet gRPC service (Duet, Admin) authenticates through this one path."""
+    metadata = dict(context.invocation_metadata() or ())
+    try:
+        return service.authenticate(metadata.get("authorization"))
+    except Unauthenticated as error:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+        raise  # unreachable: abort raises
+
+
 class DuetServicer:
     """The gRPC front end: credentials from the ``authorization`` metadata, the rest through
     the shared :class:`RequestService`."""
@@ -68,18 +82,10 @@ class DuetServicer:
     def __init__(self, service: RequestService) -> None:
         self.service = service
 
-    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
-        metadata = dict(context.invocation_metadata() or ())
-        try:
-            return self.service.authenticate(metadata.get("authorization"))
-        except Unauthenticated as error:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
-            raise  # unreachable: abort raises
-
     async def Generate(
         self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        caller = await self._caller(context)
+        caller = await authenticated_caller(self.service, context)
         if isinstance(request, MalformedRequest):
             self.service.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
@@ -105,7 +111,7 @@ class DuetServicer:
             await context.abort(grpc.StatusCode.INTERNAL, f"request {validated.request_id} failed: {error}")
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
-        await self._caller(context)
+        await authenticated_caller(self.service, context)
         return await self.service.cluster.status()
 
 
@@ -136,7 +142,7 @@ def _generic_handler(servicer: DuetServicer) -> grpc.GenericRpcHandler:
 
 
 async def start_server(
-    servicer: DuetServicer, host: str, port: int, tls: TlsConfig | None = None, admin: AdminServicer | None = None
+    servicer: DuetServicer, host: str, port: int, tls: TlsConfig | None = None, admin: "AdminServicer | None" = None
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start serving; returns the server, the bound port (``port=0`` picks a free one) and the
     health service (see :func:`report_readiness`).

@@ -69,7 +69,9 @@ def main() -> None:
     print(f"colocated, best ({cc.describe()}): {gc:.2f} req/s per GPU")
     print(f"ratio: {pair / gc:.2f}x\n")
 
-    result = optimize(cluster, trace, slo, rate=args.rate, workers=2, search_requests=args.requests)
+    result = optimize(
+        cluster, trace, slo, rate=args.rate, workers=2, search_requests=args.requests, modes=["disaggregated"]
+    )
     plan = result.plan
     print(f"plan: {plan.summary()}")
     print(f"plan vs best colocated, per GPU: {plan.expected.goodput_per_gpu / gc:.2f}x")

@@ -163,7 +163,10 @@ def main() -> None:
 
     profile = args.profile or run_profile(workdir / "profile.yaml")
     cluster = ClusterSpec.load(write_cluster(workdir / "cluster.yaml", profile))
-    result = optimize(cluster, trace, slo, rate=args.plan_rate or min(rates), workers=2, sim=sim)
+    # disaggregated: the prefill and decode pools whose simulation this benchmark checks
+    result = optimize(
+        cluster, trace, slo, rate=args.plan_rate or min(rates), workers=2, sim=sim, modes=["disaggregated"]
+    )
     plan_path = workdir / "plan.yaml"
     result.plan.save(plan_path)
     print(f"plan: {result.plan.summary()}", flush=True)

@@ -70,6 +70,10 @@ class PoolConfig(_Strict):
     # Cluster node (index into the Ray cluster's nodes, sorted by address) for each replica, as
     # a placement plan assigns them; None lets Ray choose.
     nodes: list[int] | None = None
+    # Ray custom resources each worker requests, e.g. {prefill: 1}: on a cluster whose node
+    # groups advertise them (Kubernetes, docs/deploy.md) they put each worker on its own group's
+    # nodes, and Ray's autoscaler knows which group to grow for a pending worker.
+    resources: dict[str, float] = Field(default_factory=dict)
     max_num_seqs: int = Field(default=64, ge=1)
     # Tokens one engine step may compute (vLLM's chunked-prefill budget), set explicitly so that
     # the engines and the planner's simulator (SimConfig.prefill_max_batch_tokens) agree.
@@ -100,6 +104,8 @@ class KVTransferConfig(_Strict):
     # send/recv, NCCL on GPUs and gloo on CPUs; pushes each layer during prefill).
     transport: Literal["nixl", "nccl"] = "nixl"
     buffer_device: Literal["cpu", "cuda"] = "cpu"
+    # The address workers' KV channels listen on; "auto" is each worker's own node address
+    # (multi-node clusters, where no single address fits every worker).
     side_channel_host: str = "127.0.0.1"
     side_channel_base_port: int = Field(default=5600, ge=1024, le=65000)
     # nccl: first port a decode worker tries for its receiver (one port per rank).
@@ -119,10 +125,17 @@ class KVTransferConfig(_Strict):
 
 
 class RayConfig(_Strict):
-    address: str = Field(default="local", description="'local' starts a private instance")
+    address: str = Field(
+        default="local",
+        description="'local' starts a private instance; 'auto' joins the cluster of this node ($RAY_ADDRESS)",
+    )
     num_cpus: int | None = Field(default=None, ge=1)
     # vLLM logs a lot from every worker; errors reach the user through duet's own messages.
     worker_logs_to_driver: bool = False
+    # The cluster adds nodes for workers that wait for resources (KubeRay's autoscaler): growing
+    # a pool is then not refused for lack of free resources, the new workers wait for their nodes
+    # (up to server.worker_start_timeout_s).
+    autoscaling: bool = False
 
 
 class TlsConfig(_Strict):
@@ -208,6 +221,27 @@ class DuetConfig(_Strict):
     router: RouterConfig = RouterConfig()
     ray: RayConfig = RayConfig()
     server: ServerConfig = ServerConfig()
+    # An autoscaling policy (a name under configs/autoscale, or a YAML path) that sizes the
+    # prefill and decode pools to its SLO while serving; None keeps the sizes above.
+    autoscale: str | None = None
+
+    @field_validator("autoscale")
+    @classmethod
+    def _policy_loads(cls, value: str | None) -> str | None:
+        if value is not None:
+            from duet.cluster.autoscaler.policy import PolicyError, load_policy
+
+            try:
+                load_policy(value)
+            except PolicyError as error:
+                raise ValueError(str(error)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _autoscale_disaggregated(self) -> "DuetConfig":
+        if self.autoscale is not None and self.mode == "colocated":
+            raise ValueError("autoscale: the autoscaler sizes prefill and decode pools; a colocated deployment has neither")
+        return self
 
     @model_validator(mode="after")
     def _simulated_engines_pull(self) -> "DuetConfig":

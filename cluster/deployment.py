@@ -14,6 +14,9 @@ from typing import Any
 
 import ray
 
+from duet.cluster.autoscaler.live import LiveAutoscaler
+from duet.cluster.autoscaler.metrics import AutoscalerMetrics
+from duet.cluster.autoscaler.policy import load_policy
 from duet.cluster.config import DuetConfig
 from duet.cluster.cores import CoreAllocator
 from duet.cluster.engine import is_cpu_only, resolve_model_path
@@ -91,6 +94,7 @@ class Deployment:
     exposure_warning: str | None = None
     managers: dict[str, PoolManager] = field(default_factory=dict)
     health: HealthWatcher | None = None
+    autoscaler: LiveAutoscaler | None = None
     _metrics_server: Any = None
 
     async def start(self, port: int | None = None, http_port: int | None = -1) -> "Deployment":
@@ -173,7 +177,22 @@ class Deployment:
             self.service, server_config, bind_port, bind_http, _chat_template(self.config), operator=self
         )
         self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
+        if self.config.autoscale is not None:
+            self._start_autoscaler(self.config.autoscale)
         return self
+
+    def _start_autoscaler(self, policy_name: str) -> None:
+        assert self.cluster is not None and self.service is not None
+        policy = load_policy(policy_name)
+        metrics = AutoscalerMetrics(self.cluster.metrics.registry, policy.slo_profile()) if self.cluster.metrics else None
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        self.autoscaler = LiveAutoscaler(policy, pools, self.service.load, self, metrics)
+        self.autoscaler.start()
+        slo = policy.slo_profile()
+        self.cluster.routing_notes.append(
+            f"autoscaling: policy {policy_name} (SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s at {slo.attainment:.0%}; "
+            f"prefill {policy.prefill.min}-{policy.prefill.max}, decode {policy.decode.min}-{policy.decode.max} workers)"
+        )
 
     def _manager(self, worker_class: type, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None) -> PoolManager:
         # Only workers that stream tokens (decode, colocated) get the router's token socket;
@@ -230,6 +249,8 @@ class Deployment:
             self._metrics_server.shutdown()
         if self.health is not None:
             self.health.stop()
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         for manager in self.managers.values():
             await manager.stop()
         if self.tokens is not None:

@@ -23,6 +23,7 @@ from duet.kv_transfer.config import (
     base_port,
     engine_environment,
     kv_transfer_config,
+    listen_host,
 )
 from duet.kv_transfer.ports import PortReservation, reserve_ports
 
@@ -90,8 +91,9 @@ class EngineHost:
         if transfers_kv and self.role in TRANSPORTS[transfer.transport].listening_roles:
             # vLLM offsets each rank's port from the base: one port per rank.
             ranks = self.pool.tensor_parallel * self.pool.pipeline_parallel
-            self._ports = reserve_ports(transfer.side_channel_host, base_port(transfer), ranks)
-            endpoint = TransferEndpoint(transfer.side_channel_host, self._ports.base_port)
+            host = listen_host(transfer)
+            self._ports = reserve_ports(host, base_port(transfer), ranks)
+            endpoint = TransferEndpoint(host, self._ports.base_port)
             self.kv_endpoint = str(endpoint)
         on_cpu = is_cpu_only()
         core = self.cpu_core if on_cpu else None

@@ -1,8 +1,9 @@
 """Turn a placement plan (``duet plan``'s output) into the deployment config ``duet serve`` runs.
 
-The plan is deployed as written: pool sizes, parallelism, and each replica's node. On a CPU node
-the plan's "GPU" indices are core indices, so each replica's engine is pinned to the first core
-of its first stage; on GPU nodes Ray assigns the devices inside the node.
+The plan is deployed as written: its mode (disaggregated, conditional or colocated), pool sizes,
+parallelism, and each replica's node. On a CPU node the plan's "GPU" indices are core indices,
+so each replica's engine is pinned to the first core of its first stage; on GPU nodes Ray
+assigns the devices inside the node.
 """
 
 from __future__ import annotations
@@ -35,14 +36,21 @@ def _pool_overrides(pool: Pool) -> dict[str, object]:
 
 
 def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
-    """``config`` with its pools replaced by the plan's; the model names must agree."""
+    """``config`` with its mode and pools replaced by the plan's; the model names must agree.
+
+    A colocated plan deploys the ``colocated`` pool; a conditional one deploys the prefill and
+    decode pools with the router's local-prefill threshold set to the plan's, and a
+    disaggregated one with it off, since the plan was sized for exactly that split.
+    """
     if plan.model != config.model.name:
         raise PlanDeployError(
             f"the plan is for model {plan.model!r} but the config serves {config.model.name!r}; "
             "plan with the served model's name or pass the matching --config"
         )
     data = config.model_dump()
-    for role, pool in (("prefill", plan.prefill), ("decode", plan.decode)):
+    data["mode"] = "colocated" if plan.mode == "colocated" else "disaggregated"
+    data["router"]["local_prefill_max_tokens"] = plan.local_prefill_max_tokens
+    for role, pool in plan.pools():
         data[role].update(_pool_overrides(pool))
     try:
         return parse_config(data, source="plan")

@@ -63,8 +63,9 @@ class PoolManager:
         options: dict[str, Any] = {}
         if node_id is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        pool = self.pool_config
         return ray.remote(self.worker_class).options(
-            num_cpus=self.pool_config.num_cpus, num_gpus=self.pool_config.num_gpus, max_concurrency=1000, **options
+            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=1000, **options
         ).remote(name, self.config, core, self.token_address)
 
     async def _start_engine(self, member: PoolMember) -> None:
@@ -125,8 +126,11 @@ class PoolManager:
             logger.error("%s worker %s failed to start: %s", self.pool.role, member.name, member.error)
 
     def _check_resources(self, count: int) -> None:
+        if self.config.ray.autoscaling:  # the autoscaler adds nodes for the waiting workers
+            return
         free = ray.available_resources()
-        for resource, each in (("CPU", self.pool_config.num_cpus), ("GPU", self.pool_config.num_gpus)):
+        pool = self.pool_config
+        for resource, each in (("CPU", pool.num_cpus), ("GPU", pool.num_gpus), *pool.resources.items()):
             need = each * count
             if need and free.get(resource, 0.0) + 1e-9 < need:
                 total = ray.cluster_resources().get(resource, 0.0)

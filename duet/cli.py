@@ -1,4 +1,4 @@
-"""The ``duet`` command line: serve, generate, status (and the planning commands).
+"""The ``duet`` command line: serve, generate, status (and the planning and deploy commands).
 
 Every failure a user can cause ends with one line that says what to fix and exit status 2;
 tracebacks are for bugs.
@@ -78,6 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
             data["server"]["http_port"] = None if args.http_port < 0 else args.http_port
         if args.host is not None:
             data["server"]["host"] = args.host
+        if args.autoscale is not None:
+            data["autoscale"] = args.autoscale
         if args.api_keys_file is not None:
             data["server"]["auth"]["api_keys_file"] = args.api_keys_file
         if args.allow_unauthenticated:
@@ -307,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start duet (local Ray, workers, gRPC server)")
     serve.add_argument("--config", help="deployment YAML (default: configs/local.yaml)")
     serve.add_argument("--plan", help="deploy this placement plan (from `duet plan`) as is")
+    serve.add_argument(
+        "--autoscale", metavar="POLICY",
+        help="size the pools to an SLO while serving: a policy under configs/autoscale or a YAML path",
+    )
     serve.add_argument("--model", help="serve this local Hugging Face model directory instead")
     serve.add_argument("--model-name", help="name clients use for --model (default: its directory name)")
     serve.add_argument("--port", type=int, help="gRPC port (default: from the config, 50051; 0 picks one)")
@@ -358,11 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
     from duet.benchmarks.prefix_affinity import register_command as register_bench_affinity
     from duet.benchmarks.router_overhead import register_command as register_bench_router
+    from duet.benchmarks.autoscale_replay import register_command as register_bench_autoscale
     from duet.benchmarks.serve_bench import register_command as register_bench_serve
     from duet.benchmarks.vllm_client import register_command as register_bench_vllm_client
     from duet.cluster.placement.commands import register_commands as register_planning
+    from duet.deploy.commands import register_commands as register_deploy
 
     register_planning(commands)  # plan, simulate, profile
+    register_deploy(commands)  # deploy render
     bench = commands.add_parser("bench", help="benchmarks against a real deployment")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     register_bench_transfer(benches)  # bench transfer
@@ -371,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_affinity(benches)  # bench affinity
     register_bench_local_prefill(benches)  # bench local-prefill
     register_bench_router(benches)  # bench router
+    register_bench_autoscale(benches)  # bench autoscale
     return parser
 
 

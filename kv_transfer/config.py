@@ -56,6 +56,16 @@ class TransferEndpoint:
         return f"{self.host}:{self.port}"
 
 
+def listen_host(settings: KVTransferConfig) -> str:
+    """The address a worker's KV channel listens on and peers connect to: the configured one,
+    or for ``auto`` the address of the worker's own node in the Ray cluster (multi-node)."""
+    if settings.side_channel_host != "auto":
+        return settings.side_channel_host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def base_port(settings: KVTransferConfig) -> int:
     """First port a listening worker tries to reserve for its transport."""
     return settings.side_channel_base_port if settings.transport == "nixl" else settings.p2p_base_port
@@ -69,7 +79,7 @@ def kv_transfer_config(
         from duet.kv_transfer.p2p.config import P2pConfig
         from duet.kv_transfer.p2p.params import kv_transfer_config as p2p_kv_transfer_config
 
-        listen = endpoint or TransferEndpoint(settings.side_channel_host, settings.p2p_base_port)
+        listen = endpoint or TransferEndpoint(listen_host(settings), settings.p2p_base_port)
         p2p = P2pConfig(
             host=listen.host,
             port=listen.port,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from duet.router.pools import PoolMember, WorkerPool
 
@@ -52,6 +53,7 @@ class HealthWatcher:
         actor = member.actor
         try:
             member.kv_usage, member.running = await asyncio.wait_for(actor.ping.remote(), self.timeout_s)
+            member.reported_at = time.monotonic()
         except asyncio.CancelledError:
             raise
         except TimeoutError:

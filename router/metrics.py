@@ -29,6 +29,7 @@ class RouterMetrics:
     """Request-level metrics, recorded by the gRPC servicer."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry  # for the autoscaler's metrics, on the same endpoint
         self.requests = Counter(
             "duet_requests", "Requests by outcome: served, failed, cancelled, invalid, overloaded, quota, unauthenticated.", ["outcome"], registry=registry
         )

@@ -60,6 +60,7 @@ class PoolMember:
     # The worker's last load report (router/health.py): KV cache usage and running requests.
     kv_usage: float = 0.0
     running: int = 0
+    reported_at: float | None = None  # time.monotonic() of that report
 
 
 @dataclass

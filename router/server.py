@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Duet"].full_name
 ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+# A grpc.health.v1 service name that is SERVING as long as the server runs, whatever the pools'
+# state: a liveness probe on it restarts a hung process, never one whose workers are restarting
+# (readiness, on the default service "", follows the pools; see report_readiness).
+LIVENESS_SERVICE = "liveness"
 
 _FINISH = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -159,6 +163,7 @@ async def start_server(
         services.append(ADMIN_SERVICE_NAME)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(services, server)
     address = f"{host}:{port}"
     bound = (

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from duet.router.auth import Caller, Gatekeeper, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestFailed, RequestLifecycle, StreamEvent
+from duet.router.load_meter import LoadMeter
 from duet.router.pools import NoWorkerAvailable
 from duet.router.status import ClusterView
 from duet.router.validation import ModelLimits, Tokenizer, ValidatedRequest
@@ -42,6 +43,8 @@ class RequestService:
     cluster: ClusterView
     gatekeeper: Gatekeeper
     max_inflight: int
+    # What the autoscaler reads: arrivals, first tokens and completions as they happen.
+    load: LoadMeter = field(default_factory=LoadMeter)
 
     def authenticate(self, authorization: str | None) -> Caller:
         """The caller an ``Authorization`` header (or gRPC metadata) value names; raises
@@ -72,12 +75,16 @@ class RequestService:
                 self.cluster.reject("overloaded")
                 raise Overloaded(f"{self.cluster.inflight} requests in flight (limit {self.max_inflight}); retry later")
             self.cluster.admit()
-            outcome, usage = "failed", None
+            handle = self.load.arrived(len(request.prompt_token_ids))
+            outcome, usage, first = "failed", None, True
             try:
                 # aclosing: a consumer that stops early aborts the request on its workers now,
                 # not whenever the garbage collector finalizes the generator.
                 async with aclosing(self.lifecycle.run(request)) as events:
                     async for event in events:
+                        if first and event.token_ids:
+                            self.load.first_token(handle)
+                            first = False
                         usage = event.usage or usage
                         yield event
                 outcome = "served"
@@ -89,5 +96,6 @@ class RequestService:
                 raise Unavailable(f"request {request.request_id} failed: {error}") from error
             finally:
                 self.cluster.finish(outcome, usage)
+                self.load.left(handle, usage if outcome == "served" else None)
         finally:
             caller.release()

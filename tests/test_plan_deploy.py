@@ -20,16 +20,24 @@ def _pool(gpu_type: str, replicas: int, first_gpu: int) -> dict:
     }
 
 
-def _plan(model: str = "duet-tiny-llama", gpu_type: str = "cpu-core", decode_replicas: int = 1) -> Plan:
+def _plan(
+    model: str = "duet-tiny-llama", gpu_type: str = "cpu-core", decode_replicas: int = 1, **mode: object
+) -> Plan:
+    pools: dict[str, object] = {
+        "algorithm": "high-affinity",
+        "kv_transfer": {"path": "network", "bandwidth_gbs": 4.65},
+        "prefill": _pool(gpu_type, 1, 0),
+        "decode": _pool(gpu_type, decode_replicas, 1),
+    }
+    if mode.get("mode") == "colocated":
+        pools = {"colocated": _pool(gpu_type, 2, 0)}
     return Plan.model_validate(
         {
             "model": model,
-            "algorithm": "high-affinity",
             "objective": "gpus",
             "slo": {"ttft_s": 1.0, "tpot_s": 0.1, "attainment": 0.9},
-            "kv_transfer": {"path": "network", "bandwidth_gbs": 4.65},
-            "prefill": _pool(gpu_type, 1, 0),
-            "decode": _pool(gpu_type, decode_replicas, 1),
+            **pools,
+            **mode,
             "expected": {
                 "rate_rps": 1, "attainment": 1, "ttft_attainment": 1, "tpot_attainment": 1,
                 "ttft_p90_s": 0.1, "tpot_p90_s": 0.01, "goodput_rps": 2, "goodput_per_gpu": 1,
@@ -48,6 +56,28 @@ def test_cpu_plan_pins_each_replica_to_its_core():
 def test_gpu_plan_requests_gpus_per_replica():
     config = apply_plan(load_config(), _plan(gpu_type="a100-80g"))
     assert config.prefill.num_gpus == 1 and config.prefill.cpu_cores is None
+
+
+def test_colocated_plan_deploys_the_colocated_pool():
+    config = apply_plan(load_config(), _plan(mode="colocated"))
+    assert config.mode == "colocated"
+    assert config.colocated.replicas == 2 and config.colocated.cpu_cores == [0, 1]
+    assert config.colocated.nodes == [0, 0] and config.router.local_prefill_max_tokens == 0
+
+
+def test_conditional_plan_sets_the_local_prefill_threshold():
+    config = apply_plan(load_config(), _plan(mode="conditional", local_prefill_max_tokens=512))
+    assert config.mode == "disaggregated" and config.router.local_prefill_max_tokens == 512
+    assert config.prefill.cpu_cores == [0] and config.decode.cpu_cores == [1]
+
+
+def test_disaggregated_plan_turns_local_prefill_off():
+    """The plan was sized with every prompt disaggregated; a threshold left in the config would
+    deploy something else."""
+    base = load_config().model_copy(update={"mode": "colocated"})
+    base = base.model_copy(update={"router": base.router.model_copy(update={"local_prefill_max_tokens": 256})})
+    config = apply_plan(base, _plan())
+    assert config.mode == "disaggregated" and config.router.local_prefill_max_tokens == 0
 
 
 def test_plan_for_another_model_is_refused():

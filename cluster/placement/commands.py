@@ -16,7 +16,7 @@ from duet.cluster.placement.cluster_spec import ClusterSpec, ClusterSpecError
 from duet.cluster.placement.goodput import Deployment, max_rate, plan_context, simulate
 from duet.cluster.placement.latency_model import LatencyModelError
 from duet.cluster.placement.models import UnknownModelError
-from duet.cluster.placement.optimizer import InfeasibleError, optimize
+from duet.cluster.placement.optimizer import MODES, InfeasibleError, optimize
 from duet.cluster.placement.plan import Plan, PlanError, validate_against
 from duet.cluster.placement.simulator import SimResult, Slo
 from duet.cluster.placement.trace import Trace, TraceError, load_trace
@@ -35,13 +35,20 @@ _BAD_INPUT = (
 
 def register_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``plan``, ``simulate`` and ``profile`` to duet's CLI."""
-    plan = subparsers.add_parser("plan", help="size and place prefill/decode pools for an SLO")
+    plan = subparsers.add_parser(
+        "plan", help="choose disaggregated, conditional or colocated serving and size and place it for an SLO"
+    )
     _workload_args(plan)
     plan.add_argument("--algorithm", choices=["high-affinity", "low-affinity", "both"], default="both")
     plan.add_argument("--objective", choices=["gpus", "cost", "power"], default="gpus")
     plan.add_argument("--workers", type=int, help="search processes (default: CPU count)")
     plan.add_argument("--search-requests", type=int, default=1000, help="trace prefix per probe")
-    plan.add_argument("--no-baseline", action="store_true", help="skip the colocated baseline")
+    plan.add_argument(
+        "--modes",
+        type=_modes,
+        default=MODES,
+        help=f"deployment modes to compare, comma-separated (default: {','.join(MODES)})",
+    )
     plan.add_argument("--out", type=Path, default=Path("plan.yaml"))
     plan.set_defaults(handler=_guarded("plan", _plan))
 
@@ -75,6 +82,14 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, help="target req/s (default: the trace's own rate)")
     p.add_argument("--max-input", type=int, help="clip prompt lengths (short-context models)")
     p.add_argument("--max-output", type=int, help="clip output lengths")
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(MODES)}")
+    return modes
 
 
 def _guarded(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -124,7 +139,7 @@ def _plan(args: argparse.Namespace) -> int:
         objective=args.objective,
         workers=args.workers,
         search_requests=args.search_requests,
-        baseline=not args.no_baseline,
+        modes=args.modes,
     )
     plan = result.plan
     validate_against(plan, cluster)
@@ -149,10 +164,10 @@ def _simulate(args: argparse.Namespace) -> int:
     if not math.isfinite(rate):
         raise TraceError(f"trace {trace.name!r} has no arrival rate: give --rate")
     ctx, planned = plan_context(cluster, plan, trace, slo)
-    runs = [("disaggregated plan", planned, plan.gpus)]
+    runs = [(f"{plan.mode} plan", planned, plan.gpus)]
     if args.colocated_tp:
         tp = args.colocated_tp
-        model = ctx.models[plan.prefill.gpu_type]
+        model = ctx.models[plan.pools()[0][1].gpu_type]
         engines = (model.engine(tp, 1),) * (plan.gpus // tp)
         colocated = Deployment(engines, (), colocated=True, host_ms_per_token=model.host_ms_per_token)
         runs.append((f"colocated tp={tp}", colocated, plan.gpus))

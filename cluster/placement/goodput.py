@@ -2,8 +2,12 @@
 
 A configuration ("candidate") is a prefill replica, a decode replica (DistServe's algorithm 1
 sizes each phase alone), a low node-affinity unit (prefill and decode segments sharing ``pp``
-nodes, algorithm 2), or a colocated engine (the baseline). :func:`evaluate` finds its goodput by
-geometric bisection over the rate with the simulator, on one trace rescaled to each rate.
+nodes, algorithm 2), or a colocated engine. Under conditional disaggregation (prompts shorter
+than ``local_prefill_max_tokens`` prefilled on the decode side) a prefill candidate computes only
+the longer prompts and a decode candidate prefills the shorter ones itself; goodputs are always
+in requests of the whole trace per second, so pool sizes follow from the target rate alike.
+:func:`evaluate` finds its goodput by geometric bisection over the rate with the simulator, on
+one trace rescaled to each rate.
 
 Early stops: a probe simulation ends as soon as the SLO is lost; a candidate that cannot beat
 the best found so far fails its first probe at that rate and is dropped after one simulation;
@@ -22,12 +26,13 @@ import numpy as np
 
 from duet.cluster.placement.cluster_spec import ClusterSpec
 from duet.cluster.placement.latency_model import EnginePerf, LatencyModel
-from duet.cluster.placement.plan import Plan
+from duet.cluster.placement.plan import Plan, Pool
 from duet.cluster.placement.simulator import (
     SimConfig,
     SimResult,
     Slo,
     simulate_colocated,
+    simulate_conditional,
     simulate_disaggregated,
 )
 from duet.cluster.placement.trace import Trace
@@ -45,6 +50,12 @@ class Candidate:
     prefill: tuple[int, int] = (0, 0)
     decode: tuple[int, int] = (0, 0)
     node_gpus: int = 0  # a unit is charged for whole nodes
+    local_prefill_max_tokens: int = 0  # > 0: a phase of conditional disaggregation
+
+    @property
+    def group(self) -> tuple[Kind, int]:
+        """Candidates that compete for the same role (pruning and ranking compare within it)."""
+        return self.kind, self.local_prefill_max_tokens
 
     @property
     def gpus(self) -> int:
@@ -60,7 +71,9 @@ class Candidate:
                 f"{kd} decode x tp={dtp} per node, pp={self.pp}"
             )
         tp = self.prefill[0] or self.decode[0]
-        return f"{self.kind} tp={tp} pp={self.pp} on {self.gpu_type}"
+        threshold = self.local_prefill_max_tokens
+        local = f", prompts < {threshold} prefilled on decode" if threshold else ""
+        return f"{self.kind} tp={tp} pp={self.pp} on {self.gpu_type}{local}"
 
 
 @dataclass(frozen=True)
@@ -87,9 +100,12 @@ class Evaluation:
     simulations: int
 
 
-def phase_slo(kind: Kind, slo: Slo) -> Slo:
-    """Phase-alone candidates are judged on their own phase's target only."""
-    return {"prefill": slo.only_ttft(), "decode": slo.only_tpot()}.get(kind, slo)
+def phase_slo(cand: Candidate, slo: Slo) -> Slo:
+    """Phase-alone candidates are judged on their own phase's target only, except a decode
+    replica that prefills short prompts itself: it owns their TTFT too."""
+    if cand.kind == "decode" and cand.local_prefill_max_tokens:
+        return slo
+    return {"prefill": slo.only_ttft(), "decode": slo.only_tpot()}.get(cand.kind, slo)
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,7 @@ class Deployment:
     transfer_bytes_per_s: float = math.inf
     colocated: bool = False
     host_ms_per_token: float = 0.0  # serving-path CPU per streamed token on these processors
+    local_prefill_max_tokens: int = 0  # > 0: conditional disaggregation (decode prefills shorter prompts)
 
 
 def deployment(ctx: SearchContext, cand: Candidate) -> Deployment:
@@ -117,6 +134,7 @@ def deployment(ctx: SearchContext, cand: Candidate) -> Deployment:
         transfer_bytes_per_s=bandwidth,
         colocated=cand.kind == "colocated",
         host_ms_per_token=model.host_ms_per_token,
+        local_prefill_max_tokens=cand.local_prefill_max_tokens,
     )
 
 
@@ -125,6 +143,18 @@ def simulate(ctx: SearchContext, dep: Deployment, rate: float, slo: Slo | None) 
     trace = ctx.trace.at_rate(rate)
     if dep.colocated:
         return simulate_colocated(trace, dep.prefill, slo, ctx.sim, dep.host_ms_per_token)
+    if dep.local_prefill_max_tokens:
+        return simulate_conditional(
+            trace,
+            dep.prefill,
+            dep.decode,
+            ctx.kv_bytes_per_token,
+            dep.local_prefill_max_tokens,
+            dep.transfer_bytes_per_s,
+            slo,
+            ctx.sim,
+            dep.host_ms_per_token,
+        )
     return simulate_disaggregated(
         trace,
         dep.prefill,
@@ -142,8 +172,9 @@ def upper_bound(ctx: SearchContext, cand: Candidate) -> float:
 
     Prefill: each request costs at least its ``b*len + c*len^2`` share of a batch, and ``pp``
     batches are in flight. Decode: mean-field continuous batching with the batch capped by KV
-    room, ``max_num_seqs`` and the TPOT target. Used only to order and prune; the bisection
-    itself grows its upper end when a rate above the bound still passes.
+    room, ``max_num_seqs`` and the TPOT target. An engine that prefills some prompts and decodes
+    every request pays both. Used only to order and prune; the bisection itself grows its upper
+    end when a rate above the bound still passes.
     """
     dep = deployment(ctx, cand)
     pre, dec = dep.prefill, dep.decode
@@ -151,11 +182,15 @@ def upper_bound(ctx: SearchContext, cand: Candidate) -> float:
     out = ctx.trace.output_len.astype(float)
     slack = 1.5
 
-    def prefill_rate(e: EnginePerf) -> float:
+    def prefill_rate(e: EnginePerf, prompts: np.ndarray) -> float:
+        """Requests of the whole trace per second, when only ``prompts`` (a mask) cost prefill."""
+        if not prompts.any():
+            return math.inf
+        lens = inp[prompts]
         a, b, c = e.prefill.coeffs
-        per_batch = max(1.0, ctx.sim.prefill_max_batch_tokens / inp.mean())
-        cost_ms = float(np.mean(b * inp + c * inp**2)) + a / per_batch
-        return slack * e.pp * 1000.0 / cost_ms if cost_ms > 0 else math.inf
+        per_batch = max(1.0, ctx.sim.prefill_max_batch_tokens / lens.mean())
+        cost_ms = float(np.mean(b * lens + c * lens**2)) + a / per_batch
+        return slack * e.pp * 1000.0 / cost_ms / prompts.mean() if cost_ms > 0 else math.inf
 
     def decode_rate(e: EnginePerf) -> float:
         steps = float(np.mean(np.maximum(out - 1, 0)))
@@ -172,13 +207,14 @@ def upper_bound(ctx: SearchContext, cand: Candidate) -> float:
             best = max(best, n * 1000.0 / step_ms)
         return slack * e.pp * best / steps
 
+    local = inp < (cand.local_prefill_max_tokens if cand.kind != "colocated" else math.inf)
     if cand.kind == "prefill":
-        return prefill_rate(pre[0])
+        return prefill_rate(pre[0], ~local)
     if cand.kind == "decode":
-        return decode_rate(dec[0])
+        return 1.0 / (1.0 / prefill_rate(dec[0], local) + 1.0 / decode_rate(dec[0]))
     if cand.kind == "colocated":
-        return 1.0 / (1.0 / prefill_rate(pre[0]) + 1.0 / decode_rate(pre[0]))
-    return min(len(pre) * prefill_rate(pre[0]), len(dec) * decode_rate(dec[0]))
+        return 1.0 / (1.0 / prefill_rate(pre[0], local) + 1.0 / decode_rate(pre[0]))
+    return min(len(pre) * prefill_rate(pre[0], ~local), len(dec) * decode_rate(dec[0]))
 
 
 def max_rate(
@@ -206,7 +242,7 @@ def max_rate(
 
 def evaluate(ctx: SearchContext, cand: Candidate, floor_rps: float = 0.0) -> Evaluation:
     """Goodput of ``cand``; stops early once it is clear it cannot exceed ``floor_rps``."""
-    slo = phase_slo(cand.kind, ctx.slo)
+    slo = phase_slo(cand, ctx.slo)
     dep = deployment(ctx, cand)
     sims = 0
 
@@ -237,17 +273,22 @@ def evaluate(ctx: SearchContext, cand: Candidate, floor_rps: float = 0.0) -> Eva
 
 def plan_deployment(plan: Plan, models: dict[str, LatencyModel]) -> Deployment:
     """The engines a plan deploys, for simulating the plan as written (``duet simulate``)."""
-    engine_p = models[plan.prefill.gpu_type].engine(
-        plan.prefill.tensor_parallel, plan.prefill.pipeline_parallel
-    )
-    engine_d = models[plan.decode.gpu_type].engine(
-        plan.decode.tensor_parallel, plan.decode.pipeline_parallel
-    )
+
+    def engines(pool: Pool | None) -> tuple[EnginePerf, ...]:
+        if pool is None:
+            return ()
+        return (models[pool.gpu_type].engine(pool.tensor_parallel, pool.pipeline_parallel),) * pool.replicas
+
+    host_ms = max(models[pool.gpu_type].host_ms_per_token for _, pool in plan.pools())
+    if plan.colocated is not None:
+        return Deployment(engines(plan.colocated), (), colocated=True, host_ms_per_token=host_ms)
+    assert plan.kv_transfer is not None  # the plan's own validation requires it here
     return Deployment(
-        prefill=(engine_p,) * plan.prefill.replicas,
-        decode=(engine_d,) * plan.decode.replicas,
+        prefill=engines(plan.prefill),
+        decode=engines(plan.decode),
         transfer_bytes_per_s=plan.kv_transfer.bandwidth_gbs * 1e9,
-        host_ms_per_token=max(models[pool.gpu_type].host_ms_per_token for pool in (plan.prefill, plan.decode)),
+        host_ms_per_token=host_ms,
+        local_prefill_max_tokens=plan.local_prefill_max_tokens,
     )
 
 
@@ -259,7 +300,7 @@ def plan_context(
     ``duet simulate`` and the fidelity benchmark both predict a plan this way, so a measured run
     is compared with exactly what the command line would have said.
     """
-    models = {t: cluster.latency_model(t) for t in {plan.prefill.gpu_type, plan.decode.gpu_type}}
+    models = {t: cluster.latency_model(t) for t in {pool.gpu_type for _, pool in plan.pools()}}
     ctx = SearchContext(
         trace=trace,
         slo=slo,

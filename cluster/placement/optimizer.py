@@ -1,4 +1,4 @@
-"""SLO-driven sizing and placement: DistServe's two algorithms, with heterogeneous pools.
+"""SLO-driven sizing and placement: disaggregated, conditional or colocated, whichever needs least.
 
 * High node-affinity (DistServe algorithm 1): prefill and decode are sized apart, each with a
   free choice of tensor and pipeline parallelism and, as in Splitwise, of GPU type; the best
@@ -7,6 +7,13 @@
 * Low node-affinity (algorithm 2): a unit is ``pp`` whole nodes; stage ``s`` of every prefill
   and decode segment of the unit sits on the unit's node ``s``, so KV moves over NVLink. Units
   are simulated whole and replicated.
+* Conditional disaggregation: prompts shorter than a threshold are prefilled by the decode
+  replica (no KV transfer, the colocated interference), longer ones by a prefill pool sized,
+  like high affinity, for those prompts alone.
+* Colocated: replicas of engines that run whole requests.
+
+Each deployment mode is sized for the target rate, and the one whose resources (GPUs, $/h or
+W: the objective) are fewest wins; the explanation lists what every mode needed.
 
 Candidates are evaluated in parallel processes, best throughput bound first; a candidate whose
 bound cannot beat the best goodput found is never simulated, and one that falls below it stops
@@ -17,11 +24,12 @@ plan at the target rate, and grown if the phases together miss the attainment ta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
@@ -42,8 +50,10 @@ from duet.cluster.placement.placer import Inventory, PlacementError
 from duet.cluster.placement.plan import (
     Expected,
     KvTransfer,
+    Mode,
     Plan,
     Pool,
+    ReplicaPlacement,
     SearchStats,
     SloSpec,
 )
@@ -52,6 +62,10 @@ from duet.cluster.placement.trace import Trace
 
 Objective = Literal["gpus", "cost", "power"]
 Algorithm = Literal["high-affinity", "low-affinity", "both"]
+MODES: tuple[Mode, ...] = ("disaggregated", "colocated", "conditional")
+# Conditional disaggregation's candidate thresholds (prompt tokens prefilled on the decode side):
+# a few powers of two around typical chat prompts; the router takes any value.
+LOCAL_PREFILL_THRESHOLDS = (128, 256, 512, 1024)
 
 
 class InfeasibleError(ValueError):
@@ -72,9 +86,21 @@ def unit_costs(cluster: ClusterSpec, objective: Objective) -> dict[str, float]:
     return costs
 
 
+def useful_thresholds(trace: Trace, thresholds: Iterable[int]) -> list[int]:
+    """Thresholds that split ``trace``: with every prompt on one side, conditional is just
+    colocated or disaggregated, which are sized as such."""
+    return [t for t in thresholds if 0 < int((trace.input_len < t).sum()) < len(trace)]
+
+
 def enumerate_candidates(
-    cluster: ClusterSpec, ctx: SearchContext, algorithm: Algorithm, baseline: bool
+    cluster: ClusterSpec,
+    ctx: SearchContext,
+    algorithm: Algorithm,
+    modes: Collection[Mode] = MODES,
+    thresholds: Iterable[int] = (),
 ) -> list[Candidate]:
+    """Every configuration the modes may use. Engines that prefill and decode (colocated, and
+    conditional's decode side) are pp=1 only: that is what the simulator models."""
     nodes = cluster.node_list()
     out: list[Candidate] = []
     for gpu_type, model in ctx.models.items():
@@ -85,14 +111,19 @@ def enumerate_candidates(
             for tp, pp in model.parallelisms(cluster.gpu_count(gpu_type))
             if tp <= per_node and pp <= node_count * per_node // tp
         ]
-        if algorithm in ("high-affinity", "both"):
+        tps = [tp for tp, pp in shapes if pp == 1]
+        if "disaggregated" in modes and algorithm in ("high-affinity", "both"):
             for tp, pp in shapes:
                 out.append(Candidate("prefill", gpu_type, pp, prefill=(tp, 1)))
                 out.append(Candidate("decode", gpu_type, pp, decode=(tp, 1)))
-        if algorithm in ("low-affinity", "both"):
+        if "disaggregated" in modes and algorithm in ("low-affinity", "both"):
             out += _units(gpu_type, shapes, per_node, node_count)
-        if baseline:
-            out += [Candidate("colocated", gpu_type, 1, prefill=(tp, 1)) for tp, pp in shapes if pp == 1]
+        if "colocated" in modes:
+            out += [Candidate("colocated", gpu_type, 1, prefill=(tp, 1)) for tp in tps]
+        if "conditional" in modes:
+            for t in thresholds:
+                out += [Candidate("prefill", gpu_type, pp, prefill=(tp, 1), local_prefill_max_tokens=t) for tp, pp in shapes]
+                out += [Candidate("decode", gpu_type, 1, decode=(tp, 1), local_prefill_max_tokens=t) for tp in tps]
     return out
 
 
@@ -154,14 +185,24 @@ class SearchOutcome:
 
 
 def run_search(
-    ctx: SearchContext, candidates: list[Candidate], costs: dict[str, float], workers: int
+    ctx: SearchContext, candidates: list[Candidate], costs: dict[str, float], workers: int, rate: float
 ) -> SearchOutcome:
-    """Evaluate candidates, best bound first; within a kind, prune what cannot beat the best."""
+    """Evaluate candidates, cheapest possible first; within a group, prune what cannot serve
+    ``rate`` at most as cheaply as the best found so far.
+
+    A configuration serving ``rate`` costs whole replicas, ``ceil(rate / goodput)`` of them, so at
+    a low rate a small one with less goodput per GPU can still need the fewest GPUs: pruning by
+    goodput per GPU alone would discard it.
+    """
     start = time.perf_counter()
     per_unit = {c: c.gpus * costs[c.gpu_type] for c in candidates}
-    bound = {c: upper_bound(ctx, c) / per_unit[c] for c in candidates}
-    queue = deque(sorted(candidates, key=lambda c: -bound[c]))
-    best: dict[str, float] = defaultdict(float)
+
+    def cost_at(cand: Candidate, goodput: float) -> float:
+        return per_unit[cand] * max(1, math.ceil(rate / goodput)) if goodput > 0 else math.inf
+
+    bound = {c: upper_bound(ctx, c) for c in candidates}
+    queue = deque(sorted(candidates, key=lambda c: (cost_at(c, bound[c]), -bound[c] / per_unit[c])))
+    best: dict[tuple[str, int], float] = defaultdict(lambda: math.inf)
     evaluations: list[Evaluation] = []
     pruned = 0
     executor = (
@@ -174,10 +215,12 @@ def run_search(
         while queue or pending:
             while queue and len(pending) < workers:
                 cand = queue.popleft()
-                if bound[cand] <= best[cand.kind]:
+                least = best[cand.group]
+                if cost_at(cand, bound[cand]) > least:
                     pruned += 1
                     continue
-                floor = best[cand.kind] * per_unit[cand]
+                # to cost no more than the best, serve the rate with the replicas it affords
+                floor = 0.0 if math.isinf(least) else rate / math.floor(least / per_unit[cand] + 1e-9)
                 pending[executor.submit(_evaluate_task, cand, floor)] = cand
             if not pending:
                 continue
@@ -187,7 +230,7 @@ def run_search(
                 ev = future.result()
                 evaluations.append(ev)
                 if ev.status == "ok":
-                    best[cand.kind] = max(best[cand.kind], ev.goodput_rps / per_unit[cand])
+                    best[cand.group] = min(best[cand.group], cost_at(cand, ev.goodput_rps))
     return SearchOutcome(
         evaluations=evaluations,
         pruned=pruned,
@@ -203,21 +246,37 @@ def run_search(
 @dataclass(frozen=True)
 class OptimizeResult:
     plan: Plan
-    alternatives: list[Plan]
-    baseline: Evaluation | None  # the best colocated configuration, per objective unit
+    alternatives: list[Plan]  # what the other modes and algorithms would deploy, cheapest first
     search: SearchOutcome
 
 
 @dataclass(frozen=True)
 class _Sizing:
-    """Pools before placement: which candidate(s), how many replicas."""
+    """Pools before placement: which candidate(s), how many replicas.
 
-    algorithm: Literal["high-affinity", "low-affinity"]
+    Colocated: ``prefill`` is the engine and ``n_prefill`` its replicas (``decode`` repeats it
+    with ``n_decode`` 0), so costs and GPU needs add up alike for every mode.
+    """
+
+    algorithm: Literal["high-affinity", "low-affinity", "colocated"]
     prefill: Evaluation
     decode: Evaluation
     n_prefill: int
     n_decode: int
     units: int = 0  # low affinity only
+    local_prefill_max_tokens: int = 0  # conditional only
+
+    @property
+    def mode(self) -> Mode:
+        if self.algorithm == "colocated":
+            return "colocated"
+        return "conditional" if self.local_prefill_max_tokens else "disaggregated"
+
+    @property
+    def gpus(self) -> int:
+        if self.algorithm == "low-affinity":
+            return self.prefill.candidate.gpus * self.units
+        return self.prefill.candidate.gpus * self.n_prefill + self.decode.candidate.gpus * self.n_decode
 
 
 class _Planner:
@@ -235,8 +294,8 @@ class _Planner:
         )
         self.verify_ctx = dataclasses.replace(ctx, trace=verify_trace)
 
-    def _ranked(self, evals: list[Evaluation], kind: str) -> list[Evaluation]:
-        ok = [e for e in evals if e.status == "ok" and e.candidate.kind == kind]
+    def _ranked(self, evals: list[Evaluation], group: tuple[str, int]) -> list[Evaluation]:
+        ok = [e for e in evals if e.status == "ok" and e.candidate.group == group]
         return sorted(ok, key=lambda e: -e.goodput_rps / self._cost(e.candidate, 1))
 
     def _cost(self, cand: Candidate, count: int) -> float:
@@ -251,11 +310,17 @@ class _Planner:
         need[d.gpu_type] += d.gpus * n_d
         return need
 
-    # -- high affinity --
+    def _nodes_of(self, gpu_type: str) -> int:
+        return sum(1 for n in self.cluster.node_list() if n.gpu_type == gpu_type)
 
-    def size_high_affinity(self, evals: list[Evaluation]) -> _Sizing:
-        pre, dec = self._ranked(evals, "prefill"), self._ranked(evals, "decode")
-        self._require_feasible(evals, pre, dec)
+    # -- high affinity (and conditional, which sizes its two pools the same way) --
+
+    def size_high_affinity(self, evals: list[Evaluation], threshold: int = 0) -> _Sizing:
+        """Pools sized apart; with ``threshold`` > 0, conditional disaggregation's pools (prefill
+        serving the prompts of ``threshold`` tokens or more, decode prefilling the others)."""
+        pre = self._ranked(evals, ("prefill", threshold))
+        dec = self._ranked(evals, ("decode", threshold))
+        self._require_feasible(evals, threshold, pre, dec)
         options = []
         for p in pre:
             for d in dec:
@@ -266,7 +331,7 @@ class _Planner:
         if not options:
             raise InfeasibleError(self._over_budget_pools(pre, dec))
         _, p, n_p, d, n_d = min(options, key=lambda o: o[0])
-        return _Sizing("high-affinity", p, d, n_p, n_d)
+        return _Sizing("high-affinity", p, d, n_p, n_d, local_prefill_max_tokens=threshold)
 
     def _deployment(self, s: _Sizing) -> tuple[Deployment, float]:
         """What to simulate for a sizing, and at what rate: one unit at its share for low
@@ -275,30 +340,43 @@ class _Planner:
             return deployment(self.verify_ctx, s.prefill.candidate), self.rate / s.units
         pc, dc = s.prefill.candidate, s.decode.candidate
         model_p, model_d = self.ctx.models[pc.gpu_type], self.ctx.models[dc.gpu_type]
+        if s.algorithm == "colocated":
+            engines = (model_p.engine(pc.prefill[0], 1),) * s.n_prefill
+            return Deployment(engines, (), colocated=True, host_ms_per_token=model_p.host_ms_per_token), self.rate
         dep = Deployment(
             prefill=(model_p.engine(pc.prefill[0], pc.pp),) * s.n_prefill,
             decode=(model_d.engine(dc.decode[0], dc.pp),) * s.n_decode,
             transfer_bytes_per_s=self.ctx.network_bytes_per_s,
             host_ms_per_token=max(model_p.host_ms_per_token, model_d.host_ms_per_token),
+            local_prefill_max_tokens=s.local_prefill_max_tokens,
         )
         return dep, self.rate
 
     def _grown(self, s: _Sizing, result: SimResult) -> _Sizing:
-        """One growth step (about 10%) of the phase, or unit count, that misses more."""
+        """One growth step (about 10%) of the pool, or unit count, that misses more."""
         if s.algorithm == "low-affinity":
             units = s.units + math.ceil(0.1 * s.units)
             c = s.prefill.candidate
             return dataclasses.replace(s, units=units, n_prefill=c.prefill[1] * units, n_decode=c.decode[1] * units)
-        summary = result.summary(self.ctx.slo)
-        if summary["ttft_attainment"] <= summary["tpot_attainment"]:
+        if s.algorithm == "colocated" or self._prefill_misses_more(s, result):
             return dataclasses.replace(s, n_prefill=s.n_prefill + math.ceil(0.1 * s.n_prefill))
         return dataclasses.replace(s, n_decode=s.n_decode + math.ceil(0.1 * s.n_decode))
+
+    def _prefill_misses_more(self, s: _Sizing, result: SimResult) -> bool:
+        """Whether the prefill pool meets its part of the SLO (TTFT of the prompts it computes)
+        no better than the decode pool meets its own (every TPOT, and under conditional
+        disaggregation the TTFT of the prompts the decode replicas compute themselves)."""
+        slo = self.ctx.slo
+        ttft_ok = result.ttft_s <= slo.ttft_s
+        remote = self.verify_ctx.trace.input_len >= s.local_prefill_max_tokens
+        decode_ok = (result.tpot_s <= slo.tpot_s) & (ttft_ok | remote)
+        prefill_attainment = float(ttft_ok[remote].mean()) if remote.any() else 1.0
+        return prefill_attainment <= float(decode_ok.mean())
 
     def _sizing_fits(self, s: _Sizing) -> bool:
         if s.algorithm == "low-affinity":
             c = s.prefill.candidate
-            nodes = sum(1 for n in self.cluster.node_list() if n.gpu_type == c.gpu_type)
-            return s.units * c.pp <= nodes
+            return s.units * c.pp <= self._nodes_of(c.gpu_type)
         return self._fits(self._need_pools(s.prefill.candidate, s.n_prefill, s.decode.candidate, s.n_decode))
 
     def grow_until_met(self, s: _Sizing, rounds: int = 8) -> _Sizing:
@@ -349,43 +427,54 @@ class _Planner:
             f"serve within the budget), or add GPUs."
         )
 
-    # -- low affinity --
+    # -- replicated configurations: low affinity units, colocated engines --
 
     def size_low_affinity(self, evals: list[Evaluation]) -> _Sizing:
-        units = self._ranked(evals, "unit")
+        units = self._ranked(evals, ("unit", 0))
         if not units:
-            raise InfeasibleError(self._infeasible_message(evals, "unit"))
-        nodes = self.cluster.node_list()
-        best_fit = None
-        for u in units:
-            count = math.ceil(self.rate / u.goodput_rps)
-            free = sum(1 for n in nodes if n.gpu_type == u.candidate.gpu_type)
-            if count * u.candidate.pp <= free:
-                cost = self._cost(u.candidate, count)
-                if best_fit is None or cost < best_fit[0]:
-                    best_fit = (cost, u, count)
-        if best_fit is None:
-            u = units[0]
-            most = sum(1 for n in nodes if n.gpu_type == u.candidate.gpu_type) // u.candidate.pp
-            raise InfeasibleError(
-                f"target rate {self.rate:.3g} req/s needs {math.ceil(self.rate / u.goodput_rps)} x "
-                f"[{u.candidate.describe()}], but only {most} fit. Closest feasible: --rate "
-                f"{most * u.goodput_rps:.3g}, or add nodes."
-            )
-        _, u, count = best_fit
+            raise InfeasibleError(self._infeasible_message(evals, ("unit", 0)))
+        u, count = self._cheapest_replicated(units, lambda c: self._nodes_of(c.gpu_type) // c.pp)
         c = u.candidate
         return _Sizing("low-affinity", u, u, c.prefill[1] * count, c.decode[1] * count, units=count)
 
+    def size_colocated(self, evals: list[Evaluation]) -> _Sizing:
+        engines = self._ranked(evals, ("colocated", 0))
+        if not engines:
+            raise InfeasibleError(self._infeasible_message(evals, ("colocated", 0)))
+        e, count = self._cheapest_replicated(engines, lambda c: self.cluster.gpu_count(c.gpu_type) // c.gpus)
+        return _Sizing("colocated", e, e, count, 0)
+
+    def _cheapest_replicated(
+        self, ranked: list[Evaluation], most: Callable[[Candidate], int]
+    ) -> tuple[Evaluation, int]:
+        """The cheapest of ``ranked`` replicated to the target rate, with at most
+        ``most(candidate)`` copies in the cluster; else an error naming the closest rate."""
+        options = []
+        for e in ranked:
+            count = math.ceil(self.rate / e.goodput_rps)
+            if count <= most(e.candidate):
+                options.append((self._cost(e.candidate, count), e, count))
+        if not options:
+            e = ranked[0]
+            raise InfeasibleError(
+                f"target rate {self.rate:.3g} req/s needs {math.ceil(self.rate / e.goodput_rps)} x "
+                f"[{e.candidate.describe()}], but only {most(e.candidate)} fit. Closest feasible: --rate "
+                f"{most(e.candidate) * e.goodput_rps:.3g}, or add GPUs."
+            )
+        _, e, count = min(options, key=lambda o: o[0])
+        return e, count
+
     # -- shared --
 
-    def _require_feasible(self, evals: list[Evaluation], pre: list, dec: list) -> None:
+    def _require_feasible(self, evals: list[Evaluation], threshold: int, pre: list, dec: list) -> None:
         for kind, ranked in (("prefill", pre), ("decode", dec)):
             if not ranked:
-                raise InfeasibleError(self._infeasible_message(evals, kind))
+                raise InfeasibleError(self._infeasible_message(evals, (kind, threshold)))
 
-    def _infeasible_message(self, evals: list[Evaluation], kind: str) -> str:
+    def _infeasible_message(self, evals: list[Evaluation], group: tuple[str, int]) -> str:
         slo = self.ctx.slo
-        tried = [e for e in evals if e.candidate.kind == kind]
+        kind, threshold = group
+        tried = [e for e in evals if e.candidate.group == group]
         if not tried:
             return f"no {kind} configuration fits the cluster's GPUs for {self.cluster.model}"
         pct = f"{slo.attainment:.0%}"
@@ -395,7 +484,7 @@ class _Planner:
             what = f"TTFT <= {slo.ttft_s:g} s"
             fix = f"ttft={_round_up(best.unloaded_ttft_s * headroom)},tpot={slo.tpot_s:g}"
             reach = f"TTFT {best.unloaded_ttft_s:.3g} s"
-        elif kind == "decode":
+        elif kind == "decode" and not threshold:
             best = min(tried, key=lambda e: e.unloaded_tpot_s)
             what = f"TPOT <= {slo.tpot_s:g} s"
             fix = f"ttft={slo.ttft_s:g},tpot={_round_up(best.unloaded_tpot_s * headroom)}"
@@ -427,11 +516,6 @@ class _Planner:
             return simulate(self.verify_ctx, dep, rate, slo).meets(slo)
 
         goodput = max_rate(meets, per_rate, per_rate * 1.25, self.ctx.rel_tol) if meets(per_rate) else 0.0
-        gpus = (
-            s.prefill.candidate.gpus * s.units
-            if s.algorithm == "low-affinity"
-            else s.prefill.candidate.gpus * s.n_prefill + s.decode.candidate.gpus * s.n_decode
-        )
         exp = Expected(
             rate_rps=self.rate,
             attainment=summary["attainment"],
@@ -440,45 +524,50 @@ class _Planner:
             ttft_p90_s=summary["ttft_p90_s"],
             tpot_p90_s=summary["tpot_p90_s"],
             goodput_rps=goodput * scale,
-            goodput_per_gpu=goodput * scale / gpus,
+            goodput_per_gpu=goodput * scale / s.gpus,
         )
         return exp, ("" if goodput else "warning: the simulated plan misses the attainment target at this rate")
 
-    def build(self, s: _Sizing, evals: list[Evaluation], outcome: SearchOutcome) -> Plan:
+    def _placed(self, s: _Sizing) -> dict[str, Pool | KvTransfer]:
+        """The plan's pools (and KV path) for a sizing, on concrete nodes and GPUs."""
         inv = Inventory(self.cluster)
         pc, dc = s.prefill.candidate, s.decode.candidate
+        if s.algorithm == "colocated":
+            return {"colocated": _pool(pc, pc.prefill[0], inv.place_pool(pc.gpu_type, pc.prefill[0], 1, s.n_prefill))}
+        if s.algorithm == "low-affinity":
+            p_place, d_place = inv.place_units(pc.gpu_type, pc.pp, pc.prefill, pc.decode, s.units)
+            transfer = KvTransfer(
+                path="nvlink",
+                bandwidth_gbs=self.cluster.gpu_types[pc.gpu_type].nvlink_gbs * min(pc.prefill[0], pc.decode[0]),
+            )
+        else:
+            order = sorted([("prefill", pc, s.n_prefill), ("decode", dc, s.n_decode)], key=lambda x: -x[1].gpus)
+            placed = {
+                role: inv.place_pool(c.gpu_type, c.prefill[0] or c.decode[0], c.pp, n)
+                for role, c, n in order
+            }
+            p_place, d_place = placed["prefill"], placed["decode"]
+            transfer = KvTransfer(path="network", bandwidth_gbs=self.cluster.network_gbs)
+        return {
+            "kv_transfer": transfer,
+            "prefill": _pool(pc, pc.prefill[0], p_place),
+            "decode": _pool(dc, dc.decode[0], d_place),
+        }
+
+    def build(self, s: _Sizing, evals: list[Evaluation], outcome: SearchOutcome) -> Plan:
         try:
-            if s.algorithm == "low-affinity":
-                p_place, d_place = inv.place_units(pc.gpu_type, pc.pp, pc.prefill, pc.decode, s.units)
-                transfer = KvTransfer(
-                    path="nvlink",
-                    bandwidth_gbs=self.cluster.gpu_types[pc.gpu_type].nvlink_gbs * min(pc.prefill[0], pc.decode[0]),
-                )
-            else:
-                order = sorted([("prefill", pc, s.n_prefill), ("decode", dc, s.n_decode)], key=lambda x: -x[1].gpus)
-                placed = {
-                    role: inv.place_pool(c.gpu_type, c.prefill[0] or c.decode[0], c.pp, n)
-                    for role, c, n in order
-                }
-                p_place, d_place = placed["prefill"], placed["decode"]
-                transfer = KvTransfer(path="network", bandwidth_gbs=self.cluster.network_gbs)
+            placed = self._placed(s)
         except PlacementError as exc:
-            raise InfeasibleError(f"{s.algorithm}: pools do not fit the nodes: {exc}") from None
+            raise InfeasibleError(f"pools do not fit the nodes: {exc}") from None
         expected, warning = self.expected(s)
         plan = Plan(
             model=self.cluster.model_spec.name,
-            algorithm=s.algorithm,
+            mode=s.mode,
+            local_prefill_max_tokens=s.local_prefill_max_tokens,
+            algorithm=None if s.algorithm == "colocated" else s.algorithm,
             objective=self.objective,
             slo=SloSpec(ttft_s=self.ctx.slo.ttft_s, tpot_s=self.ctx.slo.tpot_s, attainment=self.ctx.slo.attainment),
-            kv_transfer=transfer,
-            prefill=Pool(
-                gpu_type=pc.gpu_type, tensor_parallel=pc.prefill[0], pipeline_parallel=pc.pp,
-                replicas=s.n_prefill, placement=p_place,
-            ),
-            decode=Pool(
-                gpu_type=dc.gpu_type, tensor_parallel=dc.decode[0], pipeline_parallel=dc.pp,
-                replicas=s.n_decode, placement=d_place,
-            ),
+            **placed,
             expected=expected,
             search=SearchStats(
                 configs_evaluated=len(outcome.evaluations),
@@ -488,8 +577,15 @@ class _Planner:
                 workers=outcome.workers,
             ),
         )
-        lines = explain(plan, s, evals, self.ctx.slo)
+        lines = explain(s, evals, self.ctx.slo, self.verify_ctx.trace)
         return plan.model_copy(update={"explanation": lines + ([warning] if warning else [])})
+
+
+def _pool(cand: Candidate, tp: int, placement: list[ReplicaPlacement]) -> Pool:
+    return Pool(
+        gpu_type=cand.gpu_type, tensor_parallel=tp, pipeline_parallel=cand.pp,
+        replicas=len(placement), placement=placement,
+    )
 
 
 def _round_up(seconds: float) -> str:
@@ -500,46 +596,23 @@ def _round_up(seconds: float) -> str:
     return f"{math.ceil(seconds / scale - 1e-9) * scale:.3g}"
 
 
-def explain(plan: Plan, s: _Sizing, evals: list[Evaluation], slo: Slo) -> list[str]:
+def explain(s: _Sizing, evals: list[Evaluation], slo: Slo, trace: Trace) -> list[str]:
     """Why these pools: per-phase numbers for the choice and its nearest alternatives."""
-    lines = []
     if s.algorithm == "low-affinity":
-        c = s.prefill.candidate
-        lines.append(
-            f"low node-affinity: {s.units} x [{c.describe()}], {s.prefill.goodput_rps:.3g} req/s "
-            f"per unit ({s.prefill.goodput_rps / c.gpus:.3g} req/s per GPU); KV stays on NVLink."
-        )
-        others = sorted(
-            (e for e in evals if e.candidate.kind == "unit" and e.status == "ok" and e is not s.prefill),
-            key=lambda e: -e.goodput_rps / e.candidate.gpus,
-        )[:2]
-        lines += [
-            f"  next: [{e.candidate.describe()}] {e.goodput_rps / e.candidate.gpus:.3g} req/s per GPU"
-            for e in others
+        return _explain_units(s, evals)
+    if s.algorithm == "colocated":
+        return [
+            f"colocated: {s.n_prefill} x {_describe(s.prefill, evals, slo, ('ttft', 'tpot'))}.",
+            *(f"  vs {_describe(e, evals, slo, ('ttft', 'tpot'))}" for e in _alternatives(s.prefill, evals)),
         ]
-        return lines
+    lines = _explain_threshold(s.local_prefill_max_tokens, trace) if s.local_prefill_max_tokens else []
     for role, chosen, n, target in (
         ("prefill", s.prefill, s.n_prefill, f"TTFT {slo.ttft_s:g} s"),
         ("decode", s.decode, s.n_decode, f"TPOT {slo.tpot_s:g} s"),
     ):
-        c = chosen.candidate
-        alts = sorted(
-            (e for e in evals if e.candidate.kind == role and e.status == "ok" and e is not chosen),
-            key=lambda e: -e.goodput_rps / e.candidate.gpus,
-        )[:3]
-        lat = "ttft" if role == "prefill" else "tpot"
-
-        def fmt(e: Evaluation) -> str:
-            unloaded = getattr(e, f"unloaded_{lat}_s") * 1000
-            return (
-                f"tp={e.candidate.prefill[0] or e.candidate.decode[0]} pp={e.candidate.pp}"
-                f"{'' if len(plan_gpu_types(evals)) == 1 else ' on ' + e.candidate.gpu_type}: "
-                f"{e.goodput_rps / e.candidate.gpus:.3g} req/s per GPU, unloaded p{slo.attainment * 100:.0f} "
-                f"{lat.upper()} {unloaded:.0f} ms"
-            )
-
-        lines.append(f"{role}: {n} x {fmt(chosen)} (target {target}).")
-        lines += [f"  vs {fmt(e)}" for e in alts]
+        lat = ("ttft",) if role == "prefill" else ("tpot",)
+        lines.append(f"{role}: {n} x {_describe(chosen, evals, slo, lat)} (target {target}).")
+        lines += [f"  vs {_describe(e, evals, slo, lat)}" for e in _alternatives(chosen, evals)]
     pg, dg = s.prefill.candidate.gpus, s.decode.candidate.gpus
     if pg != dg:
         more, less = ("prefill", "decode") if pg > dg else ("decode", "prefill")
@@ -554,8 +627,118 @@ def explain(plan: Plan, s: _Sizing, evals: list[Evaluation], slo: Slo) -> list[s
     return lines
 
 
+def _explain_units(s: _Sizing, evals: list[Evaluation]) -> list[str]:
+    c = s.prefill.candidate
+    return [
+        f"low node-affinity: {s.units} x [{c.describe()}], {s.prefill.goodput_rps:.3g} req/s "
+        f"per unit ({s.prefill.goodput_rps / c.gpus:.3g} req/s per GPU); KV stays on NVLink.",
+        *(
+            f"  next: [{e.candidate.describe()}] {e.goodput_rps / e.candidate.gpus:.3g} req/s per GPU"
+            for e in _alternatives(s.prefill, evals, 2)
+        ),
+    ]
+
+
+def _explain_threshold(threshold: int, trace: Trace) -> list[str]:
+    local = trace.input_len < threshold
+    tokens = trace.input_len[local].sum() / trace.input_len.sum()
+    return [
+        f"conditional: prompts under {threshold} tokens ({local.mean():.0%} of requests, {tokens:.0%} of "
+        f"prompt tokens) are prefilled by the decode replica that serves them, with no KV transfer; "
+        f"the prefill pool computes the rest."
+    ]
+
+
+def _alternatives(chosen: Evaluation, evals: list[Evaluation], n: int = 3) -> list[Evaluation]:
+    """The best other configurations for the same role, per GPU."""
+    return sorted(
+        (e for e in evals if e.candidate.group == chosen.candidate.group and e.status == "ok" and e is not chosen),
+        key=lambda e: -e.goodput_rps / e.candidate.gpus,
+    )[:n]
+
+
+def _describe(e: Evaluation, evals: list[Evaluation], slo: Slo, latencies: tuple[str, ...]) -> str:
+    """One configuration's goodput per GPU and unloaded latencies at the attainment quantile."""
+    c = e.candidate
+    where = "" if len(plan_gpu_types(evals)) == 1 else " on " + c.gpu_type
+    unloaded = ", ".join(f"{lat.upper()} {getattr(e, f'unloaded_{lat}_s') * 1000:.0f} ms" for lat in latencies)
+    return (
+        f"tp={c.prefill[0] or c.decode[0]} pp={c.pp}{where}: {e.goodput_rps / c.gpus:.3g} req/s per GPU, "
+        f"unloaded p{slo.attainment * 100:.0f} {unloaded}"
+    )
+
+
 def plan_gpu_types(evals: list[Evaluation]) -> set[str]:
     return {e.candidate.gpu_type for e in evals}
+
+
+def _amount(value: float, objective: Objective) -> str:
+    if objective == "gpus":
+        return f"{value:g} GPU{'' if value == 1 else 's'}"
+    return f"${value:.3g}/h" if objective == "cost" else f"{value:.4g} W"
+
+
+_WHY = {
+    "colocated": (
+        "engines that run whole requests stall their decodes while they prefill, yet at this rate "
+        "they hold the SLO; splitting the phases rounds each pool up to whole replicas and pays "
+        "for a hand-off that this load does not need"
+    ),
+    "disaggregated": (
+        "prefills stall the decodes of engines that do both, and holding the SLO against that "
+        "interference takes more resources than separate prefill and decode pools"
+    ),
+    "conditional": (
+        "short prompts cost little to prefill where they are decoded (no KV transfer, brief "
+        "stalls), while the long ones, whose stalls would break TPOT, go to the prefill pool"
+    ),
+}
+
+
+def compare_modes(
+    chosen: Plan,
+    others: list[Plan],
+    errors: list[str],
+    cost: Callable[[Plan], float],
+    objective: Objective,
+    modes: Collection[Mode],
+) -> list[str]:
+    """The deployment choice in words: what each mode needs at the target rate, and why (the
+    mechanism is only claimed when the other modes were compared)."""
+    e = chosen.expected
+    lines = [
+        f"deployment: {chosen.describe_mode()} meets the SLO at {e.rate_rps:.3g} req/s with "
+        f"{_amount(cost(chosen), objective)} (simulated attainment {e.attainment:.1%}, "
+        f"{e.goodput_per_gpu:.3g} req/s per GPU at most)"
+    ]
+    lines += [
+        f"  {p.describe_mode()} needs {_amount(cost(p), objective)} ({p.expected.goodput_per_gpu:.3g} req/s per GPU at most)"
+        for p in others
+    ]
+    lines += [f"  {error}" for error in errors]
+    least = {"gpus": "the fewest GPUs", "cost": "the lowest cost", "power": "the least power"}[objective]
+    why = f": {_WHY[chosen.mode]}" if len(set(modes)) > 1 else ""
+    lines.append(f"-> {chosen.mode}, {least} (ties: the higher goodput per GPU){why}.")
+    return lines
+
+
+def _sizers(
+    planner: _Planner, modes: Collection[Mode], algorithm: Algorithm, thresholds: list[int]
+) -> list[tuple[str, Callable[[list[Evaluation]], _Sizing]]]:
+    """(name, sizing function) for every deployment to compare."""
+    out: list[tuple[str, Callable[[list[Evaluation]], _Sizing]]] = []
+    if "disaggregated" in modes and algorithm in ("high-affinity", "both"):
+        out.append(("disaggregated, high-affinity", planner.size_high_affinity))
+    if "disaggregated" in modes and algorithm in ("low-affinity", "both"):
+        out.append(("disaggregated, low-affinity", planner.size_low_affinity))
+    if "colocated" in modes:
+        out.append(("colocated", planner.size_colocated))
+    if "conditional" in modes:
+        out += [
+            (f"conditional (threshold {t})", functools.partial(planner.size_high_affinity, threshold=t))
+            for t in thresholds
+        ]
+    return out
 
 
 def optimize(
@@ -568,10 +751,12 @@ def optimize(
     workers: int | None = None,
     search_requests: int = 1000,
     verify_requests: int = 4000,
-    baseline: bool = True,
+    modes: Collection[Mode] = MODES,
+    thresholds: Collection[int] = LOCAL_PREFILL_THRESHOLDS,
     sim: SimConfig = SimConfig(),
 ) -> OptimizeResult:
-    """Size and place prefill and decode pools for ``trace`` at ``rate`` (default: its own)."""
+    """The deployment (mode, pools, placement) that meets ``slo`` on ``trace`` at ``rate``
+    (default: its own) with the least of the objective; ``modes`` limits what is compared."""
     rate = trace.mean_rate if rate is None else rate
     if not math.isfinite(rate) or rate <= 0:
         raise InfeasibleError(
@@ -588,37 +773,29 @@ def optimize(
         sim=sim,
     )
     costs = unit_costs(cluster, objective)
-    candidates = enumerate_candidates(cluster, ctx, algorithm, baseline)
+    splits = useful_thresholds(ctx.trace, thresholds) if "conditional" in modes else []
+    candidates = enumerate_candidates(cluster, ctx, algorithm, modes, splits)
     workers = workers or min(os.cpu_count() or 1, 8)
-    outcome = run_search(ctx, candidates, costs, workers)
+    outcome = run_search(ctx, candidates, costs, workers, rate)
     evals = outcome.evaluations
     planner = _Planner(cluster, ctx, trace.head(verify_requests), rate, objective, costs)
 
     plans, errors = [], []
-    sizers = {"high-affinity": planner.size_high_affinity, "low-affinity": planner.size_low_affinity}
-    for name, sizer in sizers.items():
-        if algorithm not in (name, "both"):
-            continue
+    for name, sizer in _sizers(planner, modes, algorithm, splits):
         try:
             plans.append(planner.build(planner.grow_until_met(sizer(evals)), evals, outcome))
         except InfeasibleError as exc:
             errors.append(f"{name}: {exc}")
+    if "conditional" in modes and not splits:
+        errors.append(f"conditional: no threshold of {tuple(thresholds)} tokens splits this trace's prompts")
     if not plans:
         raise InfeasibleError(" | ".join(errors))
-    cost = {id(p): sum(pool.gpus * costs[pool.gpu_type] for pool in (p.prefill, p.decode)) for p in plans}
-    plans.sort(key=lambda p: (cost[id(p)], -p.expected.goodput_per_gpu))
+
+    def cost(p: Plan) -> float:
+        return sum(pool.gpus * costs[pool.gpu_type] for _, pool in p.pools())
+
+    plans.sort(key=lambda p: (cost(p), -p.expected.goodput_per_gpu))
     chosen, alternatives = plans[0], plans[1:]
-    notes = [
-        f"chosen over {a.algorithm} ({a.gpus} GPUs, {a.expected.goodput_per_gpu:.3g} req/s per GPU)"
-        for a in alternatives
-    ] + [f"not possible: {e}" for e in errors]
-    colocated = [e for e in evals if e.candidate.kind == "colocated" and e.status == "ok"]
-    best_colocated = max(colocated, key=lambda e: e.goodput_rps / (e.candidate.gpus * costs[e.candidate.gpu_type]), default=None)
-    if best_colocated is not None:
-        notes.append(
-            f"colocated baseline: best is [{best_colocated.candidate.describe()}] at "
-            f"{best_colocated.goodput_rps / best_colocated.candidate.gpus:.3g} req/s per GPU "
-            f"(this plan: {chosen.expected.goodput_per_gpu:.3g})"
-        )
+    notes = compare_modes(chosen, alternatives, [f"not possible: {e}" for e in errors], cost, objective, modes)
     chosen = chosen.model_copy(update={"explanation": chosen.explanation + notes})
-    return OptimizeResult(chosen, alternatives, best_colocated, outcome)
+    return OptimizeResult(chosen, alternatives, outcome)

@@ -1,6 +1,13 @@
 """The plan file: what ``duet plan`` writes and ``duet serve --plan`` deploys as is.
 
-A plan is self-checking: loading it verifies the pools' shapes and that no GPU is held twice;
+A plan deploys one of three modes: ``disaggregated`` (prefill and decode pools, KV moved
+between them), ``conditional`` (the same pools, but prompts shorter than
+``local_prefill_max_tokens`` are prefilled by the decode replica itself) or ``colocated`` (one
+pool of engines that run whole requests). Plans written before modes existed have no ``mode``
+and are disaggregated.
+
+A plan is self-checking: loading it verifies the pools' shapes, that the pools match the mode,
+and that no GPU is held twice;
 :func:`validate_against` also checks it against a cluster (nodes exist, GPU types match, budget).
 The schema is documented in docs/placement.md.
 """
@@ -38,6 +45,8 @@ class ReplicaPlacement(_Strict):
 
 
 class Pool(_Strict):
+    """Identical replicas (prefill, decode or colocated engines) and where each one runs."""
+
     gpu_type: str
     tensor_parallel: int = Field(ge=1)
     pipeline_parallel: int = Field(ge=1)
@@ -110,47 +119,90 @@ class SearchStats(_Strict):
     workers: int
 
 
+Mode = Literal["disaggregated", "colocated", "conditional"]
+
+
 class Plan(_Strict):
     version: Literal[1] = 1
     model: str
-    algorithm: Literal["high-affinity", "low-affinity"]
+    mode: Mode = "disaggregated"
+    # conditional only: prompts shorter than this many tokens are prefilled on the decode side
+    local_prefill_max_tokens: int = Field(default=0, ge=0)
+    algorithm: Literal["high-affinity", "low-affinity"] | None = None  # how the pools were sized
     objective: Literal["gpus", "cost", "power"]
     slo: SloSpec
-    kv_transfer: KvTransfer
-    prefill: Pool
-    decode: Pool
+    kv_transfer: KvTransfer | None = None
+    prefill: Pool | None = None
+    decode: Pool | None = None
+    colocated: Pool | None = None
     expected: Expected
     search: SearchStats | None = None
     explanation: list[str] = Field(default_factory=list)
 
+    def pools(self) -> list[tuple[str, Pool]]:
+        """(role, pool) for every pool the mode deploys."""
+        roles = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
+        return [(role, pool) for role, pool in roles if pool is not None]
+
     @property
     def gpus(self) -> int:
-        return self.prefill.gpus + self.decode.gpus
+        return sum(pool.gpus for _, pool in self.pools())
+
+    @model_validator(mode="after")
+    def _pools_match_mode(self) -> Plan:
+        split = {
+            "algorithm": self.algorithm, "kv_transfer": self.kv_transfer, "prefill": self.prefill, "decode": self.decode
+        }
+        if self.mode == "colocated":
+            wrong = [name for name, value in split.items() if value is not None]
+            missing = ["colocated"] if self.colocated is None else []
+        else:
+            wrong = ["colocated"] if self.colocated is not None else []
+            missing = [name for name, value in split.items() if value is None]
+        problems = ([f"needs {', '.join(missing)}"] if missing else []) + (
+            [f"must not have {', '.join(wrong)}"] if wrong else []
+        )
+        if problems:
+            raise ValueError(f"mode {self.mode}: " + "; ".join(problems))
+        if (self.mode == "conditional") != (self.local_prefill_max_tokens > 0):
+            raise ValueError(
+                f"local_prefill_max_tokens is {self.local_prefill_max_tokens}: it must be > 0 exactly "
+                f"when the mode is conditional (mode {self.mode})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _no_gpu_held_twice(self) -> Plan:
-        counts = Counter(self.prefill.held() + self.decode.held())
+        counts = Counter(held for _, pool in self.pools() for held in pool.held())
         twice = sorted(k for k, n in counts.items() if n > 1)
         if twice:
             shown = ", ".join(f"node {n} gpu {g}" for n, g in twice[:8])
             raise ValueError(f"GPUs held by more than one replica or pool: {shown}")
         return self
 
+    def describe_mode(self) -> str:
+        """The mode in words, with what the pools were sized by."""
+        if self.mode == "colocated":
+            return "colocated"
+        if self.mode == "conditional":
+            return f"conditional (prompts < {self.local_prefill_max_tokens} tokens prefilled on decode), {self.algorithm}"
+        return f"disaggregated, {self.algorithm}"
+
     def summary(self) -> str:
-        """One line: algorithm, pools, and the simulated goodput, for CLIs and benchmarks."""
+        """One line: mode, pools, and the simulated goodput, for CLIs and benchmarks."""
         pools = ", ".join(
             f"{role} {p.replicas} x tp={p.tensor_parallel} pp={p.pipeline_parallel} [{p.gpu_type}]"
-            for role, p in (("prefill", self.prefill), ("decode", self.decode))
+            for role, p in self.pools()
         )
         e = self.expected
         return (
-            f"{self.algorithm}, {self.gpus} GPUs: {pools}; at {e.rate_rps:.3g} req/s attainment "
+            f"{self.describe_mode()}, {self.gpus} GPUs: {pools}; at {e.rate_rps:.3g} req/s attainment "
             f"{e.attainment:.1%} (TTFT {e.ttft_attainment:.1%}, TPOT {e.tpot_attainment:.1%}), "
             f"goodput {e.goodput_rps:.3g} req/s = {e.goodput_per_gpu:.3g} per GPU"
         )
 
     def save(self, path: Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+        Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False))
 
     @classmethod
     def load(cls, path: Path) -> Plan:
@@ -163,7 +215,7 @@ def validate_against(plan: Plan, cluster: ClusterSpec) -> None:
     if cluster.model_spec.name != plan.model:
         problems.append(f"plan is for {plan.model!r}, cluster serves {cluster.model_spec.name!r}")
     nodes = cluster.node_list()
-    for role, pool in (("prefill", plan.prefill), ("decode", plan.decode)):
+    for role, pool in plan.pools():
         if pool.gpu_type not in cluster.gpu_types:
             problems.append(f"{role}.gpu_type {pool.gpu_type!r} is not in the cluster")
         for r, replica in enumerate(pool.placement):
@@ -178,8 +230,8 @@ def validate_against(plan: Plan, cluster: ClusterSpec) -> None:
                 bad = [g for g in stage.gpus if g >= node.gpus]
                 if bad:
                     problems.append(f"{where}: GPUs {bad} exceed node {stage.node}'s {node.gpus}")
-    for gpu_type in {plan.prefill.gpu_type, plan.decode.gpu_type}:
-        used = sum(p.gpus for p in (plan.prefill, plan.decode) if p.gpu_type == gpu_type)
+    for gpu_type in {pool.gpu_type for _, pool in plan.pools()}:
+        used = sum(p.gpus for _, p in plan.pools() if p.gpu_type == gpu_type)
         have = cluster.gpu_count(gpu_type)
         if used > have:
             problems.append(f"plan uses {used} {gpu_type} GPUs, the cluster has {have}")

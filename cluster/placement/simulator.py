@@ -1,4 +1,4 @@
-"""Discrete-event simulation of a disaggregated cluster and of a colocated baseline.
+"""Discrete-event simulation of disaggregated, conditional and colocated deployments.
 
 Disaggregated: a request queues at the prefill replica with the least queued work, is prefilled
 in an FCFS batch (token budget), produces its first token (TTFT), reserves KV room at the
@@ -11,6 +11,9 @@ counts against TPOT, as in DistServe.
 Colocated: vLLM without chunked prefill, as DistServe's baseline: waiting prefills run first,
 and every decode in the engine stalls while they do. That stall is the interference that
 disaggregation removes.
+
+Conditional: prompts shorter than a threshold are prefilled by the decode replica itself, as
+colocated; longer ones go through the prefill pool and their KV is pulled, as disaggregated.
 
 All latencies come from :class:`~duet.cluster.placement.latency_model.EnginePerf`. With an SLO
 given, a run stops as soon as more requests have missed it than the attainment target allows:
@@ -334,37 +337,33 @@ class _PrefillServer:
                 self.done(i)
 
 
-class _DecodeServer:
-    def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig, bytes_per_s: float, kv_bytes: int):
-        self.run, self.perf = run, perf
-        self.capacity = perf.kv_capacity_tokens
+class _KvPuller:
+    """KV admission for requests prefilled elsewhere: reserve ``input+output`` tokens in FIFO
+    order, then pull the prompt's KV over this replica's link (FIFO, ``bytes / bandwidth``;
+    vLLM allocates before pulling). Subclasses say where a pulled request goes (``_arrived``)."""
+
+    def __init__(self, run: _Run, capacity: int, bytes_per_s: float, kv_bytes: int) -> None:
+        self.run, self.capacity = run, capacity
         self.reserved = 0
-        self.waiting: deque[int] = deque()
-        self.waiting_tokens = 0
+        self.pulls: deque[int] = deque()
+        self.pull_tokens = 0
         self.link_free_at = 0.0
         self.seconds_per_token = kv_bytes / bytes_per_s if bytes_per_s > 0 else math.inf
-        self.max_seqs = max(1, cfg.max_num_seqs // perf.pp)
-        self.lanes = [_Lane(run, self) for _ in range(perf.pp)]
 
-    @property
-    def load(self) -> float:
-        return (self.reserved + self.waiting_tokens) / self.capacity
+    def pull(self, i: int) -> None:
+        self.pulls.append(i)
+        self.pull_tokens += _kv_need(self.run, i)
+        self.admit_pulls()
 
-    def submit(self, i: int) -> None:
-        self.waiting.append(i)
-        self.waiting_tokens += _kv_need(self.run, i)
-        self.admit()
-
-    def admit(self) -> None:
-        """Reserve KV in FIFO order, then pull it over the link (vLLM allocates before pulling)."""
+    def admit_pulls(self) -> None:
         run = self.run
-        while self.waiting:
-            i = self.waiting[0]
+        while self.pulls:
+            i = self.pulls[0]
             need = _kv_need(run, i)
             if self.reserved + need > self.capacity and need <= self.capacity:
                 return
-            self.waiting.popleft()
-            self.waiting_tokens -= need
+            self.pulls.popleft()
+            self.pull_tokens -= need
             if need > self.capacity:
                 run.never(i)
                 continue
@@ -377,12 +376,28 @@ class _DecodeServer:
             run.at(self.link_free_at, self._arrived, i)
 
     def _arrived(self, i: int) -> None:
-        min(self.lanes, key=_Lane.load).enqueue(i)
+        raise NotImplementedError
 
     def release(self, done: list[int]) -> None:
+        """Free the KV of finished requests, and admit the pulls that were waiting for it."""
         self.reserved -= sum(_kv_need(self.run, i) for i in done)
-        if done and self.waiting:
-            self.admit()
+        if done and self.pulls:
+            self.admit_pulls()
+
+
+class _DecodeServer(_KvPuller):
+    def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig, bytes_per_s: float, kv_bytes: int):
+        super().__init__(run, perf.kv_capacity_tokens, bytes_per_s, kv_bytes)
+        self.perf = perf
+        self.max_seqs = max(1, cfg.max_num_seqs // perf.pp)
+        self.lanes = [_Lane(run, self) for _ in range(perf.pp)]
+
+    @property
+    def load(self) -> float:
+        return (self.reserved + self.pull_tokens) / self.capacity
+
+    def _arrived(self, i: int) -> None:
+        min(self.lanes, key=_Lane.load).enqueue(i)
 
 
 class _Lane:
@@ -437,7 +452,7 @@ def simulate_disaggregated(
 
     def to_decode(i: int) -> None:
         if decoders:
-            min(decoders, key=lambda d: d.load).submit(i)
+            min(decoders, key=lambda d: d.load).pull(i)
         else:
             run.finished(i)
 
@@ -456,44 +471,67 @@ def simulate_disaggregated(
     return run.run()
 
 
-class _ColocatedServer:
-    """One vLLM-style engine serving both phases, prefill first, no chunking."""
+class _ColocatedServer(_KvPuller):
+    """One vLLM-style engine serving both phases, prefill first, no chunking.
 
-    def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig):
-        self.run, self.perf, self.cfg = run, perf, cfg
+    As a decode replica under conditional disaggregation it also pulls the KV of prompts the
+    prefill pool computed; those join its decode batch at the next scheduling point, while the
+    prompts it prefills itself stall its decodes exactly as in a colocated engine.
+    """
+
+    def __init__(
+        self, run: _Run, perf: EnginePerf, cfg: SimConfig, bytes_per_s: float = math.inf, kv_bytes: int = 0
+    ) -> None:
+        super().__init__(run, perf.kv_capacity_tokens, bytes_per_s, kv_bytes)
+        self.perf, self.cfg = perf, cfg
         self.loop = _DecodeLoop(run, perf, self._decode_boundary)
         self.waiting: deque[int] = deque()
         self.waiting_tokens = 0
-        self.reserved = 0
+        self.joining: deque[int] = deque()
         self.prefilling = False
 
     @property
     def load(self) -> float:
-        return self.reserved + self.waiting_tokens
+        return self.reserved + self.waiting_tokens + self.pull_tokens
 
     def submit(self, i: int) -> None:
+        """A request this engine prefills itself."""
         self.waiting.append(i)
         self.waiting_tokens += _kv_need(self.run, i)
+        self._wake()
+
+    def _wake(self) -> None:
         if self.loop.running:
             self.loop.interrupt()
         elif not self.prefilling:
             self._iterate()
 
+    def _arrived(self, i: int) -> None:
+        # As an event of its own: the pull may complete inside this engine's own step boundary
+        # (zero transfer time), which must not start a second iteration.
+        self.run.at(self.run.now, self._join, i)
+
+    def _join(self, i: int) -> None:
+        self.joining.append(i)
+        self._wake()
+
     def _iterate(self) -> None:
-        run, waiting = self.run, self.waiting
+        run, waiting, loop = self.run, self.waiting, self.loop
+        while self.joining and loop.size < self.cfg.max_num_seqs:
+            loop.add(self.joining.popleft())
         prefill, total, sq = [], 0, 0
         while waiting:
             i = waiting[0]
             need = _kv_need(run, i)
-            if need > self.perf.kv_capacity_tokens:
+            if need > self.capacity:
                 waiting.popleft()
                 self.waiting_tokens -= need
                 run.never(i)
                 continue
             if (
-                self.reserved + need > self.perf.kv_capacity_tokens
+                self.reserved + need > self.capacity
                 or (prefill and total + run.inp[i] > self.cfg.prefill_max_batch_tokens)
-                or self.loop.size + len(prefill) >= self.cfg.max_num_seqs
+                or loop.size + len(prefill) >= self.cfg.max_num_seqs
             ):
                 break
             prefill.append(waiting.popleft())
@@ -504,8 +542,8 @@ class _ColocatedServer:
         if prefill:
             self.prefilling = True
             run.after_work(self.perf.prefill_latency_s(total, sq), self._prefill_done, prefill)
-        elif self.loop.size:
-            self.loop.start()
+        elif loop.size:
+            loop.start()
 
     def _prefill_done(self, prefill: list[int]) -> None:
         self.prefilling = False
@@ -513,13 +551,66 @@ class _ColocatedServer:
             self.run.first_token_at(i)
             if self.run.out[i] > 1:
                 self.loop.add(i)
-            else:
-                self.reserved -= _kv_need(self.run, i)
+        self.release([i for i in prefill if self.run.out[i] <= 1])
         self._iterate()
 
     def _decode_boundary(self, done: list[int]) -> None:
-        self.reserved -= sum(_kv_need(self.run, i) for i in done)
+        self.release(done)
         self._iterate()
+
+
+def simulate_conditional(
+    trace: Trace,
+    prefill: Sequence[EnginePerf],
+    decode: Sequence[EnginePerf],
+    kv_bytes_per_token: int,
+    local_prefill_max_tokens: float,
+    transfer_bytes_per_s: float = math.inf,
+    slo: Slo | None = None,
+    cfg: SimConfig = SimConfig(),
+    host_ms_per_token: float = 0.0,
+) -> SimResult:
+    """Conditional disaggregation, as duet's router does it: a prompt shorter than
+    ``local_prefill_max_tokens`` is prefilled by the decode replica that serves it, with no KV
+    transfer, stalling that replica's decodes (the colocated model, so decode replicas are
+    pp=1 engines); a longer one goes through the prefill pool and its KV is pulled.
+
+    Either pool may be empty to size one phase alone; as in :func:`simulate_disaggregated`, the
+    missing pool's work is then instant. A prefill pool alone gives the short prompts TTFT and
+    TPOT 0 (they are the decode side's), so its attainment counts against the whole trace, as a
+    disaggregated prefill pool's does; a decode pool alone receives the long prompts at arrival
+    with their first token (TTFT 0).
+    """
+    if any(e.pp != 1 for e in decode):
+        raise ValueError("engines that prefill and decode are modelled with tensor parallelism only (pp=1)")
+    run = _Run(trace, slo, host_ms_per_token, sum(e.gpus for e in (*prefill, *decode)))
+    servers = [_ColocatedServer(run, e, cfg, transfer_bytes_per_s, kv_bytes_per_token) for e in decode]
+
+    def least_loaded() -> _ColocatedServer:
+        return min(servers, key=lambda s: s.load)
+
+    def to_decode(i: int) -> None:
+        if servers:
+            least_loaded().pull(i)
+        else:
+            run.finished(i)
+
+    prefillers = [_PrefillServer(run, p, cfg, to_decode) for p in prefill]
+
+    def arrive(i: int) -> None:
+        local = run.inp[i] < local_prefill_max_tokens
+        if local and servers:
+            least_loaded().submit(i)
+        elif not local and prefillers:
+            min(prefillers, key=lambda p: p.queued_tokens).submit(i)
+        else:  # the work of a pool not simulated: instant
+            run.first_token_at(i)
+            if run.out[i] > 1:
+                to_decode(i)
+
+    for i, t in enumerate(run.arrival):
+        run.at(t, arrive, i)
+    return run.run()
 
 
 def simulate_colocated(
@@ -529,11 +620,8 @@ def simulate_colocated(
     cfg: SimConfig = SimConfig(),
     host_ms_per_token: float = 0.0,
 ) -> SimResult:
-    """Simulate colocated replicas (pp=1); requests go to the replica with the least KV load."""
-    if any(e.pp != 1 for e in engines):
-        raise ValueError("the colocated baseline models tensor parallelism only (pp=1)")
-    run = _Run(trace, slo, host_ms_per_token, sum(e.gpus for e in engines))
-    servers = [_ColocatedServer(run, e, cfg) for e in engines]
-    for i, t in enumerate(run.arrival):
-        run.at(t, lambda i=i: min(servers, key=lambda s: s.load).submit(i))
-    return run.run()
+    """Simulate colocated replicas (pp=1): conditional disaggregation where every prompt is
+    short enough; requests go to the replica with the least KV load."""
+    return simulate_conditional(
+        trace, (), engines, 0, math.inf, slo=slo, cfg=cfg, host_ms_per_token=host_ms_per_token
+    )

@@ -38,11 +38,24 @@ def test_plan_then_simulate(tmp_path, config, capsys):
                "--workers", "1", "--out", str(out)) == 0
     plan = Plan.load(out)
     assert plan.expected.attainment >= 0.9
-    assert "configurations evaluated" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "configurations evaluated" in printed
+    assert all(mode in printed for mode in ("deployment: ", "disaggregated", "conditional", "colocated"))
     assert run("simulate", "--config", config, "--trace", trace, "--slo", "ttft=0.25,tpot=0.1",
                "--plan", str(out), "--colocated-tp", "1") == 0
     printed = capsys.readouterr().out
-    assert "disaggregated plan: attainment" in printed and "colocated tp=1" in printed
+    assert f"{plan.mode} plan: attainment" in printed and "colocated tp=1" in printed
+
+
+def test_plan_modes_limit_the_comparison(tmp_path, config, capsys):
+    out = tmp_path / "plan.yaml"
+    assert run("plan", "--config", config, "--trace", "synthetic:n=600,rate=4", "--slo", "ttft=0.25,tpot=0.1",
+               "--workers", "1", "--search-requests", "300", "--modes", "disaggregated", "--out", str(out)) == 0
+    assert Plan.load(out).mode == "disaggregated"
+    assert "conditional" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run("plan", "--config", config, "--trace", "synthetic:n=10", "--slo", "ttft=1,tpot=1", "--modes", "split")
+    assert "choose from disaggregated, colocated, conditional" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

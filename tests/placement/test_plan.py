@@ -38,6 +38,19 @@ def _plan(prefill_gpus, decode_gpus, decode_node=0, replicas=1) -> dict:
     }
 
 
+def _colocated(gpus) -> dict:
+    split = _plan([0], [1])
+    for key in ("algorithm", "kv_transfer", "prefill", "decode"):
+        del split[key]
+    pool = {"gpu_type": "a100-80g", "tensor_parallel": 1, "pipeline_parallel": 1, "replicas": len(gpus),
+            "placement": [{"stages": [{"node": 0, "gpus": [g]}]} for g in gpus]}
+    return {**split, "mode": "colocated", "colocated": pool}
+
+
+def _conditional(threshold: int = 512) -> dict:
+    return {**_plan([0, 1], [2]), "mode": "conditional", "local_prefill_max_tokens": threshold}
+
+
 @pytest.fixture
 def cluster(tmp_path):
     (tmp_path / "c.yaml").write_text(CLUSTER)
@@ -50,6 +63,43 @@ def test_valid_plan_round_trips(tmp_path, cluster):
     again = Plan.load(tmp_path / "plan.yaml")
     assert again == plan
     validate_against(again, cluster)
+
+
+@pytest.mark.parametrize("data", [_colocated([0, 3]), _conditional()], ids=["colocated", "conditional"])
+def test_every_mode_round_trips(tmp_path, cluster, data):
+    plan = Plan.model_validate(data)
+    plan.save(tmp_path / "plan.yaml")
+    assert "null" not in (tmp_path / "plan.yaml").read_text()  # absent pools are left out
+    again = Plan.load(tmp_path / "plan.yaml")
+    assert again == plan and again.mode == data["mode"]
+    validate_against(again, cluster)
+
+
+def test_plan_without_a_mode_is_disaggregated():
+    plan = Plan.model_validate(_plan([0, 1], [2]))
+    assert plan.mode == "disaggregated" and plan.local_prefill_max_tokens == 0
+    assert [role for role, _ in plan.pools()] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({**_colocated([0]), "prefill": _plan([1], [2])["prefill"]}, "mode colocated: must not have prefill"),
+        ({**_plan([0], [1]), "mode": "colocated"}, "mode colocated: needs colocated; must not have algorithm"),
+        (_conditional(threshold=0), "must be > 0 exactly when the mode is conditional"),
+        ({**_plan([0], [1]), "local_prefill_max_tokens": 256}, "must be > 0 exactly when the mode is conditional"),
+    ],
+)
+def test_pools_must_match_the_mode(data, message):
+    with pytest.raises(ValueError, match=message):
+        Plan.model_validate(data)
+
+
+def test_colocated_plan_is_checked_against_the_cluster(cluster):
+    with pytest.raises(PlanError, match=r"colocated.placement.1.stages.0: GPUs \[4\] exceed"):
+        validate_against(Plan.model_validate(_colocated([0, 4])), cluster)
+    with pytest.raises(PlanError, match="uses 5 a100-80g GPUs, the cluster has 4"):
+        validate_against(Plan.model_validate(_colocated([0, 1, 2, 3, 5])), cluster)
 
 
 def test_gpu_held_by_two_pools_is_rejected(tmp_path):

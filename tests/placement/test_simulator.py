@@ -3,7 +3,12 @@ import math
 import numpy as np
 import pytest
 
-from duet.cluster.placement.simulator import Slo, simulate_colocated, simulate_disaggregated
+from duet.cluster.placement.simulator import (
+    Slo,
+    simulate_colocated,
+    simulate_conditional,
+    simulate_disaggregated,
+)
 from duet.cluster.placement.trace import Trace, synthetic
 
 
@@ -104,3 +109,51 @@ def test_early_stop_when_slo_is_lost(opt13b):
     assert r.stopped_early and not r.meets(slo)
     full = simulate_disaggregated(t, [e], [e], 819200, 25e9)
     assert not full.stopped_early and full.attainment(slo) < 0.9
+
+
+def _bimodal(n: int, rate: float, short: int, long: int, seed: int = 3) -> Trace:
+    rng = np.random.default_rng(seed)
+    arrivals = np.sort(rng.uniform(0, n / rate, n))
+    return _trace(arrivals, np.where(rng.random(n) < 0.5, short, long), rng.integers(2, 40, n))
+
+
+def test_conditional_with_every_prompt_long_is_disaggregated(linear_model):
+    e = linear_model(prefill=(10.0, 0.1, 1e-4), decode=(5.0, 0.01, 1.0)).engine(1, 1)
+    t = _bimodal(300, 20.0, 100, 700)
+    disagg = simulate_disaggregated(t, [e, e], [e, e], 1000, 1e8)
+    cond = simulate_conditional(t, [e, e], [e, e], 1000, 100, 1e8)
+    assert np.allclose(cond.ttft_s, disagg.ttft_s, rtol=1e-9)
+    assert np.allclose(cond.tpot_s, disagg.tpot_s, rtol=1e-9)
+
+
+def test_conditional_prefills_short_prompts_on_decode_without_transfer(linear_model):
+    """A short prompt is computed by the decode replica (TTFT = its own prefill, no queue at the
+    prefill pool, no KV pull); a long one pays the prefill pool and the link."""
+    e = linear_model(prefill=(10.0, 0.1, 0.0), decode=(5.0, 0.0, 0.0)).engine(1, 1)
+    t = _trace([0.0, 0.0], [1000, 50], [3, 3])
+    r = simulate_conditional(t, [e], [e], kv_bytes_per_token=1000, local_prefill_max_tokens=64, transfer_bytes_per_s=1e6)
+    assert r.ttft_s[1] == pytest.approx((10 + 0.1 * 50) / 1000)
+    assert r.ttft_s[0] == pytest.approx((10 + 0.1 * 1000) / 1000)
+    pull_s = 1000 * 1000 / 1e6  # the long prompt's KV over a 1 MB/s link
+    assert r.tpot_s[0] > pull_s / 2 > r.tpot_s[1]
+
+
+def test_conditional_local_prefills_stall_the_decode_replica(linear_model):
+    """The price of local prefill: short prompts' prefills stall the decodes of their replica,
+    which a disaggregated deployment of the same engines never does."""
+    e = linear_model(prefill=(20.0, 0.48, 0.0), decode=(10.0, 0.0, 0.1)).engine(1, 1)
+    t = _bimodal(400, 3.0, 500, 1500)
+    disagg = simulate_disaggregated(t, [e], [e], 1000, math.inf)
+    cond = simulate_conditional(t, [e], [e], 1000, 1000, math.inf)
+    assert np.percentile(cond.tpot_s, 90) > 2 * np.percentile(disagg.tpot_s, 90)
+
+
+def test_conditional_prefill_pool_alone_computes_only_long_prompts(linear_model):
+    """Sized alone, the prefill pool answers for the long prompts' TTFT; the short ones are the
+    decode side's work, instant here, and count in the attainment as met."""
+    e = linear_model(prefill=(10.0, 0.1, 0.0)).engine(1, 1)
+    t = _bimodal(200, 5.0, 100, 900)
+    r = simulate_conditional(t, [e], [], 1000, 512)
+    short = t.input_len < 512
+    assert np.all(r.ttft_s[short] == 0) and np.all(r.tpot_s == 0)
+    assert np.all(r.ttft_s[~short] >= (10 + 0.1 * 900) / 1000 - 1e-12)

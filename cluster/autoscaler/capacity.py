@@ -1,0 +1,114 @@
+"""How many workers a forecast load needs, from the placement optimizer's latency model.
+
+Each phase gets half of the SLO's miss allowance (with a 90% attainment target, at most 5% of
+requests may miss TTFT and 5% TPOT), and is sized with the queueing model that fits it:
+
+- **Prefill** is a queue served by ``n`` workers that the router keeps evenly loaded: an M/G/n
+  queue. Erlang's C formula gives the chance a request waits at all, and the wait beyond that is
+  about exponential with rate ``(n*mu - lambda) * 2 / (1 + cs2)`` (the Allen-Cunneen correction
+  for service times that vary: ``cs2`` is their squared coefficient of variation, which prompt
+  lengths drive). The pool needs the smallest ``n`` for which the chance of waiting longer than
+  the TTFT target leaves for queueing stays inside the allowance. The mean service time is exact
+  for the latency model's features: ``prefill_latency_s(E[L], E[L**2])``.
+- **Decode** holds every running request in a batch: by Little's law ``m = lambda * (output - 1)
+  * step`` requests run at once, and the number running varies about as a Poisson count does.
+  The largest batch whose step stays inside the TPOT target and whose KV fits sets what one
+  worker holds; the pool needs room for ``m`` plus the allowance's quantile of its spread.
+
+``headroom`` scales what the model says one worker does, for what it does not know (the
+serving path's CPU, a worse-than-modelled burst); the reactive correction in
+:mod:`duet.cluster.autoscaler.core` covers the rest. DistServe sizes prefill with the M/D/1
+model of one instance; a pool behind a least-loaded router waits far less than ``n`` separate
+queues would, which is why the pool is modelled whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from duet.cluster.autoscaler.policy import SloProfile
+from duet.cluster.placement.latency_model import EnginePerf
+
+_MAX_WORKERS = 4096
+
+
+@dataclass(frozen=True)
+class Sizing:
+    workers: int
+    why: str
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """The chance an arrival waits, in an M/M/n queue with ``offered = lambda / mu`` (< n)."""
+    blocking = 1.0
+    for k in range(1, servers + 1):  # Erlang B by its recurrence, then C from B
+        blocking = offered * blocking / (k + offered * blocking)
+    return servers * blocking / (servers - offered * (1 - blocking))
+
+
+@dataclass(frozen=True)
+class CapacityModel:
+    prefill: EnginePerf
+    decode: EnginePerf
+    slo: SloProfile
+    headroom: float
+    max_num_seqs: int = 256
+
+    @property
+    def miss_allowance(self) -> float:
+        """Share of requests each phase may let miss its target."""
+        return (1 - self.slo.attainment) / 2
+
+    def prefill_workers(self, rate: float, prompt_mean: float, prompt_mean_sq: float) -> Sizing:
+        """Prefill workers for ``rate`` requests/s of prompts with mean length ``prompt_mean``
+        and mean squared length ``prompt_mean_sq``."""
+        if rate <= 0:
+            return Sizing(0, "no arrivals")
+        service = self.prefill.prefill_latency_s(prompt_mean, prompt_mean_sq) / self.headroom
+        length_cv2 = max(prompt_mean_sq / max(prompt_mean, 1.0) ** 2 - 1, 0.0)
+        offered = rate * service
+        slack = max(self.slo.ttft_s - service, 0.0)
+        workers = max(1, math.floor(offered) + 1)
+        while workers < _MAX_WORKERS:
+            spare = workers / service - rate
+            late = erlang_c(workers, offered) * math.exp(-spare * slack * 2 / (1 + length_cv2))
+            if late <= self.miss_allowance:
+                break
+            workers += 1
+        return Sizing(
+            workers,
+            f"{rate:.2f} req/s x {prompt_mean:.0f}-token prompts ({service * 1000:.0f} ms each): "
+            f"{offered:.1f} workers busy, {workers} keep waits past {slack * 1000:.0f} ms under "
+            f"{self.miss_allowance:.0%}",
+        )
+
+    def decode_workers(self, rate: float, prompt_len: float, output_len: float) -> Sizing:
+        """Decode workers for ``rate`` requests/s producing ``output_len`` tokens each."""
+        if rate <= 0 or output_len <= 1:
+            return Sizing(0, "no tokens to decode")
+        batch, step = self._largest_batch(prompt_len, output_len)
+        running = rate * (output_len - 1) * step
+        quantile = NormalDist().inv_cdf(1 - self.miss_allowance)
+        held = self.headroom * batch
+        workers = max(1, math.ceil((running + quantile * math.sqrt(running)) / held))
+        return Sizing(
+            workers,
+            f"{running:.0f} requests running; a worker holds {batch} at {step * 1000:.0f} ms/step",
+        )
+
+    def _largest_batch(self, prompt_len: float, output_len: float) -> tuple[int, float]:
+        """The largest batch within the TPOT target and the KV capacity (at least 1)."""
+        context = prompt_len + output_len / 2
+        kv_limit = max(1, int(self.decode.kv_capacity_tokens // max(prompt_len + output_len, 1)))
+        best = (1, self.decode.decode_step_s(1, context))
+        low, high = 1, min(self.max_num_seqs, kv_limit)
+        while low <= high:  # the step time grows with the batch: bisect
+            batch = (low + high) // 2
+            step = self.decode.decode_step_s(batch, batch * context)
+            if step <= self.slo.tpot_s:
+                best, low = (batch, step), batch + 1
+            else:
+                high = batch - 1
+        return best

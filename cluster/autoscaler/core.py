@@ -1,0 +1,244 @@
+"""The autoscaler's decisions: observations in, a target size per pool (with its reason) out.
+
+This is a pure function of what it is shown and when, so the same object drives the live cluster
+(:mod:`duet.cluster.autoscaler.live`, wall clock) and a replay on the simulated backend
+(:mod:`duet.cluster.autoscaler.replay`, a simulated clock that runs an hour in seconds).
+
+Each interval, per pool:
+
+1. **Predictive**: forecast the arrival rate for when a worker started now would serve
+   (``startup_s`` ahead) and size the pool for it from the latency model
+   (:class:`~duet.cluster.autoscaler.capacity.CapacityModel`), times a per-pool correction.
+2. **Reactive**: when the pool's SLO share (TTFT for prefill, TPOT for decode) falls under the
+   target, or its queue says it soon will (prompts waiting past the TTFT target; decode requests
+   waiting for KV room or KV nearly full), ask for one more worker than it has and raise the
+   correction so the prediction stops undershooting; the correction decays when all is well.
+3. **Guard rails**: clamp to the pool's min and max and the total budget; grow at once
+   (workers still starting count as capacity, so a slow start is not answered with more
+   starts); shrink only when even the largest size wanted over ``scale_down.delay_s`` is below
+   the current one, by ``scale_down.step`` at a time, never while the pool is under pressure,
+   and never while metrics are missing or stale. Shrinking is always a drain (the driver's job).
+
+Dynamo's Planner users report flapping, scale-down killing requests and shrinking on missing
+metrics; the window floor, drain-only removal and the stale hold are the answers to each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from duet.cluster.autoscaler.capacity import CapacityModel
+from duet.cluster.autoscaler.forecast import Ewma, RateForecast
+from duet.cluster.autoscaler.policy import ROLES, AutoscalePolicy, SloProfile
+
+# Fewer completions than this in an interval say nothing about attainment.
+_MIN_SAMPLES = 5
+# KV usage of the decode pool above which new requests soon wait for room.
+_KV_PRESSURE = 0.9
+# How far the correction falls back towards 1 per calm interval, and its ceiling.
+_CORRECTION_DECAY = 0.95
+_CORRECTION_MAX = 4.0
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    ready: int
+    starting: int = 0
+    draining: int = 0
+    # Prefill: prompt tokens queued or being prefilled. Decode: requests waiting for KV room.
+    queued: int = 0
+    # Decode: mean KV cache usage of the ready workers (0..1).
+    kv_usage: float = 0.0
+
+    @property
+    def active(self) -> int:
+        """Workers that count towards the pool's size: serving or about to."""
+        return self.ready + self.starting
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the cluster did over the ``window_s`` seconds ending at ``time_s``."""
+
+    time_s: float
+    window_s: float
+    arrivals: int
+    prompt_tokens: int
+    # Sum of the squared prompt lengths: their spread is what makes a prefill queue wait.
+    prompt_tokens_sq: int
+    # Requests that got their first token in the window, and how many met the TTFT target.
+    first_tokens: int
+    ttft_met: int
+    # Requests that finished in the window, their output tokens, and how many met the TPOT target.
+    finished: int
+    output_tokens: int
+    tpot_met: int
+    # Requests still waiting for their first token longer than the TTFT target.
+    ttft_overdue: int
+    pools: dict[str, PoolObservation]
+    # False when the metrics could not be read; with ``metrics_age_s`` past the policy's
+    # ``stale_after_s`` it counts as missing too. The autoscaler then holds every pool.
+    fresh: bool = True
+    metrics_age_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    role: str
+    current: int
+    target: int
+    reason: str
+
+    @property
+    def direction(self) -> str:
+        return "up" if self.target > self.current else "down" if self.target < self.current else "hold"
+
+
+@dataclass
+class _PoolState:
+    correction: float = 1.0
+    wanted: deque[tuple[float, int]] = field(default_factory=deque)
+    ready: int | None = None
+    # When the pool last gained a serving worker: a backlog built up before it takes a while
+    # to clear, and must not be read as a need for yet another worker.
+    grew_at_s: float = -math.inf
+    # The first observation: the pool is not shrunk until a whole scale-down window is seen.
+    since_s: float | None = None
+
+
+class Autoscaler:
+    def __init__(self, policy: AutoscalePolicy, capacity: CapacityModel | None) -> None:
+        self.policy = policy
+        self.slo: SloProfile = policy.slo_profile()
+        self.capacity = capacity
+        self.rate = RateForecast(policy.forecast_window_s)
+        self.prompt_len = Ewma(0.3)
+        self.prompt_sq = Ewma(0.3)
+        self.output_len = Ewma(0.3)
+        self.pools = {role: _PoolState() for role in ROLES}
+
+    def decide(self, obs: Observation) -> list[Decision]:
+        """One target per pool for this observation."""
+        if not obs.fresh:
+            return self._hold(obs, "metrics missing: holding every pool at its size")
+        if obs.metrics_age_s > self.policy.stale_after_s:
+            return self._hold(obs, f"metrics {obs.metrics_age_s:.0f} s old: holding every pool at its size")
+        self.rate.observe(obs.time_s, obs.arrivals / obs.window_s, obs.window_s)
+        if obs.arrivals:
+            self.prompt_len.update(obs.prompt_tokens / obs.arrivals)
+            self.prompt_sq.update(obs.prompt_tokens_sq / obs.arrivals)
+        for role in ROLES:
+            state = self.pools[role]
+            if state.ready is not None and obs.pools[role].ready > state.ready:
+                state.grew_at_s = obs.time_s
+            state.ready = obs.pools[role].ready
+        if obs.finished:
+            self.output_len.update(obs.output_tokens / obs.finished)
+        wanted = {role: self._wanted(role, obs) for role in ROLES}
+        wanted = self._within_budget(wanted, obs)
+        return [self._damped(role, obs, *wanted[role]) for role in ROLES]
+
+    # ---- sizing ---------------------------------------------------------------------------
+
+    def _wanted(self, role: str, obs: Observation) -> tuple[int, str, bool]:
+        """(size wanted, why, under pressure) for ``role`` before the guard rails."""
+        pool = obs.pools[role]
+        state = self.pools[role]
+        pressure = self._pressure(role, obs)
+        need, why = self._predicted(role)
+        predicted = None if need is None else math.ceil(need * state.correction - 1e-9)
+        if pressure:
+            settling = pool.starting > 0 or obs.time_s - state.grew_at_s < self.policy.settle_s
+            reactive = pool.active if settling else pool.active + 1
+            if need and not settling and predicted is not None and predicted < reactive:
+                state.correction = min(_CORRECTION_MAX, reactive / need)
+            if settling:
+                pressure += " (a new worker is starting or settling)"
+            return max(reactive, predicted or 0), pressure, True
+        state.correction = max(1.0, state.correction * _CORRECTION_DECAY)
+        if predicted is None:  # reactive only: shrink after a whole window without traffic
+            if self.rate.predict(0.0) == 0:
+                return self.policy.limits(role).min, "no traffic (no latency model: reactive only)", False
+            return pool.active, "SLO met (no latency model: reactive only)", False
+        return predicted, f"forecast {why}", False
+
+    def _predicted(self, role: str) -> tuple[float | None, str]:
+        """Workers the forecast needs by the latency model, and why."""
+        if self.capacity is None or self.prompt_len.value is None:
+            return None, ""
+        horizon = self.policy.startup_s + self.policy.interval_s
+        rate = self.rate.predict(horizon)
+        prompt = self.prompt_len.value
+        if role == "prefill":
+            sizing = self.capacity.prefill_workers(rate, prompt, self.prompt_sq.value or prompt**2)
+        else:
+            output = self.output_len.value if self.output_len.value is not None else 1.0
+            sizing = self.capacity.decode_workers(rate, prompt, output)
+        return sizing.workers, f"{rate:.2f} req/s: {sizing.why}"
+
+    def _pressure(self, role: str, obs: Observation) -> str:
+        """Why ``role`` is missing (or about to miss) its SLO share; empty when it is not."""
+        pool = obs.pools[role]
+        target = self.slo.attainment
+        if role == "prefill":
+            if obs.first_tokens >= _MIN_SAMPLES and obs.ttft_met / obs.first_tokens < target:
+                return f"TTFT attainment {obs.ttft_met / obs.first_tokens:.0%} < {target:.0%}"
+            if obs.ttft_overdue >= _MIN_SAMPLES:
+                return f"{obs.ttft_overdue} requests waiting past the TTFT target"
+            return ""
+        if obs.finished >= _MIN_SAMPLES and obs.tpot_met / obs.finished < target:
+            return f"TPOT attainment {obs.tpot_met / obs.finished:.0%} < {target:.0%}"
+        if pool.queued and pool.kv_usage >= _KV_PRESSURE:
+            return f"KV {pool.kv_usage:.0%} full with {pool.queued} requests waiting"
+        return ""
+
+    def _within_budget(self, wanted: dict[str, tuple[int, str, bool]], obs: Observation) -> dict[str, tuple[int, str, bool]]:
+        """Clamp to each pool's bounds, then trim the pools not under pressure (larger first)
+        until the total fits the budget; never below a pool's minimum or current size."""
+        sized = {}
+        for role, (size, why, pressure) in wanted.items():
+            limits = self.policy.limits(role)
+            clamped = min(max(size, limits.min), limits.max)
+            if clamped != size:
+                why += f" (clamped to {'max' if size > limits.max else 'min'} {clamped})"
+            sized[role] = [clamped, why, pressure]
+        budget = self.policy.budget
+        if budget is None:
+            return {role: tuple(v) for role, v in sized.items()}  # type: ignore[misc]
+
+        def used() -> int:
+            return sum(sized[role][0] * self.policy.limits(role).units for role in ROLES)
+
+        while used() > budget:
+            floors = {role: max(self.policy.limits(role).min, min(obs.pools[role].active, sized[role][0])) for role in ROLES}
+            candidates = [role for role in ROLES if sized[role][0] > floors[role]]
+            if not candidates:
+                break
+            role = max(candidates, key=lambda r: (not sized[r][2], sized[r][0] - floors[r]))
+            sized[role][0] -= 1
+            sized[role][1] = f"{sized[role][1]} (trimmed to fit the budget of {budget})"
+        return {role: tuple(v) for role, v in sized.items()}  # type: ignore[misc]
+
+    def _damped(self, role: str, obs: Observation, size: int, why: str, pressure: bool) -> Decision:
+        """Scale up at once; down only below the window's largest wish, a step at a time."""
+        current = obs.pools[role].active
+        state = self.pools[role]
+        if state.since_s is None:
+            state.since_s = obs.time_s
+        state.wanted.append((obs.time_s, size))
+        while state.wanted and state.wanted[0][0] <= obs.time_s - self.policy.scale_down.delay_s:
+            state.wanted.popleft()
+        if size >= current:
+            return Decision(role, current, size, why)
+        if pressure:
+            return Decision(role, current, current, f"{why}; not shrinking under pressure")
+        floor = max(wanted for _, wanted in state.wanted)
+        if floor >= current or obs.time_s - state.since_s < self.policy.scale_down.delay_s:
+            return Decision(role, current, current, f"{why}; holding until it stays lower for {self.policy.scale_down.delay_s:.0f} s")
+        target = max(floor, current - self.policy.scale_down.step, self.policy.limits(role).min)
+        return Decision(role, current, target, f"{why}; lower for {self.policy.scale_down.delay_s:.0f} s: draining {current - target}")
+
+    def _hold(self, obs: Observation, why: str) -> list[Decision]:
+        return [Decision(role, obs.pools[role].active, obs.pools[role].active, why) for role in ROLES]

@@ -1,0 +1,216 @@
+"""A placement plan as the Ray node groups that run it (:class:`ClusterLaunch`).
+
+One head group runs duet's front end (``duet serve``, which joins the cluster and places the
+workers); one worker group per plan pool, each pod one replica: the pool's GPUs (tensor x
+pipeline parallel) on a node of the pool's GPU type, advertising a Ray resource named after the
+role, which that pool's workers request. Prefill and decode can so run on different GPU types,
+and Ray's autoscaler (through KubeRay) knows which group to grow for a waiting worker.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+from duet.cluster.config import DuetConfig, PoolConfig
+from duet.cluster.placement.cluster_spec import ClusterSpec
+from duet.cluster.placement.plan import Plan, PlanError, Pool, validate_against
+from duet.cluster.plan_deploy import CPU_GPU_TYPES
+from duet.deploy.launch import GroupLaunch, PodSize, Port, SecretKey
+from duet.deploy.serve_config import DeployError, HeadConfig, head_config
+
+Kind = Literal["raycluster", "rayservice"]
+
+CONFIG_DIR = "/etc/duet"
+CONFIG_FILE = "duet.yaml"
+# Keys of the <name>-api-keys Secret: NAME:KEY,... for $DUET_API_KEYS, or a whole keys file
+# (docs/security.md) when the config names server.auth.api_keys_file.
+API_KEYS_ENV_KEY = "keys"
+API_KEYS_FILE_KEY = "keys.yaml"
+# The head runs the router, tokenizer and Ray's control plane; no engine.
+HEAD_SIZE = PodSize(cpus=2, memory_gib=8)
+# Per GPU of a GPU worker pod: host threads of the engine and KV transfer, and pinned buffers.
+CPUS_PER_GPU = 8
+MEMORY_GIB_PER_GPU = 64
+# A CPU engine: its forward-pass core(s), plus one for the engine core, Ray and NIXL; memory is
+# its KV cache plus about 3 GB for the engine processes (../shared/ENVIRONMENT.md).
+CPU_ENGINE_OVERHEAD_CPUS = 1
+CPU_ENGINE_OVERHEAD_GIB = 4
+# How long the head may take from container start to a running gRPC server: Ray, then every
+# worker's engine (server.worker_start_timeout_s), plus pulling and starting worker pods.
+HEAD_START_SLACK_S = 300
+
+# The head waits for its own Ray to answer (bounded), then becomes duet's front end.
+_HEAD_SCRIPT = """\
+ulimit -n 65536
+/bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &
+for _ in $(seq 120); do
+  if ray health-check --address "$RAY_ADDRESS" >/dev/null 2>&1; then
+    exec duet serve --config "$DUET_CONFIG"
+  fi
+  sleep 1
+done
+echo "duet: the Ray head did not answer within 120 s" >&2
+exit 1
+"""
+_WORKER_SCRIPT = """\
+ulimit -n 65536
+exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"
+"""
+
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    name: str = "duet"
+    namespace: str = "default"
+    image: str | None = None  # default: duet:gpu if any pool has GPUs, else duet:cpu
+    kind: Kind = "raycluster"
+    # Node label whose value is the plan's GPU type (label nodes to match, or pick a label the
+    # nodes already carry whose values are the cluster.yaml's GPU type names).
+    gpu_label: str = "duet/gpu-type"
+
+    @property
+    def ray_token_secret(self) -> str:
+        return f"{self.name}-ray-token"
+
+    @property
+    def api_keys_secret(self) -> str:
+        return f"{self.name}-api-keys"
+
+
+@dataclass(frozen=True)
+class ClusterLaunch:
+    """Everything the manifests say, as data: the groups (head first) and the head's config."""
+
+    options: RenderOptions
+    image: str
+    head_config: HeadConfig
+    groups: list[GroupLaunch]
+
+    @property
+    def head(self) -> GroupLaunch:
+        return self.groups[0]
+
+    @property
+    def workers(self) -> list[GroupLaunch]:
+        return self.groups[1:]
+
+    @property
+    def api_keys_file(self) -> PurePosixPath | None:
+        """Where the head reads its API keys file (mounted from the keys Secret), if anywhere."""
+        path = self.head_config.config.server.auth.api_keys_file
+        return PurePosixPath(path) if path else None
+
+    @property
+    def startup_budget_s(self) -> float:
+        return self.head_config.config.server.worker_start_timeout_s + HEAD_START_SLACK_S
+
+
+def plan_launch(
+    plan: Plan, options: RenderOptions, base_config: Path | None = None, cluster: ClusterSpec | None = None
+) -> ClusterLaunch:
+    """The node groups that run ``plan``; ``cluster`` (the plan's cluster.yaml) bounds how far
+    the autoscaler may grow each group, and is checked against the plan."""
+    if not _NAME.match(options.name):
+        raise DeployError(
+            f"--name {options.name!r}: use 1-40 lowercase letters, digits and '-', starting with a letter"
+        )
+    if cluster is not None:
+        validate_against(plan, cluster)
+    pools = plan.pools()  # (role, pool): prefill and decode, or colocated
+    config = head_config(plan, [role for role, _ in pools], base_config)
+    keys_file = config.config.server.auth.api_keys_file
+    if keys_file and PurePosixPath(keys_file).parent == PurePosixPath(CONFIG_DIR):
+        raise DeployError(
+            f"server.auth.api_keys_file {keys_file!r}: {CONFIG_DIR} holds the config; put the keys "
+            "file in a directory of its own, e.g. /etc/duet-keys/keys.yaml"
+        )
+    workers = [
+        _worker(role, pool, getattr(config.config, role), options, _max_replicas(role, pool, plan, cluster))
+        for role, pool in pools
+    ]
+    image = options.image or ("duet:gpu" if any(group.size.gpus for group in workers) else "duet:cpu")
+    return ClusterLaunch(options, image, config, [_head(config.config, options), *workers])
+
+
+def _ray_auth(options: RenderOptions) -> tuple[dict[str, str], dict[str, SecretKey]]:
+    """Ray 2.60 token authentication, the same token in every pod (docs/security.md); the key is
+    the one KubeRay's authOptions.secretName expects."""
+    return {"RAY_AUTH_MODE": "token"}, {"RAY_AUTH_TOKEN": SecretKey(options.ray_token_secret, "auth_token")}
+
+
+def _head(config: DuetConfig, options: RenderOptions) -> GroupLaunch:
+    env, secrets = _ray_auth(options)
+    server = config.server
+    if server.auth.api_keys_file is None:
+        # Keys as NAME:KEY,... in one variable; a keys file (mounted from the same Secret, see
+        # manifests.py) is needed for admin keys and per-key quotas.
+        secrets[server.auth.api_keys_env] = SecretKey(options.api_keys_secret, API_KEYS_ENV_KEY)
+    ports = [Port("grpc", server.port)]
+    if server.http_port is not None:
+        ports.append(Port("http", server.http_port))
+    if server.metrics_port is not None:
+        # Not "metrics": KubeRay names Ray's own metrics port (8080) so unless one exists.
+        ports.append(Port("duet-metrics", server.metrics_port))
+    return GroupLaunch(
+        name="head",
+        head=True,
+        command=["/bin/bash", "-c", _HEAD_SCRIPT],
+        env={**env, "DUET_CONFIG": f"{CONFIG_DIR}/{CONFIG_FILE}"},
+        secret_env=secrets,
+        size=HEAD_SIZE,
+        ray_cpus=0,
+        ports=ports,
+    )
+
+
+def _worker(role: str, pool: Pool, config: PoolConfig, options: RenderOptions, max_replicas: int) -> GroupLaunch:
+    env, secrets = _ray_auth(options)
+    engine_gpus = pool.tensor_parallel * pool.pipeline_parallel
+    if pool.gpu_type in CPU_GPU_TYPES:
+        cpus = max(math.ceil(config.num_cpus), engine_gpus) + CPU_ENGINE_OVERHEAD_CPUS
+        size = PodSize(cpus=cpus, memory_gib=math.ceil(config.kv_cache_gib) + CPU_ENGINE_OVERHEAD_GIB)
+        selector: dict[str, str] = {}
+    else:
+        if not _LABEL_VALUE.match(pool.gpu_type):
+            raise DeployError(
+                f"{role}.gpu_type {pool.gpu_type!r} is not a valid Kubernetes label value for "
+                f"{options.gpu_label}; rename the GPU type in cluster.yaml and re-plan"
+            )
+        size = PodSize(cpus=CPUS_PER_GPU * engine_gpus, memory_gib=MEMORY_GIB_PER_GPU * engine_gpus, gpus=engine_gpus)
+        selector = {options.gpu_label: pool.gpu_type}
+    return GroupLaunch(
+        name=role,
+        head=False,
+        command=["/bin/bash", "-c", _WORKER_SCRIPT],
+        env=env,
+        secret_env=secrets,
+        size=size,
+        ray_cpus=size.cpus,
+        ray_resources={role: 1},
+        replicas=pool.replicas,
+        min_replicas=pool.replicas,
+        max_replicas=max_replicas,
+        node_selector=selector,
+    )
+
+
+def _max_replicas(role: str, pool: Pool, plan: Plan, cluster: ClusterSpec | None) -> int:
+    """The most replicas of ``pool`` the cluster's GPUs of its type hold beside the other pools
+    as planned (without the cluster spec: the plan's own size, i.e. no growth)."""
+    if cluster is None or pool.gpu_type in CPU_GPU_TYPES:
+        return pool.replicas
+    others = sum(p.gpus for r, p in plan.pools() if r != role and p.gpu_type == pool.gpu_type)
+    per_replica = pool.tensor_parallel * pool.pipeline_parallel
+    if per_replica > cluster.gpus_per_node(pool.gpu_type):
+        raise PlanError(
+            f"{role}: a replica needs {per_replica} GPUs in one pod, but {pool.gpu_type} nodes have "
+            f"{cluster.gpus_per_node(pool.gpu_type)}"
+        )
+    return max(pool.replicas, (cluster.gpu_count(pool.gpu_type) - others) // per_replica)

@@ -1,0 +1,126 @@
+"""The autoscaler's decisions, driven observation by observation (no cluster: it is pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from duet.cluster.autoscaler.capacity import CapacityModel, erlang_c
+from duet.cluster.autoscaler.core import Autoscaler, Observation, PoolObservation
+from duet.cluster.autoscaler.policy import AutoscalePolicy, SloProfile
+from duet.cluster.simulated_engine import simulated_perf
+
+CHAT = SloProfile(ttft_s=0.25, tpot_s=0.1)
+
+
+def policy(**changes: object) -> AutoscalePolicy:
+    base = dict(
+        slo=CHAT, interval_s=10, prefill={"min": 1, "max": 32}, decode={"min": 1, "max": 32},
+        startup_s=60, scale_down={"delay_s": 120, "step": 1}, settle_s=30,
+    )
+    return AutoscalePolicy.model_validate({**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def opt13b_capacity() -> CapacityModel:
+    engine, _ = simulated_perf("distserve:opt-13b", 1, 1)
+    return CapacityModel(engine, engine, CHAT, headroom=0.9)
+
+
+def observe(
+    t: float, rate: float, sizes: dict[str, int], prompt: int = 800, output: int = 200,
+    ttft_met: float = 1.0, tpot_met: float = 1.0, fresh: bool = True, age: float = 0.0,
+    starting: dict[str, int] | None = None,
+) -> Observation:
+    arrivals = round(rate * 10)
+    done = arrivals
+    return Observation(
+        time_s=t, window_s=10, arrivals=arrivals, prompt_tokens=arrivals * prompt,
+        prompt_tokens_sq=arrivals * prompt * prompt, first_tokens=arrivals, ttft_met=round(arrivals * ttft_met),
+        finished=done, output_tokens=done * output, tpot_met=round(done * tpot_met), ttft_overdue=0,
+        pools={role: PoolObservation(ready=n, starting=(starting or {}).get(role, 0)) for role, n in sizes.items()},
+        fresh=fresh, metrics_age_s=age,
+    )
+
+
+def run(scaler: Autoscaler, rates: list[float], sizes: dict[str, int], start: float = 10, **kwargs: object) -> list[dict[str, int]]:
+    """Feed one observation per rate, applying each target as if workers started at once."""
+    history = []
+    for k, rate in enumerate(rates):
+        decisions = scaler.decide(observe(start + 10 * k, rate, sizes, **kwargs))
+        sizes = {d.role: d.target for d in decisions}
+        history.append(sizes)
+    return history
+
+
+def test_erlang_c_matches_known_values() -> None:
+    # Two servers, one erlang offered: P(wait) = 1/3; one server: P(wait) = utilisation.
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(1, 0.6) == pytest.approx(0.6)
+
+
+def test_capacity_grows_with_load_and_with_tighter_slos(opt13b_capacity: CapacityModel) -> None:
+    low = opt13b_capacity.prefill_workers(5, 800, 800**2).workers
+    high = opt13b_capacity.prefill_workers(50, 800, 800**2).workers
+    assert 1 <= low < high
+    tight = CapacityModel(opt13b_capacity.prefill, opt13b_capacity.decode, SloProfile(ttft_s=0.12, tpot_s=0.1), 0.9)
+    assert tight.prefill_workers(50, 800, 800**2).workers > high
+    # Varied prompt lengths (same mean) queue longer than uniform ones.
+    assert opt13b_capacity.prefill_workers(50, 800, 2 * 800**2).workers >= high
+    assert opt13b_capacity.decode_workers(5, 800, 200).workers < opt13b_capacity.decode_workers(50, 800, 200).workers
+
+
+def test_load_step_scales_up_at_once_and_down_only_after_the_window(opt13b_capacity: CapacityModel) -> None:
+    scaler = Autoscaler(policy(), opt13b_capacity)
+    history = run(scaler, [5] * 3 + [40] * 3 + [5] * 20, {"prefill": 1, "decode": 1})
+    before, peak = history[2], history[3]
+    assert peak["prefill"] > before["prefill"] and peak["decode"] > before["decode"]  # the first interval of the step
+    # After the drop, nothing shrinks for the 120 s window, then one worker per interval.
+    after_drop = history[6:]
+    assert after_drop[9] == history[5], "shrank before the scale-down window passed"
+    final = after_drop[-1]
+    assert final["prefill"] < peak["prefill"] and final["decode"] < peak["decode"]
+    shrinks = [a["prefill"] - b["prefill"] for a, b in zip(after_drop, after_drop[1:])]
+    assert max(shrinks) <= 1
+
+
+def test_missing_or_stale_metrics_shrink_nothing(opt13b_capacity: CapacityModel) -> None:
+    scaler = Autoscaler(policy(), opt13b_capacity)
+    sizes = run(scaler, [40] * 20, {"prefill": 1, "decode": 1})[-1]
+    # The load falls, but the metrics vanish for 5 minutes: every pool holds.
+    for k in range(30):
+        for decision in scaler.decide(observe(300 + 10 * k, 1, sizes, fresh=False)):
+            assert decision.target == decision.current == sizes[decision.role]
+            assert "missing" in decision.reason
+    for decision in scaler.decide(observe(700, 1, sizes, age=120)):
+        assert decision.target == sizes[decision.role] and "old" in decision.reason
+
+
+def test_pressure_adds_one_worker_then_waits_for_it_to_settle() -> None:
+    scaler = Autoscaler(policy(latency_model=None), None)
+    sizes = {"prefill": 2, "decode": 2}
+    first = {d.role: d for d in scaler.decide(observe(10, 5, sizes, ttft_met=0.5))}
+    assert first["prefill"].target == 3 and "TTFT attainment 50%" in first["prefill"].reason
+    assert first["decode"].target == 2  # TPOT was met: the bottleneck is prefill
+    # The new worker is starting: more pressure must not start another.
+    second = {d.role: d for d in scaler.decide(observe(20, 5, {"prefill": 2, "decode": 2}, ttft_met=0.5, starting={"prefill": 1}))}
+    assert second["prefill"].target == 3
+    # A TPOT shortfall grows decode instead.
+    third = {d.role: d for d in scaler.decide(observe(30, 5, {"prefill": 3, "decode": 2}, tpot_met=0.5))}
+    assert third["decode"].target == 3
+
+
+def test_reactive_only_policy_shrinks_to_minimum_after_an_idle_window() -> None:
+    scaler = Autoscaler(policy(latency_model=None), None)
+    history = run(scaler, [0] * 20, {"prefill": 3, "decode": 3})
+    assert history[5] == {"prefill": 3, "decode": 3}  # inside the window: hold
+    assert history[-1] == {"prefill": 1, "decode": 1}
+
+
+def test_bounds_and_budget(opt13b_capacity: CapacityModel) -> None:
+    scaler = Autoscaler(policy(prefill={"min": 2, "max": 4}, decode={"min": 1, "max": 3}, budget=6), opt13b_capacity)
+    history = run(scaler, [200] * 3, {"prefill": 2, "decode": 1})
+    final = history[-1]
+    assert final["prefill"] <= 4 and final["decode"] <= 3
+    assert final["prefill"] + final["decode"] <= 6
+    decisions = scaler.decide(observe(100, 200, final))
+    assert any("budget" in d.reason or "clamped to max" in d.reason for d in decisions)

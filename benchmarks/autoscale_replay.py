@@ -104,9 +104,10 @@ def opening_sizes(trace: Trace, capacity: CapacityModel, policy: AutoscalePolicy
     first = trace.arrival_s < 60
     inputs = trace.input_len[first].astype(float)
     rate = first.sum() / 60
+    share = (1 - capacity.slo.attainment) / 2
     sizes = {
-        "prefill": capacity.prefill_workers(rate, inputs.mean(), (inputs**2).mean()).workers,
-        "decode": capacity.decode_workers(rate, inputs.mean(), trace.output_len[first].mean()).workers,
+        "prefill": capacity.prefill_workers(rate, inputs.mean(), (inputs**2).mean(), share).workers,
+        "decode": capacity.decode_workers(rate, inputs.mean(), trace.output_len[first].mean(), share).workers,
     }
     return {role: min(max(n, policy.limits(role).min), policy.limits(role).max) for role, n in sizes.items()}
 

@@ -1,7 +1,8 @@
 """How many workers a forecast load needs, from the placement optimizer's latency model.
 
-Each phase gets half of the SLO's miss allowance (with a 90% attainment target, at most 5% of
-requests may miss TTFT and 5% TPOT), and is sized with the queueing model that fits it:
+Each phase may let a given share of requests miss its target (the autoscaler passes half of
+what the SLO's error budget allows right now: with a 90% attainment target and no misses
+spent, 5% may miss TTFT and 5% TPOT), and is sized with the queueing model that fits it:
 
 - **Prefill** is a queue served by ``n`` workers that the router keeps evenly loaded: an M/G/n
   queue. Erlang's C formula gives the chance a request waits at all, and the wait beyond that is
@@ -56,14 +57,10 @@ class CapacityModel:
     headroom: float
     max_num_seqs: int = 256
 
-    @property
-    def miss_allowance(self) -> float:
-        """Share of requests each phase may let miss its target."""
-        return (1 - self.slo.attainment) / 2
-
-    def prefill_workers(self, rate: float, prompt_mean: float, prompt_mean_sq: float) -> Sizing:
+    def prefill_workers(self, rate: float, prompt_mean: float, prompt_mean_sq: float, miss_allowance: float) -> Sizing:
         """Prefill workers for ``rate`` requests/s of prompts with mean length ``prompt_mean``
-        and mean squared length ``prompt_mean_sq``."""
+        and mean squared length ``prompt_mean_sq``, letting ``miss_allowance`` of them wait
+        past the TTFT target."""
         if rate <= 0:
             return Sizing(0, "no arrivals")
         service = self.prefill.prefill_latency_s(prompt_mean, prompt_mean_sq) / self.headroom
@@ -74,23 +71,24 @@ class CapacityModel:
         while workers < _MAX_WORKERS:
             spare = workers / service - rate
             late = erlang_c(workers, offered) * math.exp(-spare * slack * 2 / (1 + length_cv2))
-            if late <= self.miss_allowance:
+            if late <= miss_allowance:
                 break
             workers += 1
         return Sizing(
             workers,
             f"{rate:.2f} req/s x {prompt_mean:.0f}-token prompts ({service * 1000:.0f} ms each): "
             f"{offered:.1f} workers busy, {workers} keep waits past {slack * 1000:.0f} ms under "
-            f"{self.miss_allowance:.0%}",
+            f"{miss_allowance:.1%}",
         )
 
-    def decode_workers(self, rate: float, prompt_len: float, output_len: float) -> Sizing:
-        """Decode workers for ``rate`` requests/s producing ``output_len`` tokens each."""
+    def decode_workers(self, rate: float, prompt_len: float, output_len: float, miss_allowance: float) -> Sizing:
+        """Decode workers for ``rate`` requests/s producing ``output_len`` tokens each, with
+        room for all running requests but in ``miss_allowance`` of intervals."""
         if rate <= 0 or output_len <= 1:
             return Sizing(0, "no tokens to decode")
         batch, step = self._largest_batch(prompt_len, output_len)
         running = rate * (output_len - 1) * step
-        quantile = NormalDist().inv_cdf(1 - self.miss_allowance)
+        quantile = NormalDist().inv_cdf(1 - miss_allowance)
         held = self.headroom * batch
         workers = max(1, math.ceil((running + quantile * math.sqrt(running)) / held))
         return Sizing(

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from duet.cluster.autoscaler.capacity import CapacityModel
+from duet.cluster.autoscaler.error_budget import ErrorBudget
 from duet.cluster.autoscaler.forecast import Ewma, RateForecast
 from duet.cluster.autoscaler.policy import ROLES, AutoscalePolicy, SloProfile
 
@@ -118,6 +119,8 @@ class Autoscaler:
         self.prompt_sq = Ewma(0.3)
         self.output_len = Ewma(0.3)
         self.pools = {role: _PoolState() for role in ROLES}
+        self.budget = ErrorBudget(self.slo.attainment, policy.error_budget_window_s)
+        self.miss_share = self.budget.nominal
 
     def decide(self, obs: Observation) -> list[Decision]:
         """One target per pool for this observation."""
@@ -136,6 +139,9 @@ class Autoscaler:
             state.ready = obs.pools[role].ready
         if obs.finished:
             self.output_len.update(obs.output_tokens / obs.finished)
+        self.budget.record(obs.time_s, obs.finished, (obs.first_tokens - obs.ttft_met) + (obs.finished - obs.tpot_met))
+        horizon = self.policy.startup_s + self.policy.interval_s
+        self.miss_share = self.budget.miss_share(self.rate.predict(horizon) * horizon)
         wanted = {role: self._wanted(role, obs) for role in ROLES}
         wanted = self._within_budget(wanted, obs)
         return [self._damped(role, obs, *wanted[role]) for role in ROLES]
@@ -171,17 +177,19 @@ class Autoscaler:
         horizon = self.policy.startup_s + self.policy.interval_s
         rate = self.rate.predict(horizon)
         prompt = self.prompt_len.value
+        allowance = self.miss_share / 2  # half the affordable misses to each phase
         if role == "prefill":
-            sizing = self.capacity.prefill_workers(rate, prompt, self.prompt_sq.value or prompt**2)
+            sizing = self.capacity.prefill_workers(rate, prompt, self.prompt_sq.value or prompt**2, allowance)
         else:
             output = self.output_len.value if self.output_len.value is not None else 1.0
-            sizing = self.capacity.decode_workers(rate, prompt, output)
+            sizing = self.capacity.decode_workers(rate, prompt, output, allowance)
         return sizing.workers, f"{rate:.2f} req/s: {sizing.why}"
 
     def _pressure(self, role: str, obs: Observation) -> str:
-        """Why ``role`` is missing (or about to miss) its SLO share; empty when it is not."""
+        """Why ``role`` is missing (or about to miss) the share of its SLO the error budget asks
+        for now; empty when it is not."""
         pool = obs.pools[role]
-        target = self.slo.attainment
+        target = 1 - self.miss_share
         if role == "prefill":
             if obs.first_tokens >= _MIN_SAMPLES and obs.ttft_met / obs.first_tokens < target:
                 return f"TTFT attainment {obs.ttft_met / obs.first_tokens:.0%} < {target:.0%}"

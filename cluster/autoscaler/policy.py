@@ -82,6 +82,9 @@ class AutoscalePolicy(_Strict):
     # After a pool gains a worker, its SLO shortfall is given this long to clear before the
     # reactive correction asks for another.
     settle_s: float = Field(default=30.0, ge=0)
+    # Attainment is judged over this window; each interval is planned for the misses it still
+    # allows (cluster/autoscaler/error_budget.py). 0 plans every interval for the target itself.
+    error_budget_window_s: float = Field(default=3600.0, ge=0)
     # Metrics older than this (or missing) freeze every pool at its current size.
     stale_after_s: float = Field(default=30.0, gt=0)
     # The forecast never falls below the mean arrival rate of this long a window.

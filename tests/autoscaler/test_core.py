@@ -59,14 +59,14 @@ def test_erlang_c_matches_known_values() -> None:
 
 
 def test_capacity_grows_with_load_and_with_tighter_slos(opt13b_capacity: CapacityModel) -> None:
-    low = opt13b_capacity.prefill_workers(5, 800, 800**2).workers
-    high = opt13b_capacity.prefill_workers(50, 800, 800**2).workers
+    low = opt13b_capacity.prefill_workers(5, 800, 800**2, 0.05).workers
+    high = opt13b_capacity.prefill_workers(50, 800, 800**2, 0.05).workers
     assert 1 <= low < high
     tight = CapacityModel(opt13b_capacity.prefill, opt13b_capacity.decode, SloProfile(ttft_s=0.12, tpot_s=0.1), 0.9)
-    assert tight.prefill_workers(50, 800, 800**2).workers > high
+    assert tight.prefill_workers(50, 800, 800**2, 0.05).workers > high
     # Varied prompt lengths (same mean) queue longer than uniform ones.
-    assert opt13b_capacity.prefill_workers(50, 800, 2 * 800**2).workers >= high
-    assert opt13b_capacity.decode_workers(5, 800, 200).workers < opt13b_capacity.decode_workers(50, 800, 200).workers
+    assert opt13b_capacity.prefill_workers(50, 800, 2 * 800**2, 0.05).workers >= high
+    assert opt13b_capacity.decode_workers(5, 800, 200, 0.05).workers < opt13b_capacity.decode_workers(50, 800, 200, 0.05).workers
 
 
 def test_load_step_scales_up_at_once_and_down_only_after_the_window(opt13b_capacity: CapacityModel) -> None:

@@ -1,0 +1,166 @@
+"""A rendered duet cluster (:func:`duet.deploy.render.plan_launch`) run on virtual hosts.
+
+Every node runs its group's own container command with its group's own environment, plus what
+KubeRay would add (:meth:`GroupLaunch.kuberay_env`) and the Secrets' values: the same processes
+the manifests start in pods, here one per host of a :class:`~duet.deploy.hosts.HostNetwork`.
+The head host runs Ray's head and duet's front end; each worker group's replicas get hosts of
+their own (``prefill-0``, ``decode-0``, ...), so KV between prefill and decode crosses the
+shaped links.
+
+Two things differ from a pod, both because the "hosts" share one kernel and file system:
+
+- ``DUET_CONFIG`` names a file in the harness's directory instead of the ConfigMap mount;
+- ``UCX_TLS=tcp``: UCX would otherwise see one machine and move NIXL's KV by cross-memory
+  attach, past the network the test is about. On real hosts UCX picks the best transport
+  itself (RDMA where present).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from duet.deploy.hosts import HostNetwork
+from duet.deploy.launch import GCS_PORT, GroupLaunch
+from duet.deploy.render import API_KEYS_ENV_KEY, ClusterLaunch
+
+HEAD = "head"
+API_KEY_NAME = "harness"
+
+if TYPE_CHECKING:  # grpc is only needed once duet's front end is up
+    from duet.router.client import DuetClient
+
+
+class ClusterStartError(RuntimeError):
+    """A node or duet's front end did not come up; the message carries its log's tail."""
+
+
+def host_names(launch: ClusterLaunch) -> list[str]:
+    """One host for the head and one per replica of each worker group, in that order."""
+    return [HEAD, *(f"{group.name}-{i}" for group in launch.workers for i in range(group.replicas))]
+
+
+@dataclass(frozen=True)
+class ClusterSecrets:
+    """The values of the two Secrets the manifests reference (docs/deploy.md)."""
+
+    ray_token: str
+    api_key: str
+
+    @classmethod
+    def generate(cls) -> ClusterSecrets:
+        return cls(secrets.token_hex(32), secrets.token_hex(16))
+
+    def resolve(self, launch: ClusterLaunch, group: GroupLaunch) -> dict[str, str]:
+        """``group``'s secret environment, read from these values instead of Kubernetes."""
+        values = {
+            (launch.options.ray_token_secret, "auth_token"): self.ray_token,
+            (launch.options.api_keys_secret, API_KEYS_ENV_KEY): f"{API_KEY_NAME}:{self.api_key}",
+        }
+        return {name: values[(ref.secret, ref.key)] for name, ref in group.secret_env.items()}
+
+
+def _image_env() -> dict[str, str]:
+    """What the image's environment provides: duet and ray on PATH, a home, a locale; plus the
+    model cache, so the built-in model is not rebuilt per host."""
+    env = {
+        "PATH": f"{Path(sys.prefix) / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": "C.UTF-8",
+    }
+    for name in ("DUET_CACHE_DIR", "HF_HOME"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+class VirtualCluster:
+    """Start with :meth:`start`; the :class:`HostNetwork` owns (and removes) every process."""
+
+    def __init__(self, launch: ClusterLaunch, network: HostNetwork, cluster_secrets: ClusterSecrets | None = None) -> None:
+        self.launch = launch
+        self.network = network
+        self.secrets = cluster_secrets or ClusterSecrets.generate()
+        self.config_file = network.workdir / "duet.yaml"
+        self.config_file.write_text(launch.head_config.yaml())
+        self._groups = {HEAD: launch.head} | {
+            f"{group.name}-{i}": group for group in launch.workers for i in range(group.replicas)
+        }
+
+    @property
+    def head_address(self) -> str:
+        return self.network[HEAD].address
+
+    @property
+    def target(self) -> str:
+        """duet's gRPC API, as a client outside the hosts reaches it."""
+        return f"{self.head_address}:{self.launch.head_config.config.server.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        port = self.launch.head_config.config.server.metrics_port
+        return f"http://{self.head_address}:{port}/metrics" if port is not None else None
+
+    def environment(self, host: str) -> dict[str, str]:
+        """Exactly the environment the node on ``host`` runs with."""
+        group = self._groups[host]
+        return {
+            **_image_env(),
+            **group.env,
+            **self.secrets.resolve(self.launch, group),
+            **group.kuberay_env(self.head_address),
+            "DUET_CONFIG": str(self.config_file),
+            "UCX_TLS": "tcp",
+        }
+
+    def start_node(self, host: str) -> None:
+        """Run ``host``'s group command (the pod's container command) on it."""
+        self.network.popen(host, self._groups[host].command, self.environment(host), log="node.log")
+
+    def start(self, timeout_s: float = 600.0) -> VirtualCluster:
+        """Head first (workers' ``ray start`` needs its GCS), then every worker; returns once
+        duet's front end reports every pool ready."""
+        deadline = time.monotonic() + timeout_s
+        self.start_node(HEAD)
+        self._wait(lambda: _port_open(self.head_address, GCS_PORT), "the Ray head's GCS", HEAD, deadline)
+        for host in self._groups:
+            if host != HEAD:
+                self.start_node(host)
+        self._wait(self.ready, "duet's front end (every pool ready)", HEAD, deadline)
+        return self
+
+    def ready(self) -> bool:
+        from duet.router.client import DuetClient
+
+        if not _port_open(self.head_address, self.launch.head_config.config.server.port):
+            return False
+        with DuetClient(self.target) as client:
+            return client.is_serving(timeout=2.0)
+
+    def client(self) -> DuetClient:
+        from duet.router.client import DuetClient
+
+        return DuetClient(self.target, api_key=self.secrets.api_key)
+
+    def _wait(self, check: Callable[[], bool], what: str, host: str, deadline: float) -> None:
+        while not check():
+            exited = [p for p in self.network[host].processes if p.poll() is not None]
+            if exited or time.monotonic() > deadline:
+                why = f"exited with {exited[0].returncode}" if exited else "timed out"
+                raise ClusterStartError(f"{what} on {host} {why}; its log ends:\n{self.network.log(host, 'node.log')}")
+            time.sleep(0.5)
+
+
+def _port_open(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False

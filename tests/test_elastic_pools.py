@@ -65,9 +65,13 @@ def test_scale_up_and_down_while_streaming_is_exact(deployment, client, referenc
     for thread in threads:
         thread.start()
     try:
-        assert sorted(client.scale("prefill", 2) + client.scale("decode", 2)) == ["decode-1: starting", "prefill-1: starting"]
+        # Names count up per pool over the deployment's life (other tests may have added workers).
+        grown = {role: f"{role}-{manager._next_index}" for role, manager in deployment.managers.items()}
+        assert sorted(client.scale("prefill", 2) + client.scale("decode", 2)) == [
+            f"{grown['decode']}: starting", f"{grown['prefill']}: starting"
+        ]
         pools = _wait_settled(client)
-        assert pools == {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]}
+        assert pools == {role: [f"{role}-0", grown[role]] for role in ("prefill", "decode")}
         served_before = len(results)
         time.sleep(10)  # requests now spread over both workers of each pool
         new_members = {role: pool.members[1] for role, pool in (("prefill", deployment.prefill), ("decode", deployment.decode))}
@@ -81,7 +85,9 @@ def test_scale_up_and_down_while_streaming_is_exact(deployment, client, referenc
         assert after_kill and max(after_kill) < replacement_s / 2, (max(after_kill), replacement_s)
         assert new_members["prefill"].restarts == 1
         new_endpoint = new_members["prefill"].kv_endpoint
-        assert sorted(client.scale("prefill", 1) + client.scale("decode", 1)) == ["decode-1: draining", "prefill-1: draining"]
+        assert sorted(client.scale("prefill", 1) + client.scale("decode", 1)) == [
+            f"{grown['decode']}: draining", f"{grown['prefill']}: draining"
+        ]
         assert _wait_settled(client) == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
     finally:
         stop.set()

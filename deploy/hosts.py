@@ -8,7 +8,8 @@ a Ray node and nothing less:
 - a **default route** (Ray finds its node address by routing towards a public address; without
   one it falls back to 127.0.0.1 and other nodes cannot reach it);
 - its own **hostname**, resolving to its own address in its own ``/etc/hosts`` (gloo, the nccl
-  transport on CPU, binds to whatever the hostname resolves to);
+  transport on CPU, binds to whatever the hostname resolves to), and a resolver that answers at
+  once (there is no DNS server; see ``_RESOLV_CONF``);
 - its own ``/tmp/ray`` and ``~/.ray`` (Ray's session files and auth token; shared ones would mix
   the nodes' sessions, and touch the machine's own Ray).
 
@@ -36,7 +37,10 @@ from typing import IO
 
 PREFIX = "duet-"
 _INNER_DEV = "eth0"
-_ROOT_NS = "root"
+# The hosts have no DNS server (the machine's is not reachable from the bridge). Without this,
+# a lookup (torch's TCPStore resolves every peer's name) waits for the machine's nameserver
+# until it times out; with it, the query is refused at once and /etc/hosts answers the names.
+_RESOLV_CONF = "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 
 
 class HostsUnavailable(RuntimeError):
@@ -59,15 +63,15 @@ class LinkShape:
 
     def qdiscs(self) -> list[list[str]]:
         """``tc qdisc`` arguments (after ``dev X``) that install this shape, root first."""
-        netem = ["delay", f"{self.delay_ms}ms"] if self.delay_ms else []
-        netem += ["loss", f"{self.loss_pct}%"] if self.loss_pct else []
+        netem = ["delay", f"{self.delay_ms:g}ms"] if self.delay_ms else []
+        netem += ["loss", f"{self.loss_pct:g}%"] if self.loss_pct else []
         tbf = []
         if self.rate_mbit:
             bytes_per_s = self.rate_mbit * 1e6 / 8
             # The bucket must hold a GSO segment (64 KiB) and a timer tick's worth (4 ms) of
             # traffic, or tbf caps the rate below what it was given.
             burst = max(256 * 1024, int(bytes_per_s * 0.004))
-            tbf = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "50ms"]
+            tbf = ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", "50ms"]
         if netem and tbf:
             return [["root", "handle", "1:", "netem", *netem], ["parent", "1:1", "handle", "10:", *tbf]]
         if netem:
@@ -164,7 +168,7 @@ class HostNetwork:
         self._bridge_made = True
         _ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.hostname}\n" for h in self.hosts.values())
+        hosts_file = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n" + "".join(f"{h.address} {h.hostname}\n" for h in self.hosts.values())
         for host in self.hosts.values():
             if host.netns not in self._created:
                 _ip("netns", "add", host.netns)
@@ -172,6 +176,7 @@ class HostNetwork:
             for sub in ("ray-tmp", "ray-home", "logs"):
                 (host.root / sub).mkdir(parents=True)
             (host.root / "hosts").write_text(hosts_file)
+            (host.root / "resolv.conf").write_text(_RESOLV_CONF)
             _ip("link", "add", host.veth, "type", "veth", "peer", "name", _INNER_DEV, "netns", host.netns)
             _ip("link", "set", host.veth, "master", self.bridge, "up")
             _ip("addr", "add", f"{host.address}/{self.subnet.prefixlen}", "dev", _INNER_DEV, netns=host.netns)
@@ -204,7 +209,8 @@ class HostNetwork:
         for mount_point in (Path("/tmp/ray"), ray_home):
             mount_point.mkdir(parents=True, exist_ok=True)  # outside, empty: only mounted over
         setup = (
-            'hostname "$1" && mount --bind "$2/hosts" /etc/hosts && mount --bind "$2/ray-tmp" /tmp/ray '
+            'hostname "$1" && mount --bind "$2/hosts" /etc/hosts && mount --bind "$2/resolv.conf" /etc/resolv.conf '
+            '&& mount --bind "$2/ray-tmp" /tmp/ray '
             '&& mount --bind "$2/ray-home" "$3" && shift 3 && exec "$@"'
         )
         wrapped = [

@@ -20,16 +20,24 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from duet.deploy.hosts import HostNetwork
+import yaml
+
+from duet.cluster.placement.plan import Plan
+from duet.deploy.hosts import PREFIX, HostNetwork, LinkShape
 from duet.deploy.launch import GCS_PORT, GroupLaunch
-from duet.deploy.render import API_KEYS_ENV_KEY, ClusterLaunch
+from duet.deploy.render import API_KEYS_ENV_KEY, ClusterLaunch, RenderOptions, plan_launch
 
 HEAD = "head"
+# Prefill on one host, decode on another (the plan the test and `duet bench multinode` run).
+TWO_HOSTS_PLAN = Path(__file__).resolve().parent / "examples" / "two-hosts-cpu.yaml"
 API_KEY_NAME = "harness"
 
 if TYPE_CHECKING:  # grpc is only needed once duet's front end is up
@@ -40,9 +48,11 @@ class ClusterStartError(RuntimeError):
     """A node or duet's front end did not come up; the message carries its log's tail."""
 
 
-def host_names(launch: ClusterLaunch) -> list[str]:
-    """One host for the head and one per replica of each worker group, in that order."""
-    return [HEAD, *(f"{group.name}-{i}" for group in launch.workers for i in range(group.replicas))]
+def host_groups(launch: ClusterLaunch) -> dict[str, GroupLaunch]:
+    """Each host's node group: one host for the head and one per replica of each worker group
+    (``prefill-0``, ``decode-0``, ...), in that order."""
+    workers = {f"{group.name}-{i}": group for group in launch.workers for i in range(group.replicas)}
+    return {HEAD: launch.head, **workers}
 
 
 @dataclass(frozen=True)
@@ -88,9 +98,7 @@ class VirtualCluster:
         self.secrets = cluster_secrets or ClusterSecrets.generate()
         self.config_file = network.workdir / "duet.yaml"
         self.config_file.write_text(launch.head_config.yaml())
-        self._groups = {HEAD: launch.head} | {
-            f"{group.name}-{i}": group for group in launch.workers for i in range(group.replicas)
-        }
+        self._groups = host_groups(launch)
 
     @property
     def head_address(self) -> str:
@@ -164,3 +172,19 @@ def _port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+@contextmanager
+def serve_on_hosts(
+    settings: dict[str, Any], shape: LinkShape = LinkShape(), plan: Path = TWO_HOSTS_PLAN, timeout_s: float = 600.0
+) -> Iterator[VirtualCluster]:
+    """``plan`` rendered over a base config of ``settings`` (e.g. ``{"kv_transfer":
+    {"transport": "nccl"}}``) and running on fresh virtual hosts whose links are ``shape``;
+    every host, link and process is gone on exit. Raises HostsUnavailable where network
+    namespaces cannot be made."""
+    with tempfile.TemporaryDirectory(prefix=PREFIX) as scratch:  # read once, by plan_launch
+        base = Path(scratch) / "base.yaml"
+        base.write_text(yaml.safe_dump(settings))
+        launch = plan_launch(Plan.load(plan), RenderOptions(), base)
+    with HostNetwork(list(host_groups(launch)), shape) as network:
+        yield VirtualCluster(launch, network).start(timeout_s)

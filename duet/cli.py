@@ -362,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
+    from duet.benchmarks.multinode import register_command as register_bench_multinode
     from duet.benchmarks.prefix_affinity import register_command as register_bench_affinity
     from duet.benchmarks.router_overhead import register_command as register_bench_router
     from duet.benchmarks.autoscale_replay import register_command as register_bench_autoscale
@@ -381,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_local_prefill(benches)  # bench local-prefill
     register_bench_router(benches)  # bench router
     register_bench_autoscale(benches)  # bench autoscale
+    register_bench_multinode(benches)  # bench multinode
     return parser
 
 

@@ -124,6 +124,8 @@ class VirtualCluster:
             **group.kuberay_env(self.head_address),
             "DUET_CONFIG": str(self.config_file),
             "UCX_TLS": "tcp",
+            # UCX tuning given to the harness (e.g. UCX_TCP_TX_SEG_SIZE) reaches every node.
+            **{name: value for name, value in os.environ.items() if name.startswith("UCX_") and name != "UCX_TLS"},
         }
 
     def start_node(self, host: str) -> None:

@@ -16,6 +16,11 @@ spent, 5% may miss TTFT and 5% TPOT), and is sized with the queueing model that 
   The largest batch whose step stays inside the TPOT target and whose KV fits sets what one
   worker holds; the pool needs room for ``m`` plus the allowance's quantile of its spread.
 
+Both give the share of requests a pool of a given size serves late, so a pool can also be sized
+for a *history* of loads (:meth:`CapacityModel.reserve`): the smallest pool that would have kept
+the late share of all their requests within the allowance, which is what holds the pool between
+bursts shorter than a worker's start-up.
+
 ``headroom`` scales what the model says one worker does, for what it does not know (the
 serving path's CPU, a worse-than-modelled burst); the reactive correction in
 :mod:`duet.cluster.autoscaler.core` covers the rest. DistServe sizes prefill with the M/D/1
@@ -26,6 +31,7 @@ queues would, which is why the pool is modelled whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -33,6 +39,17 @@ from duet.cluster.autoscaler.policy import SloProfile
 from duet.cluster.placement.latency_model import EnginePerf
 
 _MAX_WORKERS = 4096
+
+
+@dataclass(frozen=True)
+class Load:
+    """One interval's load, as sizing sees it."""
+
+    arrivals: int
+    rate: float
+    prompt_mean: float
+    prompt_mean_sq: float
+    output_mean: float
 
 
 @dataclass(frozen=True)
@@ -63,23 +80,34 @@ class CapacityModel:
         past the TTFT target."""
         if rate <= 0:
             return Sizing(0, "no arrivals")
-        service = self.prefill.prefill_latency_s(prompt_mean, prompt_mean_sq) / self.headroom
-        length_cv2 = max(prompt_mean_sq / max(prompt_mean, 1.0) ** 2 - 1, 0.0)
-        offered = rate * service
-        slack = max(self.slo.ttft_s - service, 0.0)
-        workers = max(1, math.floor(offered) + 1)
-        while workers < _MAX_WORKERS:
-            spare = workers / service - rate
-            late = erlang_c(workers, offered) * math.exp(-spare * slack * 2 / (1 + length_cv2))
-            if late <= miss_allowance:
-                break
+        service = self._prefill_service_s(prompt_mean, prompt_mean_sq)
+        workers = max(1, math.floor(rate * service) + 1)
+        while workers < _MAX_WORKERS and self.prefill_late(workers, rate, prompt_mean, prompt_mean_sq) > miss_allowance:
             workers += 1
         return Sizing(
             workers,
             f"{rate:.2f} req/s x {prompt_mean:.0f}-token prompts ({service * 1000:.0f} ms each): "
-            f"{offered:.1f} workers busy, {workers} keep waits past {slack * 1000:.0f} ms under "
-            f"{miss_allowance:.1%}",
+            f"{rate * service:.1f} workers busy, {workers} keep waits past "
+            f"{max(self.slo.ttft_s - service, 0.0) * 1000:.0f} ms under {miss_allowance:.1%}",
         )
+
+    def prefill_late(self, workers: int, rate: float, prompt_mean: float, prompt_mean_sq: float) -> float:
+        """The share of prompts that wait past what the TTFT target leaves for queueing, with
+        ``workers`` serving ``rate`` requests/s (all of them when the pool cannot keep up)."""
+        if rate <= 0:
+            return 0.0
+        service = self._prefill_service_s(prompt_mean, prompt_mean_sq)
+        offered = rate * service
+        if offered >= workers:
+            return 1.0
+        length_cv2 = max(prompt_mean_sq / max(prompt_mean, 1.0) ** 2 - 1, 0.0)
+        slack = max(self.slo.ttft_s - service, 0.0)
+        spare = workers / service - rate
+        return min(1.0, erlang_c(workers, offered) * math.exp(-spare * slack * 2 / (1 + length_cv2)))
+
+    def _prefill_service_s(self, prompt_mean: float, prompt_mean_sq: float) -> float:
+        """Mean prefill time of one prompt, planned at ``headroom``."""
+        return self.prefill.prefill_latency_s(prompt_mean, prompt_mean_sq) / self.headroom
 
     def decode_workers(self, rate: float, prompt_len: float, output_len: float, miss_allowance: float) -> Sizing:
         """Decode workers for ``rate`` requests/s producing ``output_len`` tokens each, with
@@ -89,12 +117,55 @@ class CapacityModel:
         batch, step = self._largest_batch(prompt_len, output_len)
         running = rate * (output_len - 1) * step
         quantile = NormalDist().inv_cdf(1 - miss_allowance)
-        held = self.headroom * batch
-        workers = max(1, math.ceil((running + quantile * math.sqrt(running)) / held))
+        workers = max(1, math.ceil((running + quantile * math.sqrt(running)) / (self.headroom * batch)))
         return Sizing(
             workers,
             f"{running:.0f} requests running; a worker holds {batch} at {step * 1000:.0f} ms/step",
         )
+
+    def decode_late(self, workers: int, rate: float, prompt_len: float, output_len: float) -> float:
+        """The chance that more requests run than ``workers`` hold (the inverse of
+        :meth:`decode_workers`), with the running count spread as a Poisson count is."""
+        if rate <= 0 or output_len <= 1:
+            return 0.0
+        batch, step = self._largest_batch(prompt_len, output_len)
+        running = rate * (output_len - 1) * step
+        return 1 - NormalDist().cdf((workers * self.headroom * batch - running) / math.sqrt(running))
+
+    def reserve(self, role: str, history: Sequence[Load], miss_allowance: float) -> int:
+        """The smallest pool that would have served ``history`` (one load per interval,
+        weighted by its arrivals) with at most ``miss_allowance`` of the requests late.
+
+        Bursts shorter than a worker's start-up are over before workers started for them
+        serve, so the pool held between them is what meets them: a static pool for the recent
+        past, sized by the share of its requests the SLO lets miss rather than by its busiest
+        interval."""
+        weight = sum(load.arrivals for load in history)
+        if weight == 0:
+            return 0
+
+        def late(workers: int) -> float:
+            return sum(load.arrivals * self.late_share(role, workers, load) for load in history) / weight
+
+        low, high = 0, max(self.workers(role, load, miss_allowance) for load in history)
+        while low < high:  # the late share falls as the pool grows: bisect
+            middle = (low + high) // 2
+            low, high = (low, middle) if late(middle) <= miss_allowance else (middle + 1, high)
+        return low
+
+    def workers(self, role: str, load: Load, miss_allowance: float) -> int:
+        """The pool ``role`` needs for ``load`` with ``miss_allowance`` of requests late."""
+        if role == "prefill":
+            return self.prefill_workers(load.rate, load.prompt_mean, load.prompt_mean_sq, miss_allowance).workers
+        return self.decode_workers(load.rate, load.prompt_mean, load.output_mean, miss_allowance).workers
+
+    def late_share(self, role: str, workers: int, load: Load) -> float:
+        """The share of ``load``'s requests that ``workers`` in pool ``role`` serve late."""
+        if workers <= 0:
+            return 1.0 if load.rate > 0 else 0.0
+        if role == "prefill":
+            return self.prefill_late(workers, load.rate, load.prompt_mean, load.prompt_mean_sq)
+        return self.decode_late(workers, load.rate, load.prompt_mean, load.output_mean)
 
     def _largest_batch(self, prompt_len: float, output_len: float) -> tuple[int, float]:
         """The largest batch within the TPOT target and the KV capacity (at least 1)."""

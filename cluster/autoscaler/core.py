@@ -7,20 +7,31 @@ This is a pure function of what it is shown and when, so the same object drives 
 Each interval, per pool:
 
 1. **Predictive**: forecast the arrival rate for when a worker started now would serve
-   (``startup_s`` ahead) and size the pool for it from the latency model
-   (:class:`~duet.cluster.autoscaler.capacity.CapacityModel`), times a per-pool correction.
+   (``startup_s`` ahead). With the latency model
+   (:class:`~duet.cluster.autoscaler.capacity.CapacityModel`), the pool wanted is the smallest
+   that would have served the last ``scale_down.delay_s`` of load *and* the forecast horizon
+   with no more than the affordable share of requests late, times a per-pool correction. A
+   burst shorter than a worker's start-up is over before workers started for it serve: the pool
+   held between bursts is what meets them, so it is sized by the share of the window's
+   requests the SLO lets miss, not by the window's busiest interval.
 2. **Reactive**: when the pool's SLO share (TTFT for prefill, TPOT for decode) falls under the
    target, or its queue says it soon will (prompts waiting past the TTFT target; decode requests
    waiting for KV room or KV nearly full), ask for one more worker than it has and raise the
    correction so the prediction stops undershooting; the correction decays when all is well.
+   Misses from a backlog the pool is already clearing are not pressure: queued work stays with
+   the worker it was routed to, so a new worker would not clear it.
 3. **Guard rails**: clamp to the pool's min and max and the total budget; grow at once
    (workers still starting count as capacity, so a slow start is not answered with more
-   starts); shrink only when even the largest size wanted over ``scale_down.delay_s`` is below
-   the current one, by ``scale_down.step`` at a time, never while the pool is under pressure,
-   and never while metrics are missing or stale. Shrinking is always a drain (the driver's job).
+   starts); shrink only after a whole ``scale_down.delay_s`` has been seen, never below a size
+   wanted in the last ``startup_s + settle_s`` (a growth cannot be judged before its workers
+   serve), nor below one observed misses asked for within ``scale_down.delay_s``, nor below
+   the size that keeps the late share within *half* the allowance the pool grows for (a band
+   in which the forecast's noise moves nothing); by ``scale_down.step`` at a time, never while
+   the pool is under pressure, and never while metrics are missing or stale. Shrinking is
+   always a drain (the driver's job).
 
 Dynamo's Planner users report flapping, scale-down killing requests and shrinking on missing
-metrics; the window floor, drain-only removal and the stale hold are the answers to each.
+metrics; the holds and the band, drain-only removal and the stale hold are the answers to each.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from duet.cluster.autoscaler.capacity import CapacityModel
+from duet.cluster.autoscaler.capacity import CapacityModel, Load
 from duet.cluster.autoscaler.error_budget import ErrorBudget
 from duet.cluster.autoscaler.forecast import Ewma, RateForecast
 from duet.cluster.autoscaler.policy import ROLES, AutoscalePolicy, SloProfile
@@ -100,13 +111,19 @@ class Decision:
 @dataclass
 class _PoolState:
     correction: float = 1.0
-    wanted: deque[tuple[float, int]] = field(default_factory=deque)
+    # (time, size, observed) of each size wanted; ``observed``: asked for by misses seen.
+    wanted: deque[tuple[float, int, bool]] = field(default_factory=deque)
     ready: int | None = None
     # When the pool last gained a serving worker: a backlog built up before it takes a while
     # to clear, and must not be read as a need for yet another worker.
     grew_at_s: float = -math.inf
     # The first observation: the pool is not shrunk until a whole scale-down window is seen.
     since_s: float | None = None
+    # The pool's queue at the previous observation (prefill: prompt tokens; decode: requests
+    # waiting for KV room), to tell a backlog that is clearing from one that is not.
+    queued: int | None = None
+    # (time, judged, met) of the pool's SLO share over the last start-up.
+    attained: deque[tuple[float, int, int]] = field(default_factory=deque)
 
 
 class Autoscaler:
@@ -121,6 +138,8 @@ class Autoscaler:
         self.pools = {role: _PoolState() for role in ROLES}
         self.budget = ErrorBudget(self.slo.attainment, policy.error_budget_window_s)
         self.miss_share = self.budget.nominal
+        # Each interval's load over the last scale-down window, for the pools' reserve.
+        self.loads: deque[tuple[float, Load]] = deque()
 
     def decide(self, obs: Observation) -> list[Decision]:
         """One target per pool for this observation."""
@@ -139,10 +158,13 @@ class Autoscaler:
             state.ready = obs.pools[role].ready
         if obs.finished:
             self.output_len.update(obs.output_tokens / obs.finished)
+        self._remember_load(obs)
         self.budget.record(obs.time_s, obs.finished, (obs.first_tokens - obs.ttft_met) + (obs.finished - obs.tpot_met))
         horizon = self.policy.startup_s + self.policy.interval_s
-        self.miss_share = self.budget.miss_share(self.rate.predict(horizon) * horizon)
+        self.miss_share = self.budget.miss_share(obs.time_s, horizon, self.rate.predict(horizon) * horizon)
         wanted = {role: self._wanted(role, obs) for role in ROLES}
+        for role in ROLES:
+            self.pools[role].queued = obs.pools[role].queued
         wanted = self._within_budget(wanted, obs)
         return [self._damped(role, obs, *wanted[role]) for role in ROLES]
 
@@ -158,6 +180,8 @@ class Autoscaler:
         if pressure:
             settling = pool.starting > 0 or obs.time_s - state.grew_at_s < self.policy.settle_s
             reactive = pool.active if settling else pool.active + 1
+            if not settling:
+                state.wanted.append((obs.time_s, reactive, True))
             if need and not settling and predicted is not None and predicted < reactive:
                 state.correction = min(_CORRECTION_MAX, reactive / need)
             if settling:
@@ -170,37 +194,83 @@ class Autoscaler:
             return pool.active, "SLO met (no latency model: reactive only)", False
         return predicted, f"forecast {why}", False
 
-    def _predicted(self, role: str) -> tuple[float | None, str]:
-        """Workers the forecast needs by the latency model, and why."""
+    def _predicted(self, role: str) -> tuple[int | None, str]:
+        """Workers the latency model says serve the last scale-down window and the forecast
+        horizon with no more than the affordable share of requests late, and why."""
         if self.capacity is None or self.prompt_len.value is None:
             return None, ""
+        allowance = self.miss_share / 2  # half the affordable misses to each phase
+        ahead = self._ahead()
+        workers = self._reserve(role, allowance)
+        horizon = self.policy.startup_s + self.policy.interval_s
+        return workers, (
+            f"{ahead.rate:.2f} req/s ahead ({self.capacity.workers(role, ahead, allowance)} workers alone); "
+            f"{workers} serve the last {self.policy.scale_down.delay_s:.0f} s and the next {horizon:.0f} s "
+            f"with under {allowance:.1%} late"
+        )
+
+    def _ahead(self) -> Load:
+        """The load the forecast expects over the planning horizon."""
+        assert self.prompt_len.value is not None
         horizon = self.policy.startup_s + self.policy.interval_s
         rate = self.rate.predict(horizon)
         prompt = self.prompt_len.value
-        allowance = self.miss_share / 2  # half the affordable misses to each phase
-        if role == "prefill":
-            sizing = self.capacity.prefill_workers(rate, prompt, self.prompt_sq.value or prompt**2, allowance)
-        else:
-            output = self.output_len.value if self.output_len.value is not None else 1.0
-            sizing = self.capacity.decode_workers(rate, prompt, output, allowance)
-        return sizing.workers, f"{rate:.2f} req/s: {sizing.why}"
+        output = self.output_len.value if self.output_len.value is not None else 1.0
+        return Load(round(rate * horizon), rate, prompt, self.prompt_sq.value or prompt**2, output)
+
+    def _reserve(self, role: str, allowance: float) -> int:
+        """The smallest pool that serves the scale-down window's load and the forecast horizon
+        with at most ``allowance`` of requests late (at least one while requests come)."""
+        assert self.capacity is not None
+        ahead = self._ahead()
+        history = [load for _, load in self.loads] + [ahead]
+        return max(self.capacity.reserve(role, history, allowance), 1 if ahead.rate > 0 else 0)
 
     def _pressure(self, role: str, obs: Observation) -> str:
         """Why ``role`` is missing (or about to miss) the share of its SLO the error budget asks
-        for now; empty when it is not."""
+        for now; empty when it is not, or when the misses are a backlog the pool is clearing."""
+        why = self._shortfall(role, obs)
+        if why and self._clearing(role, obs):
+            return ""
+        return why
+
+    def _clearing(self, role: str, obs: Observation) -> bool:
+        """Whether ``role``'s queue shrank since the last observation: the pool then serves
+        faster than work arrives, and its misses are requests queued before, which a worker
+        added now would not take (queued work stays with the worker it was routed to; new
+        workers get new arrivals)."""
+        before = self.pools[role].queued
+        return before is not None and obs.pools[role].queued < before
+
+    def _shortfall(self, role: str, obs: Observation) -> str:
+        """Why ``role`` falls short of the share of its SLO the error budget asks for now."""
         pool = obs.pools[role]
         target = 1 - self.miss_share
+        judged, met = (obs.first_tokens, obs.ttft_met) if role == "prefill" else (obs.finished, obs.tpot_met)
+        recent = self._recent_attainment(role, obs.time_s, judged, met)
+        if judged >= _MIN_SAMPLES and met / judged < target and recent < target:
+            phase = "TTFT" if role == "prefill" else "TPOT"
+            return f"{phase} attainment {met / judged:.0%} (last {self.policy.startup_s:.0f} s: {recent:.0%}) < {target:.0%}"
         if role == "prefill":
-            if obs.first_tokens >= _MIN_SAMPLES and obs.ttft_met / obs.first_tokens < target:
-                return f"TTFT attainment {obs.ttft_met / obs.first_tokens:.0%} < {target:.0%}"
             if obs.ttft_overdue >= _MIN_SAMPLES:
                 return f"{obs.ttft_overdue} requests waiting past the TTFT target"
             return ""
-        if obs.finished >= _MIN_SAMPLES and obs.tpot_met / obs.finished < target:
-            return f"TPOT attainment {obs.tpot_met / obs.finished:.0%} < {target:.0%}"
         if pool.queued and pool.kv_usage >= _KV_PRESSURE:
             return f"KV {pool.kv_usage:.0%} full with {pool.queued} requests waiting"
         return ""
+
+    def _recent_attainment(self, role: str, time_s: float, judged: int, met: int) -> float:
+        """``role``'s SLO share over the last ``startup_s``, this interval included.
+
+        One bad interval in a start-up that met the target is not answered with a worker: a
+        dip shorter than a start-up is over before the worker serves, and the error budget is
+        spent by the hour, not by the interval."""
+        attained = self.pools[role].attained
+        attained.append((time_s, judged, met))
+        while attained[0][0] <= time_s - max(self.policy.startup_s, self.policy.interval_s):
+            attained.popleft()
+        total = sum(j for _, j, _ in attained)
+        return sum(m for _, _, m in attained) / total if total else 1.0
 
     def _within_budget(self, wanted: dict[str, tuple[int, str, bool]], obs: Observation) -> dict[str, tuple[int, str, bool]]:
         """Clamp to each pool's bounds, then trim the pools not under pressure (larger first)
@@ -229,24 +299,66 @@ class Autoscaler:
             sized[role][1] = f"{sized[role][1]} (trimmed to fit the budget of {budget})"
         return {role: tuple(v) for role, v in sized.items()}  # type: ignore[misc]
 
+    def _remember_load(self, obs: Observation) -> None:
+        """Keep this interval's load (prompt lengths as they arrived) for the scale-down window."""
+        if self.prompt_len.value is None:
+            return
+        prompt = obs.prompt_tokens / obs.arrivals if obs.arrivals else self.prompt_len.value
+        prompt_sq = obs.prompt_tokens_sq / obs.arrivals if obs.arrivals else self.prompt_sq.value or prompt**2
+        output = self.output_len.value if self.output_len.value is not None else 1.0
+        self.loads.append((obs.time_s, Load(obs.arrivals, obs.arrivals / obs.window_s, prompt, prompt_sq, output)))
+        while self.loads[0][0] <= obs.time_s - self.policy.scale_down.delay_s:
+            self.loads.popleft()
+
     def _damped(self, role: str, obs: Observation, size: int, why: str, pressure: bool) -> Decision:
-        """Scale up at once; down only below the window's largest wish, a step at a time."""
+        """Scale up at once; down only to what the pool keeps, a step at a time."""
         current = obs.pools[role].active
         state = self.pools[role]
         if state.since_s is None:
             state.since_s = obs.time_s
-        state.wanted.append((obs.time_s, size))
-        while state.wanted and state.wanted[0][0] <= obs.time_s - self.policy.scale_down.delay_s:
-            state.wanted.popleft()
+        state.wanted.append((obs.time_s, size, False))
         if size >= current:
             return Decision(role, current, size, why)
         if pressure:
             return Decision(role, current, current, f"{why}; not shrinking under pressure")
-        floor = max(wanted for _, wanted in state.wanted)
-        if floor >= current or obs.time_s - state.since_s < self.policy.scale_down.delay_s:
-            return Decision(role, current, current, f"{why}; holding until it stays lower for {self.policy.scale_down.delay_s:.0f} s")
-        target = max(floor, current - self.policy.scale_down.step, self.policy.limits(role).min)
-        return Decision(role, current, target, f"{why}; lower for {self.policy.scale_down.delay_s:.0f} s: draining {current - target}")
+        window = f"{self.policy.scale_down.delay_s:.0f} s"
+        if obs.time_s - state.since_s < self.policy.scale_down.delay_s:
+            return Decision(role, current, current, f"{why}; holding until a whole {window} is seen")
+        floor, because = max(self._kept(role, obs.time_s), self._keeps(role))
+        if floor >= current:
+            return Decision(role, current, current, f"{why}; holding: {because}")
+        target = max(floor, size, current - self.policy.scale_down.step, self.policy.limits(role).min)
+        return Decision(role, current, target, f"{why}; draining {current - target} ({because})")
+
+    def _kept(self, role: str, time_s: float) -> tuple[int, str]:
+        """The largest size the pool's recent wishes hold it at, and why.
+
+        Without a latency model, every size wanted over ``scale_down.delay_s``. With one, the
+        model's sizing already looks back over that window, so only the sizes observed misses
+        asked for are kept that long (the model did not see them coming); the model's own
+        wishes are kept for ``startup_s + settle_s``, as long as a growth takes to show, so a
+        size is not reversed before it could be judged."""
+        state = self.pools[role]
+        window = self.policy.scale_down.delay_s
+        while state.wanted and state.wanted[0][0] <= time_s - window:
+            state.wanted.popleft()
+        judged = self.policy.startup_s + self.policy.settle_s
+        observed = max((size for _, size, seen in state.wanted if seen or self.capacity is None), default=0)
+        modelled = max((size for at, size, _ in state.wanted if at > time_s - judged), default=0)
+        if observed >= modelled:
+            return observed, f"{observed} wanted in the last {window:.0f} s"
+        return modelled, f"{modelled} wanted in the last {judged:.0f} s"
+
+    def _keeps(self, role: str) -> tuple[int, str]:
+        """The size the latency model keeps the pool at, and why: the one whose late share over
+        the window and the horizon stays within half the allowance the pool grows for. Growing
+        past one bound and shrinking past another leaves a band in which the forecast's noise
+        moves nothing."""
+        if self.capacity is None or self.prompt_len.value is None:
+            return 0, ""
+        allowance = self.miss_share / 4
+        keeps = math.ceil(self._reserve(role, allowance) * self.pools[role].correction - 1e-9)
+        return keeps, f"{keeps} keep under {allowance:.1%} late"
 
     def _hold(self, obs: Observation, why: str) -> list[Decision]:
         return [Decision(role, obs.pools[role].active, obs.pools[role].active, why) for role in ROLES]

@@ -59,7 +59,8 @@ class ScaleDown(_Strict):
     """Scale-down is slow on purpose: a worker removed in a lull must be restarted (minutes on
     a GPU) when the next burst comes, and every removal drains first."""
 
-    # The largest size wanted over this window is the floor: the load must stay low this long.
+    # How far back the pools' reserve looks (the load must stay low this long before the pool
+    # comes down) and how long sizes that observed misses asked for are kept.
     delay_s: float = Field(default=300.0, ge=0)
     # Workers removed from a pool per decision.
     step: int = Field(default=1, ge=1)
@@ -82,8 +83,9 @@ class AutoscalePolicy(_Strict):
     # After a pool gains a worker, its SLO shortfall is given this long to clear before the
     # reactive correction asks for another.
     settle_s: float = Field(default=30.0, ge=0)
-    # Attainment is judged over this window; each interval is planned for the misses it still
-    # allows (cluster/autoscaler/error_budget.py). 0 plans every interval for the target itself.
+    # Attainment is judged per period of this length; each interval is planned for the misses
+    # the rest of the period still allows (cluster/autoscaler/error_budget.py). 0 plans every
+    # interval for the target itself.
     error_budget_window_s: float = Field(default=3600.0, ge=0)
     # Metrics older than this (or missing) freeze every pool at its current size.
     stale_after_s: float = Field(default=30.0, gt=0)

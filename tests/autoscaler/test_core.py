@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from duet.cluster.autoscaler.capacity import CapacityModel, erlang_c
+from duet.cluster.autoscaler.capacity import CapacityModel, Load, erlang_c
 from duet.cluster.autoscaler.core import Autoscaler, Observation, PoolObservation
+from duet.cluster.autoscaler.error_budget import ErrorBudget
 from duet.cluster.autoscaler.policy import AutoscalePolicy, SloProfile
 from duet.cluster.simulated_engine import simulated_perf
 
@@ -72,14 +73,22 @@ def test_capacity_grows_with_load_and_with_tighter_slos(opt13b_capacity: Capacit
 def test_load_step_scales_up_at_once_and_down_only_after_the_window(opt13b_capacity: CapacityModel) -> None:
     scaler = Autoscaler(policy(), opt13b_capacity)
     history = run(scaler, [5] * 3 + [40] * 3 + [5] * 20, {"prefill": 1, "decode": 1})
-    before, peak = history[2], history[3]
-    assert peak["prefill"] > before["prefill"] and peak["decode"] > before["decode"]  # the first interval of the step
-    # After the drop, nothing shrinks for the 120 s window, then one worker per interval.
-    after_drop = history[6:]
-    assert after_drop[9] == history[5], "shrank before the scale-down window passed"
-    final = after_drop[-1]
+    before, peak = history[2], history[5]
+    assert history[3]["prefill"] > before["prefill"] and history[3]["decode"] > before["decode"]  # the first interval of the step
+    # The step ends at t=60. Nothing shrinks before the growth could show (start-up 60 s +
+    # settle 30 s after the last size wanted), ...
+    assert history[13] == peak, "shrank before the growth could be judged"
+    # ... nor below what the step's load needs while it is in the 120 s window (until t=180), ...
+    step_need = {
+        "prefill": opt13b_capacity.prefill_workers(40, 800, 800**2, 0.05).workers,
+        "decode": opt13b_capacity.decode_workers(40, 800, 200, 0.05).workers,
+    }
+    for sizes in history[6:17]:
+        assert all(sizes[role] >= step_need[role] for role in sizes), sizes
+    # ... and then by one worker per interval at most, down to well below the peak.
+    final = history[-1]
     assert final["prefill"] < peak["prefill"] and final["decode"] < peak["decode"]
-    shrinks = [a["prefill"] - b["prefill"] for a, b in zip(after_drop, after_drop[1:])]
+    shrinks = [a["prefill"] - b["prefill"] for a, b in zip(history[5:], history[6:])]
     assert max(shrinks) <= 1
 
 
@@ -124,3 +133,62 @@ def test_bounds_and_budget(opt13b_capacity: CapacityModel) -> None:
     assert final["prefill"] + final["decode"] <= 6
     decisions = scaler.decide(observe(100, 200, final))
     assert any("budget" in d.reason or "clamped to max" in d.reason for d in decisions)
+
+
+def test_noise_around_a_steady_load_moves_nothing(opt13b_capacity: CapacityModel) -> None:
+    # Arrivals that wander +-10% about 40 req/s: once grown, neither pool reverses direction.
+    scaler = Autoscaler(policy(), opt13b_capacity)
+    history = run(scaler, [36, 44, 40, 38, 42] * 40, {"prefill": 1, "decode": 1})
+    settled = history[30:]
+    for role in ("prefill", "decode"):
+        sizes = [h[role] for h in settled]
+        moves = [b - a for a, b in zip(sizes, sizes[1:]) if b != a]
+        reversals = sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
+        assert reversals == 0, (role, sizes)
+
+
+def test_a_backlog_being_cleared_adds_no_worker() -> None:
+    scaler = Autoscaler(policy(latency_model=None), None)
+
+    def prefill_target(t: float, ttft_met: float, queued: int) -> int:
+        obs = observe(t, 5, {"prefill": 2, "decode": 2}, ttft_met=ttft_met)
+        pools = {**obs.pools, "prefill": PoolObservation(ready=2, queued=queued)}
+        decisions = scaler.decide(Observation(**{**obs.__dict__, "pools": pools}))
+        return next(d.target for d in decisions if d.role == "prefill")
+
+    assert prefill_target(10, 1.0, 20_000) == 2
+    # Half the first tokens were late, but the queue is shrinking: the late ones were queued
+    # before, and a new worker would not take them.
+    assert prefill_target(20, 0.5, 12_000) == 2
+    # Late again and the queue grows: the pool does not keep up.
+    assert prefill_target(30, 0.5, 15_000) == 3
+
+
+def test_reserve_sizes_for_the_share_of_requests_not_the_busiest_interval(opt13b_capacity: CapacityModel) -> None:
+    quiet = Load(50, 5.0, 800, 800**2, 200)
+    spike = Load(300, 30.0, 800, 800**2, 200)
+    spike_alone = opt13b_capacity.workers("prefill", spike, 0.05)
+    # One 10 s spike among 25 minutes of quiet holds 4% of the requests: within a 5% allowance
+    # the pool is sized for the quiet load, not the spike.
+    rare = opt13b_capacity.reserve("prefill", [quiet] * 150 + [spike], 0.05)
+    assert rare < spike_alone
+    assert rare <= opt13b_capacity.workers("prefill", quiet, 0.05) + 1
+    # The same spike among 1 minute of quiet holds half the requests: it must be served.
+    common = opt13b_capacity.reserve("prefill", [quiet] * 6 + [spike], 0.05)
+    assert common > rare and common >= spike_alone - 1
+
+
+def test_the_error_budget_spreads_a_debt_over_the_rest_of_the_period() -> None:
+    budget = ErrorBudget(attainment=0.9, period_s=3600)
+    budget.record(10, 1000, 0)
+    budget.record(20, 1000, 600)  # a burst: 30% of the period's requests so far missed
+    # 100 req/s for the rest of the hour: the 600 misses are repaid over ~358,000 requests,
+    # not the next horizon's 7,000 (which would plan for the 1% floor).
+    share = budget.miss_share(20, 70, 7000)
+    assert 0.05 < share < 0.1
+    # A debt larger than the whole period allows still plans for the floor.
+    budget.record(30, 1000, 50_000)
+    assert budget.miss_share(30, 70, 7000) == pytest.approx(0.01)
+    # The next period starts with the whole budget: the target's own share again.
+    budget.record(3620, 1000, 0)
+    assert budget.miss_share(3620, 70, 7000) == pytest.approx(0.1, abs=0.005)

@@ -131,7 +131,7 @@ class Deployment:
         start_ray(self.config)
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
         self.tokens = TokenReceiver(_token_host(self.config))
-        self.tokens.start()
+        await self.tokens.start()
         cores = CoreAllocator() if is_cpu_only() else None
         if colocated:
             self.managers = {"colocated": self._manager(ColocatedWorker, self.decode, self.config.colocated, cores)}

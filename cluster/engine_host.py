@@ -30,6 +30,8 @@ from duet.kv_transfer.ports import PortReservation, reserve_ports
 
 logger = logging.getLogger(__name__)
 
+# The gauges the health ping reports as the worker's load.
+_LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
 # Labels every sample of one engine shares; dropped when flattening for status reports.
 _ENGINE_LABELS = ("model_name", "engine")
 
@@ -153,7 +155,7 @@ class EngineHost:
         await self.engine.is_sleeping()
         if self.simulated:
             return self.engine.load()
-        metrics = _read_engine_metrics()
+        metrics = _read_engine_metrics(_LOAD_METRICS)
         return metrics.get("vllm:kv_cache_usage_perc", 0.0), int(metrics.get("vllm:num_requests_running", 0))
 
     @contextmanager
@@ -218,12 +220,15 @@ def simulated_model_shape(config: DuetConfig) -> tuple[int, int]:
     return max_len, model_config["vocab_size"]
 
 
-def _read_engine_metrics() -> dict[str, float]:
-    """vLLM's own Prometheus samples in this process (no buckets), keyed ``name{label=value}``."""
+def _read_engine_metrics(names: tuple[str, ...] = ()) -> dict[str, float]:
+    """vLLM's own Prometheus samples in this process (no buckets), keyed ``name{label=value}``;
+    only those of ``names`` if given (the health ping reads two gauges every second, and
+    collecting every histogram of the registry for them showed in the worker's profile)."""
     from prometheus_client import REGISTRY
 
+    registry = REGISTRY.restricted_registry(names) if names else REGISTRY
     values: dict[str, float] = {}
-    for family in REGISTRY.collect():
+    for family in registry.collect():
         for sample in family.samples:
             if not sample.name.startswith("vllm:") or sample.name.endswith(("_bucket", "_created")):
                 continue

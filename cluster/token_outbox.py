@@ -1,32 +1,46 @@
-"""A worker's outgoing tokens: every request's new tokens, batched per engine step, pushed to
-the router over ZeroMQ.
+"""A worker's outgoing tokens: every request's new tokens, batched per engine step, written to
+the router over one TCP connection.
 
 Streaming each request's tokens as its own Ray streaming-generator item cost a Ray object, a
 pickle, an owner notification and a poll per token per request; at a few thousand tokens a
 second that was more CPU than the engines could spare on a CPU host. Instead each worker keeps
 one outbox: its request tasks drop :data:`TokenUpdate` tuples into it, and one sender task
-pushes everything that accumulated as a single msgpack frame to the router's
+writes everything that accumulated as a single msgpack object to the router's
 :class:`~duet.router.token_stream.TokenReceiver`. When vLLM's output handler wakes the requests
 of one engine step, they all run before the sender does (asyncio wakes tasks in order), so a
 frame is one step's tokens for every request on the worker.
+
+The frames go over a plain TCP connection written from the worker's own event loop. ZeroMQ,
+used before, hands every frame to its I/O thread on each side (a wake-up and a context switch
+per frame per side): measured on two cores, 0.23-0.26 ms of sender and 0.30-0.31 ms of
+receiver CPU per frame against 0.18 and 0.13 ms on a socket the event loop writes itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+import socket
+from typing import Any, AsyncIterator
 
 import msgpack
-import zmq
 
 from duet.cluster.worker_api import TokenUpdate
 
 logger = logging.getLogger(__name__)
 
-# Frames ZeroMQ may queue for a router that is not reading before sends fail instead of
-# blocking the worker's event loop (a router that stopped reading is gone: its requests too).
-_SEND_QUEUE_FRAMES = 100_000
+# Bytes the kernel and the transport may hold for a router that is not reading before updates
+# are dropped instead of piling up in the worker (a router that stopped reading is gone, and
+# its requests with it).
+_SEND_BUFFER_LIMIT = 64 * 1024 * 1024
+# How often a lost connection to the router is retried.
+_RECONNECT_S = 0.5
+
+
+def parse_token_address(address: str) -> tuple[str, int]:
+    """(host, port) of a ``tcp://host:port`` token address."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 class TokenOutbox:
@@ -54,17 +68,25 @@ class TokenOutbox:
             yield batch
 
     async def run(self, address: str) -> None:
-        """Push batches to the router's receiver at ``address`` (``tcp://host:port``) forever."""
-        context = zmq.Context.instance()
-        socket = context.socket(zmq.PUSH)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDHWM, _SEND_QUEUE_FRAMES)
-        socket.connect(address)
+        """Write batches to the router's receiver at ``address`` (``tcp://host:port``) forever."""
+        host, port = parse_token_address(address)
+        loop = asyncio.get_running_loop()
+        # An asyncio.Transport in duck type only: uvloop's (Ray's actors run on it) is no subclass.
+        transport: Any = None
         try:
             async for batch in self.batches():
-                try:
-                    socket.send(msgpack.packb(batch), flags=zmq.NOBLOCK)
-                except zmq.Again:
+                while transport is None or transport.is_closing():
+                    try:
+                        transport, _ = await loop.create_connection(asyncio.Protocol, host, port)
+                        # Frames are small and latency is the point: never wait to coalesce.
+                        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    except OSError as error:
+                        logger.warning("token receiver at %s unreachable (%s); retrying", address, error)
+                        await asyncio.sleep(_RECONNECT_S)
+                if transport.get_write_buffer_size() > _SEND_BUFFER_LIMIT:
                     logger.warning("router at %s is not reading tokens; dropped %d updates", address, len(batch))
+                    continue
+                transport.write(msgpack.packb(batch))
         finally:
-            socket.close()
+            if transport is not None:
+                transport.close()

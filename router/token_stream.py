@@ -1,22 +1,23 @@
-"""The router's end of the token streams: one ZeroMQ socket that every worker pushes to.
+"""The router's end of the token streams: one TCP listener that every streaming worker connects to.
 
 Workers send every request's new tokens in batches, one batch per engine step (see
-:mod:`duet.cluster.token_outbox` for why), as msgpack frames over a ZeroMQ PUSH socket to this
-one PULL socket. Ray stays the control plane (actor lifecycle, the per-request call that starts
-a request and reports its failure); only the per-token data bypasses it, because a Ray
-streaming-generator item costs an object, an owner notification and a poll per item, which on a
-CPU host was the largest part of the serving path's CPU per token. :class:`TokenReceiver` reads
-the socket in one task and hands each update to the queue of the request it belongs to.
+:mod:`duet.cluster.token_outbox` for why, and why plain TCP), as msgpack objects back to back on
+one connection per worker. Ray stays the control plane (actor lifecycle, the per-request call
+that starts a request and reports its failure); only the per-token data bypasses it, because a
+Ray streaming-generator item costs an object, an owner notification and a poll per item, which
+on a CPU host was the largest part of the serving path's CPU per token. :class:`TokenReceiver`
+decodes each connection's bytes as they arrive, in the event loop's own callback, and hands
+each update to the queue of the request it belongs to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from typing import Callable
 
 import msgpack
-import zmq
-import zmq.asyncio
 
 from duet.cluster.worker_api import TokenUpdate
 
@@ -31,20 +32,46 @@ class StreamBroken(RuntimeError):
         self.cause = cause
 
 
+class _WorkerConnection(asyncio.Protocol):
+    """One worker's connection: a stream of msgpack-encoded batches of updates."""
+
+    def __init__(self, deliver: Callable[[list[TokenUpdate]], None], connections: set[asyncio.BaseTransport]) -> None:
+        self._unpacker = msgpack.Unpacker(use_list=True)
+        self._deliver = deliver
+        self._connections = connections
+        self._transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._connections.add(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._unpacker.feed(data)
+        for batch in self._unpacker:
+            self._deliver(batch)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # A worker that goes away takes its requests with it; those are failed by the worker
+        # call that reports its death (lifecycle), not from here.
+        self._connections.discard(self._transport)  # type: ignore[arg-type]
+
+
 class TokenReceiver:
-    """Binds the socket workers push tokens to, and demultiplexes updates by request id."""
+    """Listens where workers send tokens, and demultiplexes updates by request id."""
 
     def __init__(self, host: str) -> None:
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.PULL)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        # Bound now, so the address is known before the event loop serves it.
+        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        port = self._listener.getsockname()[1]
+        self.address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         self._queues: dict[str, asyncio.Queue[TokenUpdate | StreamBroken]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.BaseTransport] = set()
+        self._server: asyncio.Server | None = None
 
-    def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name="token-receiver")
+    async def start(self) -> None:
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _WorkerConnection(self._deliver, self._connections), sock=self._listener
+        )
 
     def subscribe(self, request_id: str) -> asyncio.Queue[TokenUpdate | StreamBroken]:
         """A queue for ``request_id``'s updates; subscribe before a worker starts the request."""
@@ -56,15 +83,15 @@ class TokenReceiver:
         self._queues.pop(request_id, None)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        self._socket.close()
-        self._context.term()
+        if self._server is not None:
+            self._server.close()
+        else:
+            self._listener.close()
+        for transport in list(self._connections):
+            transport.close()
 
-    async def _read(self) -> None:
-        while True:
-            frame = await self._socket.recv(copy=True)
-            for update in msgpack.unpackb(frame, use_list=True):
-                queue = self._queues.get(update[0])
-                if queue is not None:  # None: a request the router already gave up on
-                    queue.put_nowait(update)
+    def _deliver(self, batch: list[TokenUpdate]) -> None:
+        for update in batch:
+            queue = self._queues.get(update[0])
+            if queue is not None:  # None: a request the router already gave up on
+                queue.put_nowait(update)

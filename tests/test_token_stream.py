@@ -11,8 +11,12 @@ import asyncio
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+import uvloop
+
 from duet.cluster.token_outbox import TokenOutbox
 from duet.router.client import build_request
+from duet.router.token_stream import TokenReceiver
 
 
 def test_outbox_batches_everything_put_since_the_last_batch():
@@ -30,6 +34,37 @@ def test_outbox_batches_everything_put_since_the_last_batch():
     first, second = asyncio.run(scenario())
     assert first == [("a", [1], "x", None), ("b", [2], "y", None)]
     assert second == [("a", [3], "z", "length")]
+
+
+@pytest.mark.parametrize("run_loop", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_updates_cross_the_socket_in_order_to_their_requests_only(run_loop):
+    """A real outbox writes to a real receiver over loopback, on both event loops duet runs
+    (Ray's actors and the router use uvloop): each subscribed request gets its own updates in
+    order, including a batch far larger than one socket read; updates for requests nobody
+    subscribed to are dropped."""
+
+    async def scenario() -> tuple[list[tuple], list[tuple]]:
+        receiver = TokenReceiver("127.0.0.1")
+        await receiver.start()
+        outbox = TokenOutbox()
+        sender = asyncio.get_running_loop().create_task(outbox.run(receiver.address))
+        a, b = receiver.subscribe("a"), receiver.subscribe("b")
+        big_text = "x" * 3_000_000  # arrives in many reads: frames must be reassembled
+        outbox.put(("a", [1], "one", None))
+        outbox.put(("gone", [9], "nobody listens", None))
+        outbox.put(("b", [2], big_text, None))
+        await asyncio.sleep(0)
+        outbox.put(("a", [3, 4], "two", "length"))
+        got_a = [tuple(await asyncio.wait_for(a.get(), 10)) for _ in range(2)]
+        got_b = [tuple(await asyncio.wait_for(b.get(), 10))]
+        assert a.empty() and b.empty()
+        sender.cancel()
+        receiver.close()
+        return got_a, got_b
+
+    got_a, got_b = run_loop(scenario())
+    assert got_a == [("a", [1], "one", None), ("a", [3, 4], "two", "length")]
+    assert got_b[0][:2] == ("b", [2]) and len(got_b[0][2]) == 3_000_000
 
 
 def test_sixteen_concurrent_streams_are_exact_and_share_batches(client, reference, worker_status):

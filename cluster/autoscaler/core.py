@@ -160,7 +160,7 @@ class Autoscaler:
             self.output_len.update(obs.output_tokens / obs.finished)
         self._remember_load(obs)
         self.budget.record(obs.time_s, obs.finished, (obs.first_tokens - obs.ttft_met) + (obs.finished - obs.tpot_met))
-        horizon = self.policy.startup_s + self.policy.interval_s
+        horizon = self._horizon_s
         self.miss_share = self.budget.miss_share(obs.time_s, horizon, self.rate.predict(horizon) * horizon)
         wanted = {role: self._wanted(role, obs) for role in ROLES}
         for role in ROLES:
@@ -201,28 +201,31 @@ class Autoscaler:
             return None, ""
         allowance = self.miss_share / 2  # half the affordable misses to each phase
         ahead = self._ahead()
-        workers = self._reserve(role, allowance)
-        horizon = self.policy.startup_s + self.policy.interval_s
+        workers = self._reserve(role, allowance, ahead)
         return workers, (
             f"{ahead.rate:.2f} req/s ahead ({self.capacity.workers(role, ahead, allowance)} workers alone); "
-            f"{workers} serve the last {self.policy.scale_down.delay_s:.0f} s and the next {horizon:.0f} s "
+            f"{workers} serve the last {self.policy.scale_down.delay_s:.0f} s and the next {self._horizon_s:.0f} s "
             f"with under {allowance:.1%} late"
         )
+
+    @property
+    def _horizon_s(self) -> float:
+        """How far ahead sizing plans: until a worker started now serves, one interval on."""
+        return self.policy.startup_s + self.policy.interval_s
 
     def _ahead(self) -> Load:
         """The load the forecast expects over the planning horizon."""
         assert self.prompt_len.value is not None
-        horizon = self.policy.startup_s + self.policy.interval_s
+        horizon = self._horizon_s
         rate = self.rate.predict(horizon)
         prompt = self.prompt_len.value
         output = self.output_len.value if self.output_len.value is not None else 1.0
         return Load(round(rate * horizon), rate, prompt, self.prompt_sq.value or prompt**2, output)
 
-    def _reserve(self, role: str, allowance: float) -> int:
-        """The smallest pool that serves the scale-down window's load and the forecast horizon
-        with at most ``allowance`` of requests late (at least one while requests come)."""
+    def _reserve(self, role: str, allowance: float, ahead: Load) -> int:
+        """The smallest pool that serves the scale-down window's load and the forecast horizon's
+        (``ahead``) with at most ``allowance`` of requests late (at least one while requests come)."""
         assert self.capacity is not None
-        ahead = self._ahead()
         history = [load for _, load in self.loads] + [ahead]
         return max(self.capacity.reserve(role, history, allowance), 1 if ahead.rate > 0 else 0)
 
@@ -357,7 +360,7 @@ class Autoscaler:
         if self.capacity is None or self.prompt_len.value is None:
             return 0, ""
         allowance = self.miss_share / 4
-        keeps = math.ceil(self._reserve(role, allowance) * self.pools[role].correction - 1e-9)
+        keeps = math.ceil(self._reserve(role, allowance, self._ahead()) * self.pools[role].correction - 1e-9)
         return keeps, f"{keeps} keep under {allowance:.1%} late"
 
     def _hold(self, obs: Observation, why: str) -> list[Decision]:

@@ -198,7 +198,7 @@ class Deployment:
         # Only workers that stream tokens (decode, colocated) get the router's token socket;
         # prefill workers return their one token through the Ray call and open no socket.
         assert self.tokens is not None
-        token_address = self.tokens.address if issubclass(worker_class, DecodeWorker) else ""
+        token_address = self.tokens.address if issubclass(worker_class, DecodeWorker) else None
         return PoolManager(
             pool, worker_class, pool_config, self.config, token_address, cores,
             plan_nodes=_plan_node_ids(pool.role, pool_config.nodes),

@@ -41,11 +41,13 @@ class EngineHost:
 
     role: Role | Literal["colocated"]
 
-    def __init__(self, name: str, config: DuetConfig, cpu_core: int | None, token_address: str = "") -> None:
+    def __init__(
+        self, name: str, config: DuetConfig, cpu_core: int | None, token_address: tuple[str, int] | None = None
+    ) -> None:
         """``cpu_core`` is the core its forward pass is pinned to on a CPU host (the
         deployment's core allocator chooses it). ``token_address`` is the router's token
-        receiver (``tcp://host:port``), where this worker pushes the tokens it streams;
-        prefill-only workers stream none."""
+        receiver (host, port), where this worker sends the tokens it streams; None for
+        prefill-only workers, which stream none."""
         self.name = name
         self.config = config
         self.cpu_core = cpu_core
@@ -75,7 +77,7 @@ class EngineHost:
                 self._start_simulated_engine()
             else:
                 self._start_engine()
-            if self._token_address:
+            if self._token_address is not None:
                 self._sender = asyncio.get_running_loop().create_task(self.outbox.run(self._token_address))
             self._state = "ready"
         except Exception as error:  # reported to the launcher, which names the worker

@@ -31,7 +31,7 @@ class PoolManager:
     worker_class: type
     pool_config: PoolConfig
     config: DuetConfig
-    token_address: str
+    token_address: tuple[str, int] | None
     cores: CoreAllocator | None
     # Ray node ids for the first replicas, as a placement plan assigned them.
     plan_nodes: list[str] | None = None

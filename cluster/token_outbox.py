@@ -37,12 +37,6 @@ _SEND_BUFFER_LIMIT = 64 * 1024 * 1024
 _RECONNECT_S = 0.5
 
 
-def parse_token_address(address: str) -> tuple[str, int]:
-    """(host, port) of a ``tcp://host:port`` token address."""
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 class TokenOutbox:
     """Updates waiting for the router; :meth:`run` sends them in arrival order."""
 
@@ -67,9 +61,9 @@ class TokenOutbox:
             self.updates_sent += len(batch)
             yield batch
 
-    async def run(self, address: str) -> None:
-        """Write batches to the router's receiver at ``address`` (``tcp://host:port``) forever."""
-        host, port = parse_token_address(address)
+    async def run(self, address: tuple[str, int]) -> None:
+        """Write batches to the router's receiver at ``address`` (host, port) forever."""
+        host, port = address
         loop = asyncio.get_running_loop()
         # An asyncio.Transport in duck type only: uvloop's (Ray's actors run on it) is no subclass.
         transport: Any = None

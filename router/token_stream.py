@@ -62,8 +62,8 @@ class TokenReceiver:
     def __init__(self, host: str) -> None:
         # Bound now, so the address is known before the event loop serves it.
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-        port = self._listener.getsockname()[1]
-        self.address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        # (host, port) workers connect to.
+        self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._queues: dict[str, asyncio.Queue[TokenUpdate | StreamBroken]] = {}
         self._connections: set[asyncio.BaseTransport] = set()
         self._server: asyncio.Server | None = None

@@ -130,7 +130,7 @@ class Deployment:
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         start_ray(self.config)
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
-        self.tokens = TokenReceiver(_token_host(self.config))
+        self.tokens = TokenReceiver(_router_host(self.config))
         await self.tokens.start()
         cores = CoreAllocator() if is_cpu_only() else None
         if colocated:
@@ -144,7 +144,7 @@ class Deployment:
             manager.create(manager.pool_config.replicas)
         await self._wait_ready()
         first_worker = (self.prefill.members + self.decode.members)[0]
-        max_model_len, vocab_size, block_size = await first_worker.actor.model_limits.remote()
+        max_model_len, vocab_size, block_size = await first_worker.engine.model_limits()
         limits = ModelLimits(self.config.model.name, max_model_len, vocab_size)
         self._set_policies(block_size)
         self.health = HealthWatcher(
@@ -160,7 +160,6 @@ class Deployment:
         lifecycle = RequestLifecycle(
             None if colocated else self.prefill,
             self.decode,
-            self.tokens,
             RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
             prefill_pushes_kv=TRANSPORTS[transfer.transport].pushes_to_decode,
             local_prefill_max_tokens=self.config.router.local_prefill_max_tokens,
@@ -195,12 +194,9 @@ class Deployment:
         )
 
     def _manager(self, worker_class: type, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None) -> PoolManager:
-        # Only workers that stream tokens (decode, colocated) get the router's token socket;
-        # prefill workers return their one token through the Ray call and open no socket.
         assert self.tokens is not None
-        token_address = self.tokens.address if issubclass(worker_class, DecodeWorker) else None
         return PoolManager(
-            pool, worker_class, pool_config, self.config, token_address, cores,
+            pool, worker_class, pool_config, self.config, self.tokens, cores,
             plan_nodes=_plan_node_ids(pool.role, pool_config.nodes),
         )
 
@@ -263,8 +259,9 @@ def _chat_template(config: DuetConfig) -> str | None:
     return Path(path).expanduser().read_text() if path else None
 
 
-def _token_host(config: DuetConfig) -> str:
-    """The address workers push tokens to: loopback on a private local Ray, else this node's."""
+def _router_host(config: DuetConfig) -> str:
+    """The address workers reach the router at (engine cores their front ends, SIMULATED
+    engines the token receiver): loopback on a private local Ray, else this node's."""
     if config.ray.address == "local":
         return "127.0.0.1"
     return ray.util.get_node_ip_address()

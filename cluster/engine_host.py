@@ -1,8 +1,17 @@
-"""What every worker actor does around its vLLM engine: start it, track requests, report state.
+"""What every worker actor does around its engine: start it, report its state, shut it down.
 
-Prefill and decode workers differ only in the request they run (see prefill_worker/ and
-decode_worker/); engine start-up, KV side-channel reservation, abort, bookkeeping and metrics live
-here once.
+A vLLM worker's engine is split the way vLLM's own server splits it. The engine core (scheduler,
+model, KV cache, KV connector) runs in a process this actor launches and owns: its core pinning,
+its KV side-channel ports and its lifetime belong to the worker. The engine's front end (input
+processing, detokenization, output processing: what vLLM's API server does) runs in the router,
+which connects to the engine core at the addresses it passes to :meth:`EngineHost.start`. Tokens
+then go from the engine core to the client's stream through one process, as in a plain vLLM
+server, instead of through a front end in the actor and a second hop to the router
+(docs/benchmarks.md measures why that matters).
+
+A SIMULATED engine (``engine: simulated``) runs whole inside the actor, which then serves its
+requests itself (prefill_worker/, decode_worker/) and streams tokens to the router through its
+outbox; it exists for control-plane scale tests, and says so wherever it is used.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import Any, Iterator, Literal
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
 from duet.cluster.token_outbox import TokenOutbox
-from duet.cluster.worker_api import SamplingSpec, WorkerStatus
+from duet.cluster.worker_api import EngineAddresses, SamplingSpec, WorkerStatus
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,
@@ -27,17 +36,15 @@ from duet.kv_transfer.config import (
 )
 from duet.kv_transfer.ports import PortReservation, reserve_ports
 
-
 logger = logging.getLogger(__name__)
 
-# The gauges the health ping reports as the worker's load.
-_LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
-# Labels every sample of one engine shares; dropped when flattening for status reports.
-_ENGINE_LABELS = ("model_name", "engine")
+
+class EngineCoreExited(RuntimeError):
+    """The worker's engine core process is gone (crashed, or killed)."""
 
 
 class EngineHost:
-    """Base of the worker actors: owns one ``AsyncLLM`` and the request bookkeeping around it."""
+    """Base of the worker actors: hosts one engine core (vLLM) or one whole SIMULATED engine."""
 
     role: Role | Literal["colocated"]
 
@@ -46,12 +53,13 @@ class EngineHost:
     ) -> None:
         """``cpu_core`` is the core its forward pass is pinned to on a CPU host (the
         deployment's core allocator chooses it). ``token_address`` is the router's token
-        receiver (host, port), where this worker sends the tokens it streams; None for
-        prefill-only workers, which stream none."""
+        receiver (host, port), where a SIMULATED engine's decode tokens go; None otherwise."""
         self.name = name
         self.config = config
         self.cpu_core = cpu_core
-        self.engine: Any = None
+        self.engine: Any = None  # the SIMULATED engine
+        self.vllm_config: Any = None
+        self._engine_processes: Any = None  # vLLM's CoreEngineProcManager
         self._state = "starting"
         self._error = ""
         self._ports: PortReservation | None = None
@@ -70,24 +78,32 @@ class EngineHost:
     def simulated(self) -> bool:
         return self.pool.engine == "simulated"
 
-    async def start(self) -> WorkerStatus:
-        """Create the engine; returns the ready status, or raises with the reason it failed."""
+    async def start(self, front_end: EngineAddresses | None = None) -> WorkerStatus:
+        """Start the engine; returns the ready status, or raises with the reason it failed.
+
+        A vLLM engine core connects to its front end at ``front_end``; this returns once the
+        engine is loaded and its KV cache allocated.
+        """
         try:
             if self.simulated:
                 self._start_simulated_engine()
+                if self._token_address is not None:
+                    self._sender = asyncio.get_running_loop().create_task(self.outbox.run(self._token_address))
             else:
-                self._start_engine()
-            if self._token_address is not None:
-                self._sender = asyncio.get_running_loop().create_task(self.outbox.run(self._token_address))
+                if front_end is None:
+                    raise ValueError("a vLLM worker needs the addresses of its front end in the router")
+                # Launching waits for the engine core's handshake: seconds, off the event loop.
+                await asyncio.to_thread(self._launch_engine_core, front_end)
             self._state = "ready"
         except Exception as error:  # reported to the launcher, which names the worker
             self._state, self._error = "failed", f"{type(error).__name__}: {error}"
             raise
         return self.status()
 
-    def _start_engine(self) -> None:
+    def _launch_engine_core(self, front_end: EngineAddresses) -> None:
         from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
+        from vllm.v1.executor import Executor
 
         transfer = self.config.kv_transfer
         transfers_kv = self.role != "colocated"
@@ -114,7 +130,12 @@ class EngineHost:
             pipeline_parallel=self.pool.pipeline_parallel,
             kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint) if transfers_kv else None,
         )
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
+        addresses = EngineZmqAddresses(inputs=[front_end.input], outputs=[front_end.output])
+        # The same launch vLLM's own front end performs for a local engine, pointed at the
+        # router's sockets; it returns when the engine core reports ready.
+        with launch_core_engines(self.vllm_config, Executor.get_class(self.vllm_config), True, addresses) as launch:
+            self._engine_processes = launch.engine_manager
 
     def _start_simulated_engine(self) -> None:
         from duet.cluster.simulated_engine import SimulatedEngine, simulated_perf
@@ -130,35 +151,40 @@ class EngineHost:
         )
         self.kv_endpoint = "simulated"
 
-    def _params(self, sampling: SamplingSpec, kv_transfer_params: dict[str, Any] | None, delta: bool = False) -> Any:
-        """The engine's request parameters: vLLM's SamplingParams, or the simulated engine's."""
-        if self.simulated:
-            from duet.cluster.simulated_engine import SimulatedParams
+    def engine_config(self) -> Any:
+        """The vLLM engine's resolved ``VllmConfig``, which its front end in the router needs."""
+        return self.vllm_config
 
-            return SimulatedParams(sampling, kv_transfer_params)
-        return sampling.to_vllm(kv_transfer_params=kv_transfer_params, delta=delta)
+    def _params(self, sampling: SamplingSpec, kv_transfer_params: dict[str, Any] | None, delta: bool = False) -> Any:
+        """The SIMULATED engine's request parameters."""
+        from duet.cluster.simulated_engine import SimulatedParams
+
+        return SimulatedParams(sampling, kv_transfer_params)
 
     def simulated_engine_seconds(self) -> dict[str, float]:
         """SIMULATED engines only: seconds each request spent in the engine, by request id."""
-        return dict(self.engine.engine_seconds) if self.simulated else {}
+        return dict(self.engine.engine_seconds)
 
     def model_limits(self) -> tuple[int, int, int]:
-        """(max_model_len, vocab_size, KV block size) as the engine resolved them."""
+        """SIMULATED engines: (max_model_len, vocab_size, KV block size) as the engine has them."""
         model_config = self.engine.model_config
         return model_config.max_model_len, model_config.get_vocab_size(), self.engine.vllm_config.cache_config.block_size
 
     async def reset_prefix_cache(self) -> None:
-        """Empty the engine's prefix cache (benchmarks compare routing policies from cold)."""
+        """SIMULATED engines: empty the engine's prefix cache."""
         await self.engine.reset_prefix_cache()
 
-    async def ping(self) -> tuple[float, int]:
-        """A round trip to the engine (raises if it is dead; never returns if it hangs), and
-        this worker's load: (KV cache usage, requests running in the engine)."""
-        await self.engine.is_sleeping()
+    async def ping(self) -> tuple[float, int] | None:
+        """Raises if the engine is gone (never returns if it hangs). A SIMULATED engine's answer
+        is its load (KV cache usage, requests running); a vLLM engine's load is read by its
+        front end in the router, and its round trip made from there."""
         if self.simulated:
+            await self.engine.is_sleeping()
             return self.engine.load()
-        metrics = _read_engine_metrics(_LOAD_METRICS)
-        return metrics.get("vllm:kv_cache_usage_perc", 0.0), int(metrics.get("vllm:num_requests_running", 0))
+        exited = self._engine_processes.finished_procs() if self._engine_processes is not None else {}
+        if exited:
+            raise EngineCoreExited(f"engine core exited: {exited}")
+        return None
 
     @contextmanager
     def _tracked(self, request_id: str) -> Iterator[None]:
@@ -171,14 +197,13 @@ class EngineHost:
             self._served += 1
 
     async def abort(self, request_id: str) -> None:
-        """Free a request's engine state (and its KV blocks); a no-op for unknown requests."""
+        """SIMULATED engines: free a request's engine state; a no-op for unknown requests."""
         if self.engine is not None:
             await self.engine.abort(request_id)
 
     def status(self) -> WorkerStatus:
-        unfinished = 0
-        if self.engine is not None:
-            unfinished = self.engine.output_processor.get_num_unfinished_requests()
+        """The actor's side of the worker's status (for vLLM engines the router adds the
+        engine's requests and metrics, which its front end holds)."""
         return WorkerStatus(
             name=self.name,
             role=self.role,
@@ -186,19 +211,11 @@ class EngineHost:
             kv_endpoint=self.kv_endpoint,
             requests_served=self._served,
             requests_inflight=len(self._inflight),
-            engine_unfinished=unfinished,
+            engine_unfinished=self.engine.output_processor.get_num_unfinished_requests() if self.engine is not None else 0,
             error=self._error,
             token_updates=self.outbox.updates_sent,
             token_batches=self.outbox.batches_sent,
-            engine_metrics={} if self.simulated else _read_engine_metrics(),
         )
-
-    def metrics_text(self) -> str:
-        """This worker's vLLM metrics in Prometheus text format (scraped through the router)."""
-        from prometheus_client import REGISTRY, generate_latest
-
-        lines = generate_latest(REGISTRY).decode().splitlines()
-        return "\n".join(line for line in lines if "vllm:" in line) + "\n"
 
     def shutdown(self) -> None:
         if self._sender is not None:
@@ -206,6 +223,9 @@ class EngineHost:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._engine_processes is not None:
+            self._engine_processes.close()
+            self._engine_processes = None
         if self._ports is not None:
             self._ports.release()
         self._state = "stopped"
@@ -220,21 +240,3 @@ def simulated_model_shape(config: DuetConfig) -> tuple[int, int]:
     model_config = json.loads((resolve_model_path(config.model) / "config.json").read_text())
     max_len = config.model.max_model_len or model_config.get("max_position_embeddings", 4096)
     return max_len, model_config["vocab_size"]
-
-
-def _read_engine_metrics(names: tuple[str, ...] = ()) -> dict[str, float]:
-    """vLLM's own Prometheus samples in this process (no buckets), keyed ``name{label=value}``;
-    only those of ``names`` if given (the health ping reads two gauges every second, and
-    collecting every histogram of the registry for them showed in the worker's profile)."""
-    from prometheus_client import REGISTRY
-
-    registry = REGISTRY.restricted_registry(names) if names else REGISTRY
-    values: dict[str, float] = {}
-    for family in registry.collect():
-        for sample in family.samples:
-            if not sample.name.startswith("vllm:") or sample.name.endswith(("_bucket", "_created")):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in _ENGINE_LABELS)
-            key = f"{sample.name}{{{labels}}}" if labels else sample.name
-            values[key] = values.get(key, 0.0) + sample.value
-    return values

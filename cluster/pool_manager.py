@@ -20,7 +20,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.cores import CoreAllocator
+from duet.router.engine_front_end import EngineFrontEnd, front_end_addresses
 from duet.router.pools import PoolMember, ScaleError, WorkerPool
+from duet.router.token_stream import TokenReceiver
+from duet.router.worker_engines import ActorEngine
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +34,9 @@ class PoolManager:
     worker_class: type
     pool_config: PoolConfig
     config: DuetConfig
-    token_address: tuple[str, int] | None
+    # The router's token receiver: SIMULATED decode workers stream to it, and its host is
+    # where vLLM engine cores reach their front ends.
+    tokens: TokenReceiver
     cores: CoreAllocator | None
     # Ray node ids for the first replicas, as a placement plan assigned them.
     plan_nodes: list[str] | None = None
@@ -53,7 +58,7 @@ class PoolManager:
             preferred = configured[index] if configured and index < len(configured) else None
             core = self.cores.take(preferred) if self.cores is not None else None
             node = self.plan_nodes[index] if self.plan_nodes and index < len(self.plan_nodes) else None
-            member = PoolMember(f"{self.pool.role}-{index}", self._actor(f"{self.pool.role}-{index}", core, node), "starting")
+            member = PoolMember(f"{self.pool.role}-{index}", self._actor(f"{self.pool.role}-{index}", core, node), state="starting")
             member.cpu_core = core
             self.pool.members.append(member)
             members.append(member)
@@ -64,13 +69,29 @@ class PoolManager:
         if node_id is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         pool = self.pool_config
+        # Only SIMULATED engines that stream tokens (decode, colocated) send them from the actor.
+        streams_from_actor = self.simulated and self.pool.role != "prefill"
         return ray.remote(self.worker_class).options(
             num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=1000, **options
-        ).remote(name, self.config, core, self.token_address)
+        ).remote(name, self.config, core, self.tokens.address if streams_from_actor else None)
+
+    @property
+    def simulated(self) -> bool:
+        return self.pool_config.engine == "simulated"
 
     async def _start_engine(self, member: PoolMember) -> None:
-        """Start the engine of ``member``'s actor (bounded) and learn its KV endpoint."""
-        status = await asyncio.wait_for(member.actor.start.remote(), self.config.server.worker_start_timeout_s)
+        """Start the engine of ``member``'s actor and connect the router to it (bounded)."""
+        timeout = self.config.server.worker_start_timeout_s
+        if self.simulated:
+            status = await asyncio.wait_for(member.actor.start.remote(), timeout)
+            member.engine = ActorEngine(member.actor, self.tokens)
+        else:
+            addresses = front_end_addresses(self.tokens.address[0])
+            status = await asyncio.wait_for(member.actor.start.remote(addresses), timeout)
+            vllm_config = await member.actor.engine_config.remote()
+            member.engine = await asyncio.wait_for(
+                EngineFrontEnd.connect(member.name, member.actor, vllm_config, addresses, self.config.kv_transfer), timeout
+            )
         member.kv_endpoint = status.kv_endpoint
 
     async def start(self, member: PoolMember) -> None:
@@ -86,6 +107,7 @@ class PoolManager:
 
     async def restart(self, member: PoolMember) -> None:
         """Replace a dead worker with a fresh actor and engine under the same name and core."""
+        self._close_engine(member)
         ray.kill(member.actor, no_restart=True)
         member.actor = self._actor(member.name, member.cpu_core, None)
         await self._start_engine(member)
@@ -169,7 +191,12 @@ class PoolManager:
         await self.remove(member)
 
     async def remove(self, member: PoolMember) -> None:
-        """Shut ``member``'s engine down, kill its actor, release its core and ports."""
+        """Shut ``member``'s engine down, kill its actor, release its core and ports.
+
+        Requests still on it (past a drain timeout) end now and resume on the other workers."""
+        if member.engine is not None:
+            member.engine.lost(WorkerRemoved(f"{member.name} was removed"))
+        self._close_engine(member)
         try:
             await asyncio.wait_for(member.actor.shutdown.remote(), 30)
         except Exception:  # already dead: nothing to shut down
@@ -187,10 +214,20 @@ class PoolManager:
         for member in list(self.pool.members):
             await self.remove(member)
 
+    @staticmethod
+    def _close_engine(member: PoolMember) -> None:
+        if member.engine is not None:
+            member.engine.close()
+            member.engine = None
+
     def _background(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+class WorkerRemoved(RuntimeError):
+    """The worker was removed (drained, or the deployment stopped) while requests were on it."""
 
 
 def root_cause(error: BaseException) -> str:

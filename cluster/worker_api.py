@@ -12,6 +12,19 @@ from typing import Any, Literal
 FinishReason = Literal["length", "stop", "abort", "error"]
 
 
+class EngineAborted(RuntimeError):
+    """The engine ended a request as aborted: it was cancelled, or its worker was found dead."""
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    """Where a worker's engine core connects to its front end in the router (ZeroMQ endpoints,
+    ``tcp://host:port``): requests come in on ``input``, outputs go back on ``output``."""
+
+    input: str
+    output: str
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """What to generate. ``temperature == 0`` is greedy."""

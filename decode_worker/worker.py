@@ -1,28 +1,61 @@
-"""The decode worker: a Ray actor whose vLLM engine is a KV consumer.
+"""Decode: generate a request's tokens on an engine that is a KV consumer.
 
-Given the prompt and the prefill worker's transfer parameters, its engine pulls the prompt's KV
+Given the prompt and the prefill worker's transfer parameters, the engine pulls the prompt's KV
 instead of recomputing it, then decodes. The engine re-derives the first token from the pulled
 KV (vLLM recomputes the last prompt position to get its logits); the router has already sent that
-token to the client, so the stream skips it and carries only what follows.
+token to the client, so the stream skips it and carries only what follows. Without transfer
+parameters the engine computes the prompt itself: colocated serving (``mode: colocated``), where
+every token is streamed, the first included, or the fallback when a KV hand-off failed.
 
-Tokens do not travel back as the return value of the call: :meth:`DecodeWorker.decode` drops
-each step's new tokens into the worker's outbox, and the router reads every request's tokens
-from the worker's one token stream (see :mod:`duet.cluster.token_outbox`). The call itself
-returns when the request is done; the router awaits it only to learn of failures.
-
-The same worker serves colocated deployments (``mode: colocated``): there it computes the prompt
-itself and streams every token, the first included.
+:func:`decode_updates` is the one implementation. For vLLM workers the router runs it against
+the engine's front end in its own process, so tokens go from the engine core straight to the
+client's stream (router/engine_front_end.py). :class:`DecodeWorker` is the Ray actor that hosts
+the engine core; it runs decode itself only for SIMULATED engines, whose engine lives in the
+actor, and sends their tokens to the router in per-step batches (cluster/token_outbox.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, AsyncIterator
 
 from duet.cluster.engine_host import EngineHost
-from duet.cluster.worker_api import SamplingSpec
+from duet.cluster.worker_api import FinishReason, SamplingSpec
+from duet.prefill_worker.worker import ParamsFactory
 
 logger = logging.getLogger(__name__)
+
+
+async def decode_updates(
+    engine: Any,
+    make_params: ParamsFactory,
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling: SamplingSpec,
+    kv_transfer_params: dict[str, Any] | None,
+    first_token_id: int | None = None,
+    first_text: str = "",
+) -> AsyncIterator[tuple[list[int], str, FinishReason | None]]:
+    """The request's new tokens, text and finish as ``engine`` produces them, step by step.
+
+    ``first_token_id`` is the token prefill already sent, which is skipped; None streams every
+    token. Delta outputs: vLLM hands over only what is new, merging steps a slow reader missed.
+    """
+    params = make_params(sampling, kv_transfer_params, True)
+    skip_first = first_token_id is not None
+    async for output in engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+        completion = output.outputs[0]
+        token_ids, text = completion.token_ids, completion.text
+        if skip_first and token_ids:
+            skip_first = False
+            if token_ids[0] != first_token_id:
+                # Only possible with sampling and float noise between the two engines.
+                logger.warning("request %s: decode re-derived a different first token", request_id)
+            token_ids = token_ids[1:]
+            text = text[len(first_text):] if text.startswith(first_text) else text
+        finish = completion.finish_reason if output.finished else None
+        if token_ids or text or finish is not None:
+            yield list(token_ids), text, finish
 
 
 class DecodeWorker(EngineHost):
@@ -37,29 +70,14 @@ class DecodeWorker(EngineHost):
         first_token_id: int | None = None,
         first_text: str = "",
     ) -> None:
-        """Generate the request's tokens into the token stream; returns when it finished.
-
-        ``first_token_id`` is the token prefill already sent, which the stream skips; None
-        streams every token (colocated serving). Without ``kv_transfer_params`` the engine
-        computes the prompt itself (colocated, or the fallback when a KV hand-off failed).
-        """
-        params = self._params(sampling, kv_transfer_params, delta=True)
-        skip_first = first_token_id is not None
+        """SIMULATED engines only: generate into the token stream; returns when finished."""
         put = self.outbox.put
         with self._tracked(request_id):
-            async for output in self.engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
-                completion = output.outputs[0]
-                token_ids, text = completion.token_ids, completion.text
-                if skip_first and token_ids:
-                    skip_first = False
-                    if token_ids[0] != first_token_id:
-                        # Only possible with sampling and float noise between the two engines.
-                        logger.warning("request %s: decode re-derived a different first token", request_id)
-                    token_ids = token_ids[1:]
-                    text = text[len(first_text):] if text.startswith(first_text) else text
-                finish = completion.finish_reason if output.finished else None
-                if token_ids or text or finish is not None:
-                    put((request_id, list(token_ids), text, finish))
+            async for token_ids, text, finish in decode_updates(
+                self.engine, self._params, request_id, prompt_token_ids, sampling,
+                kv_transfer_params, first_token_id, first_text,
+            ):
+                put((request_id, token_ids, text, finish))
 
 
 class ColocatedWorker(DecodeWorker):

@@ -1,18 +1,66 @@
-"""The prefill worker: a Ray actor whose vLLM engine is a KV producer.
+"""Prefill: run the prompt on an engine that is a KV producer and sample the first token.
 
-It runs the prompt and samples the first token. With the nixl transport it keeps the prompt's
-KV blocks until a decode worker pulls them (or the lease expires); with nccl it streams each
-layer to the chosen decode worker while prefill runs. It returns the first token and the
-transfer parameters, nothing more: the decode side does everything after.
+With the nixl transport the engine keeps the prompt's KV blocks until a decode worker pulls them
+(or the lease expires); with nccl it streams each layer to the chosen decode worker while
+prefill runs. The result is the first token and the transfer parameters, nothing more: the
+decode side does everything after.
+
+:func:`run_prefill` is the one implementation. For vLLM workers the router runs it against the
+engine's front end in its own process (router/engine_front_end.py); :class:`PrefillWorker` is
+the Ray actor that hosts the engine core, and runs it itself only for SIMULATED engines, whose
+engine lives in the actor.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+from duet.cluster.config import KVTransferConfig
 from duet.cluster.engine_host import EngineHost
-from duet.cluster.worker_api import PrefillResult, SamplingSpec
+from duet.cluster.worker_api import EngineAborted, PrefillResult, SamplingSpec
 from duet.kv_transfer.config import prefill_request_params
+
+# Builds the engine's request parameters: (sampling, kv_transfer_params, delta outputs) -> params.
+ParamsFactory = Callable[[SamplingSpec, "dict[str, Any] | None", bool], Any]
+
+
+async def run_prefill(
+    engine: Any,
+    make_params: ParamsFactory,
+    transfer: KVTransferConfig,
+    worker: str,
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling: SamplingSpec,
+    decode_endpoint: str | None = None,
+) -> PrefillResult:
+    """Prefill ``prompt_token_ids`` on ``engine`` (anything with ``AsyncLLM.generate``).
+
+    ``decode_endpoint`` names the decode worker for push transports, which stream the KV to it
+    while prefill runs.
+    """
+    # Asking for remote decode only matters if a decode step will follow.
+    wants_decode = sampling.max_tokens > 1
+    transfer_params = prefill_request_params(transfer, decode_endpoint) if wants_decode else None
+    params = make_params(sampling.for_prefill(), transfer_params, False)
+    final: Any = None
+    async for output in engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+        final = output
+    completion = final.outputs[0]
+    if completion.finish_reason == "abort":  # its worker was found dead, or it was cancelled
+        raise EngineAborted(f"request {request_id} was aborted in the engine")
+    # Hitting the one-token limit means "hand over to decode" unless one token was all we
+    # wanted; any other reason (EOS, stop) ends the request here.
+    handing_over = wants_decode and completion.finish_reason == "length"
+    finish = None if handing_over else completion.finish_reason
+    return PrefillResult(
+        first_token_id=completion.token_ids[0],
+        first_text=completion.text,
+        num_prompt_tokens=len(prompt_token_ids),
+        kv_transfer_params=final.kv_transfer_params if handing_over else None,
+        finish_reason=finish,
+        worker=worker,
+    )
 
 
 class PrefillWorker(EngineHost):
@@ -25,31 +73,9 @@ class PrefillWorker(EngineHost):
         sampling: SamplingSpec,
         decode_endpoint: str | None = None,
     ) -> PrefillResult:
-        """Prefill ``prompt_token_ids``; its KV is kept for (nixl) or sent to (nccl) decode.
-
-        ``decode_endpoint`` names the decode worker for push transports, which stream the KV
-        to it while prefill runs.
-        """
-        # Asking for remote decode only matters if a decode step will follow.
-        wants_decode = sampling.max_tokens > 1
-        transfer = prefill_request_params(self.config.kv_transfer, decode_endpoint) if wants_decode else None
-        params = self._params(sampling.for_prefill(), transfer)
-        final: Any = None
+        """SIMULATED engines only: prefill inside the actor (see :func:`run_prefill`)."""
         with self._tracked(request_id):
-            async for output in self.engine.generate(
-                {"prompt_token_ids": prompt_token_ids}, params, request_id
-            ):
-                final = output
-        completion = final.outputs[0]
-        # Hitting the one-token limit means "hand over to decode" unless one token was all we
-        # wanted; any other reason (EOS, stop) ends the request here.
-        handing_over = wants_decode and completion.finish_reason == "length"
-        finish = None if handing_over else completion.finish_reason
-        return PrefillResult(
-            first_token_id=completion.token_ids[0],
-            first_text=completion.text,
-            num_prompt_tokens=len(prompt_token_ids),
-            kv_transfer_params=final.kv_transfer_params if handing_over else None,
-            finish_reason=finish,
-            worker=self.name,
-        )
+            return await run_prefill(
+                self.engine, self._params, self.config.kv_transfer, self.name,
+                request_id, prompt_token_ids, sampling, decode_endpoint,
+            )

@@ -1,10 +1,10 @@
 """Health watching: every worker is pinged on a fixed period, whether or not traffic flows.
 
-A ping is a round trip to the worker's engine (router → actor → engine core → back), so it finds
-a dead actor (Ray reports it at once), a dead engine (vLLM raises), and a hung one (no answer
-within the timeout). A worker that fails a ping is taken out of rotation and replaced at once,
-before any request finds it; with another ready worker in its pool, no request waits for the
-replacement. Each answer also carries the worker's load (KV cache usage, running requests),
+A ping asks both halves of the worker: its actor (Ray reports a dead one at once, and the actor
+reports an engine core process that exited) and its engine core (a round trip through the
+engine's front end, which a hung engine never completes within the timeout). A worker that
+fails a ping is taken out of rotation and replaced at once, before any request finds it; with
+another ready worker in its pool, no request waits for the replacement. Each answer also carries the worker's load (KV cache usage, running requests),
 which the decode routing policy uses.
 """
 
@@ -50,17 +50,17 @@ class HealthWatcher:
             await asyncio.sleep(self.interval_s)
 
     async def _check(self, pool: WorkerPool, member: PoolMember) -> None:
-        actor = member.actor
+        engine = member.engine
         try:
-            member.kv_usage, member.running = await asyncio.wait_for(actor.ping.remote(), self.timeout_s)
+            member.kv_usage, member.running = await asyncio.wait_for(engine.ping(), self.timeout_s)
             member.reported_at = time.monotonic()
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            if member.actor is actor:
+            if member.engine is engine:
                 pool.mark_failed(member, WorkerUnresponsive(f"no answer to a health ping in {self.timeout_s:g} s"))
         except Exception as error:
-            if member.actor is actor:  # not already replaced meanwhile
+            if member.engine is engine:  # not already replaced meanwhile
                 pool.mark_failed(member, error)
         finally:
             self._checking.discard(member.name)

@@ -23,18 +23,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
-import ray
-from ray.exceptions import RayActorError, RayTaskError
-
 from duet.cluster.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import PoolMember, WorkerPool
-from duet.router.token_stream import StreamBroken, TokenReceiver
 from duet.router.validation import ValidatedRequest
+from duet.router.worker_engines import EngineLost, EngineRejected
 
 logger = logging.getLogger(__name__)
-
-# vLLM errors raised inside a live actor that mean its engine is gone.
-_ENGINE_DEAD = ("EngineDeadError",)
 
 
 @dataclass(frozen=True)
@@ -128,12 +122,10 @@ class RequestLifecycle:
         self,
         prefill: WorkerPool | None,
         decode: WorkerPool,
-        tokens: TokenReceiver,
         policy: RetryPolicy | None = None,
         prefill_pushes_kv: bool = False,
         local_prefill_max_tokens: int = 0,
     ) -> None:
-        self.tokens = tokens
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.policy = policy or RetryPolicy()
@@ -224,13 +216,9 @@ class RequestLifecycle:
         assert self.prefill_pool is not None
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
-        ref = worker.actor.prefill.remote(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
         try:
-            return await ref
-        except asyncio.CancelledError:
-            await _abort(worker, round_.request_id, ref)
-            raise
-        except (RayActorError, RayTaskError) as error:
+            return await worker.engine.prefill(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
+        except (EngineLost, EngineRejected) as error:
             raise self._worker_failure(self.prefill_pool, worker, error) from error
         finally:
             worker.inflight -= 1
@@ -243,99 +231,32 @@ class RequestLifecycle:
         prefill: PrefillResult | None,
         kv_transfer_params: dict[str, Any] | None,
     ) -> AsyncIterator[DecodeChunk]:
-        """Start the request on ``worker`` and relay its tokens as they arrive from it.
-
-        The tokens come through the router's token receiver, not the call; the call's result
-        only says whether the worker failed (a dead actor, a dead engine).
-
-        Updates that queued up while the client's stream was busy are merged into one chunk,
-        so a loaded router sends fewer, larger messages instead of falling further behind.
-        """
-        request_id = round_.request_id
-        queue = self.tokens.subscribe(request_id)
+        """Start the request on ``worker`` and relay its tokens as they arrive from it."""
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
-        call = worker.actor.decode.remote(
-            request_id,
+        chunks = worker.engine.decode(
+            round_.request_id,
             round_.prompt_token_ids,
             round_.sampling,
             kv_transfer_params,
             prefill.first_token_id if prefill else None,
             prefill.first_text if prefill else "",
         )
-        asyncio.wrap_future(call.future()).add_done_callback(lambda done: _report_call_failure(done, queue))
-        finished = False
         try:
-            while not finished:
-                updates = [await queue.get()]
-                while not queue.empty():
-                    updates.append(queue.get_nowait())
-                token_ids: list[int] = []
-                text = ""
-                broken: StreamBroken | None = None
-                for update in updates:
-                    if isinstance(update, StreamBroken):
-                        broken = update
-                        break
-                    token_ids += update[1]
-                    text += update[2]
-                    finished = update[3] is not None
-                    if finished:
-                        yield DecodeChunk(token_ids, text, update[3])
-                        return
-                if token_ids or text:
-                    yield DecodeChunk(token_ids, text)
-                if broken is not None:
-                    raise self._stream_failure(worker, broken)
+            async for chunk in chunks:
+                yield chunk
+        except (EngineLost, EngineRejected) as error:
+            raise self._worker_failure(self.decode_pool, worker, error) from error
         finally:
             worker.inflight -= 1
             worker.outstanding_tokens -= len(round_.prompt_token_ids)
-            self.tokens.unsubscribe(request_id)
-            if not finished:  # cancelled, timed out, failed, or the consumer stopped early
-                await _abort(worker, request_id, call)
-
-    def _stream_failure(self, worker: PoolMember, broken: StreamBroken) -> BaseException:
-        if isinstance(broken.cause, (RayActorError, RayTaskError)):
-            return self._worker_failure(self.decode_pool, worker, broken.cause)
-        self.decode_pool.mark_failed(worker, broken)
-        return WorkerFailed(str(broken))
+            await chunks.aclose()  # aborts the request in the engine unless it finished
 
     @staticmethod
-    def _worker_failure(pool: WorkerPool, worker: PoolMember, error: BaseException) -> BaseException:
-        """Classify an error from a worker call: a dead worker is retried, anything else is not."""
-        if isinstance(error, RayTaskError) and type(error.cause).__name__ not in _ENGINE_DEAD:
-            return RequestFailed(f"{pool.role} worker {worker.name}: {error.cause}")
+    def _worker_failure(pool: WorkerPool, worker: PoolMember, error: EngineLost | EngineRejected) -> BaseException:
+        """A worker that is gone is taken out of rotation and the round retried; a request its
+        engine refused is not."""
+        if isinstance(error, EngineRejected):
+            return RequestFailed(f"{pool.role} worker {worker.name}: {error}")
         pool.mark_failed(worker, error)
-        return WorkerFailed(f"{pool.role} worker {worker.name} failed ({type(error).__name__})")
-
-
-# How long after a worker's call returned its request's last tokens may still be on the way.
-_LAST_TOKENS_GRACE_S = 10.0
-
-
-def _report_call_failure(done: asyncio.Future[Any], queue: asyncio.Queue[Any]) -> None:
-    """Hand a failed worker call to the request waiting on its tokens.
-
-    A call that succeeded has put its finish on the token socket; should that never arrive (the
-    worker died right after), the request is failed after a grace period instead of waiting
-    forever. A request that did finish has stopped reading its queue by then.
-    """
-    if done.cancelled():
-        return
-    if done.exception() is not None:
-        queue.put_nowait(StreamBroken("the worker call failed", done.exception()))
-        return
-    lost = StreamBroken(f"the worker finished the request but its last tokens did not arrive in {_LAST_TOKENS_GRACE_S:.0f} s")
-    asyncio.get_running_loop().call_later(_LAST_TOKENS_GRACE_S, queue.put_nowait, lost)
-
-
-async def _abort(worker: PoolMember, request_id: str, task: object) -> None:
-    """Stop a worker's task for ``request_id`` and free its engine state, whatever state it is in."""
-    try:
-        ray.cancel(task)
-    except Exception:  # already finished, or not cancellable: the abort below still frees it
-        pass
-    try:
-        await asyncio.wait_for(asyncio.shield(worker.actor.abort.remote(request_id)), 10)
-    except Exception as error:  # a dead worker has nothing left to free
-        logger.warning("abort of %s on %s failed: %s", request_id, worker.name, error)
+        return WorkerFailed(f"{pool.role} worker {worker.name} failed ({error})")

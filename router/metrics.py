@@ -2,8 +2,8 @@
 
 One scrape target per deployment: request outcomes and latencies as the client sees them
 (``duet_*``), and each worker's engine and KV-transfer metrics (``vllm:*``, including
-``vllm:nixl_*`` / ``vllm:p2p_*`` per-transfer duration, bytes and failures) fetched from the
-worker actors at scrape time and labelled with ``worker`` and ``role``.
+``vllm:nixl_*`` / ``vllm:p2p_*`` per-transfer duration, bytes and failures), which each worker's
+engine front end in the router records, labelled with ``worker`` and ``role``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
-import ray
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,7 +21,6 @@ from duet.router.pools import WORKER_STATES, WorkerPool
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_SCRAPE_TIMEOUT_S = 5.0
 
 
 class RouterMetrics:
@@ -40,7 +38,7 @@ class RouterMetrics:
 
 
 class WorkerMetricsCollector(Collector):
-    """Fetches each ready worker's vLLM metrics when Prometheus scrapes."""
+    """Collects each ready worker's vLLM metrics when Prometheus scrapes."""
 
     def __init__(self, pools: list[WorkerPool]) -> None:
         self.pools = pools
@@ -53,7 +51,7 @@ class WorkerMetricsCollector(Collector):
                 if member.state != "ready":
                     continue
                 try:
-                    text = ray.get(member.actor.metrics_text.remote(), timeout=_SCRAPE_TIMEOUT_S)
+                    text = member.engine.metrics_text()
                 except Exception as error:  # a dying worker must not break the scrape
                     logger.debug("no metrics from %s: %s", member.name, error)
                     continue

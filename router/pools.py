@@ -61,6 +61,9 @@ class PoolMember:
     kv_usage: float = 0.0
     running: int = 0
     reported_at: float | None = None  # time.monotonic() of that report
+    # What requests, health pings and status go through (router/worker_engines.py); set once
+    # the worker's engine has started.
+    engine: Any = None
 
 
 @dataclass
@@ -109,11 +112,13 @@ class WorkerPool:
                     pass
 
     def mark_failed(self, member: PoolMember, error: BaseException) -> None:
-        """Take ``member`` out of rotation and start its replacement (once per failure).
+        """Take ``member`` out of rotation, end its requests (they resume on the others) and
+        start its replacement (once per failure).
 
-        A draining member is not replaced: it was leaving anyway, and its requests resume on
-        the others as after any failure.
+        A draining member is not replaced: it was leaving anyway.
         """
+        if member.engine is not None and member.state in ("ready", "draining"):
+            member.engine.lost(error)
         if member.state == "draining":
             logger.warning("%s worker %s failed while draining: %s", self.role, member.name, error)
             member.state, member.error = "failed", f"{type(error).__name__}: {error}"

@@ -86,7 +86,7 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
     if member.state not in ("ready", "draining"):  # starting, dead or being replaced
         return pb.WorkerState(error=member.error, **router_side)
     try:
-        status: WorkerStatus = await asyncio.wait_for(member.actor.status.remote(), _STATUS_TIMEOUT_S)
+        status: WorkerStatus = await asyncio.wait_for(member.engine.status(), _STATUS_TIMEOUT_S)
     except Exception as error:
         return pb.WorkerState(error=f"unreachable: {type(error).__name__}: {error}", **router_side)
     if "SIMULATED" in status.state:  # say so wherever a simulated engine serves

@@ -146,12 +146,12 @@ def tokenizer(deployment: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def worker_status(deployment: Any) -> Callable[[str], Any]:
-    """A worker's own report (engine state, in-flight requests, vLLM metrics), straight from Ray."""
-    import ray
+    """A worker's report (engine state, in-flight requests, vLLM metrics) from its actor and its
+    engine's front end in the router."""
 
     def report(role: str) -> Any:
         pool = deployment.prefill if role == "prefill" else deployment.decode
-        return ray.get(pool.members[0].actor.status.remote())
+        return deployment.background.run(pool.members[0].engine.status(), timeout=30)
 
     return report
 

@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import pytest
-import ray
 
 from duet.cluster.config import COLOCATED_CONFIG_PATH, load_config, parse_config
 from duet.cluster.deployment import Deployment
@@ -27,7 +26,7 @@ def colocated(running_deployment) -> Iterator[tuple[Deployment, DuetClient]]:
 
 
 def _worker_states(deployment: Deployment) -> list[Any]:
-    return [ray.get(member.actor.status.remote()) for member in deployment.decode.members]
+    return [deployment.background.run(member.engine.status(), timeout=30) for member in deployment.decode.members]
 
 
 def test_colocated_requests_match_a_single_engine_and_use_both_workers(colocated, reference):

@@ -23,21 +23,14 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 700) for _ in range(length)]
 
 
-async def _decode_on(deployment, member, request_id, prompt, spec, prefill) -> list[int]:
-    """Run the decode half of a request on ``member`` and read its tokens as the router does."""
-    queue = deployment.tokens.subscribe(request_id)
-    try:
-        await member.actor.decode.remote(
-            request_id, prompt, spec, prefill.kv_transfer_params, prefill.first_token_id, prefill.first_text
-        )
-        tokens: list[int] = []
-        while True:
-            _, token_ids, _, finish = await queue.get()
-            tokens += token_ids
-            if finish is not None:
-                return tokens
-    finally:
-        deployment.tokens.unsubscribe(request_id)
+async def _decode_on(member, request_id, prompt, spec, prefill) -> list[int]:
+    """Run the decode half of a request on ``member``'s engine, as the router does."""
+    tokens: list[int] = []
+    async for chunk in member.engine.decode(
+        request_id, prompt, spec, prefill.kv_transfer_params, prefill.first_token_id, prefill.first_text
+    ):
+        tokens += chunk.token_ids
+    return tokens
 
 
 def test_prefill_killed_before_decode_pulls(client, deployment, reference, worker_status):
@@ -46,13 +39,13 @@ def test_prefill_killed_before_decode_pulls(client, deployment, reference, worke
     spec = SamplingSpec(max_tokens=16, ignore_eos=True)
     expected = reference.greedy([prompt], max_tokens=16, ignore_eos=True)[0]
     prefill = deployment.prefill.members[0]
-    result = ray.get(prefill.actor.prefill.remote("fault-prefill", prompt, spec))
+    result = deployment.background.run(prefill.engine.prefill("fault-prefill", prompt, spec, None), timeout=60)
     ray.kill(prefill.actor, no_restart=True)
 
     decode = deployment.decode.members[0]
     computed_before = worker_status("decode").engine_metrics.get(COMPUTED, 0)
     started = time.monotonic()
-    decoded = deployment.background.run(_decode_on(deployment, decode, "fault-prefill", prompt, spec, result), timeout=60)
+    decoded = deployment.background.run(_decode_on(decode, "fault-prefill", prompt, spec, result), timeout=60)
     tokens = [result.first_token_id] + decoded
     elapsed = time.monotonic() - started
     assert tokens == expected

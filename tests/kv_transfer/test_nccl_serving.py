@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import pytest
-import ray
 
 from duet.cluster.config import parse_config
 from duet.router.client import DuetClient, build_request
@@ -36,7 +35,7 @@ def nccl_client(nccl_deployment) -> Iterator[DuetClient]:
 
 
 def _decode_metrics(deployment) -> dict[str, float]:
-    return ray.get(deployment.decode.members[0].actor.status.remote()).engine_metrics
+    return deployment.background.run(deployment.decode.members[0].engine.status(), timeout=30).engine_metrics
 
 
 def _prompt(length: int, seed: int) -> list[int]:

@@ -1,0 +1,188 @@
+"""A vLLM worker's engine front end, run in the router's process.
+
+vLLM splits an engine in two: the engine core (scheduler, model, KV cache) in a process of its
+own, and a front end (``AsyncLLM``: input processing, detokenization, output processing) in the
+process that serves clients. duet puts the split where vLLM's own server puts it: the worker
+actor launches and owns the engine core (cluster/engine_host.py), and the router runs the front
+end, so every token goes from the engine core to the client's stream through this one process.
+With the front end in the actor instead, each token crossed two processes (actor, then
+router), which cost duet several times plain vLLM's CPU per token (docs/benchmarks.md).
+
+The engine core connects to this front end's ZeroMQ sockets (tcp, so workers on other hosts can
+reach the router). vLLM's front end does not watch an engine core it did not start; the health
+watcher does (it pings through both the actor and this front end), and :meth:`EngineFrontEnd.lost`
+ends the requests of a worker found dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any, AsyncIterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from duet.cluster.config import KVTransferConfig
+from duet.cluster.worker_api import DecodeChunk, EngineAborted, EngineAddresses, PrefillResult, SamplingSpec, WorkerStatus
+from duet.decode_worker.worker import decode_updates
+from duet.prefill_worker.worker import run_prefill
+from duet.router.engine_metrics import read_engine_metrics, registry_bound_stat_logger
+from duet.router.worker_engines import EngineLost, EngineRejected
+
+logger = logging.getLogger(__name__)
+
+# The gauges a health ping reports as the worker's load.
+_LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
+
+
+def front_end_addresses(host: str) -> EngineAddresses:
+    """Two free ports on ``host`` for an engine core to connect to."""
+    ports = []
+    for _ in range(2):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))
+            ports.append(probe.getsockname()[1])
+    address = f"[{host}]" if ":" in host else host
+    return EngineAddresses(input=f"tcp://{address}:{ports[0]}", output=f"tcp://{address}:{ports[1]}")
+
+
+class EngineFrontEnd:
+    """``AsyncLLM`` in the router for one worker's engine core, with duet's prefill and decode."""
+
+    def __init__(self, name: str, actor: Any, engine: Any, registry: CollectorRegistry, transfer: KVTransferConfig) -> None:
+        self.name = name
+        self.actor = actor
+        self.engine = engine
+        self.registry = registry
+        self.transfer = transfer
+        self._requests: set[str] = set()
+        self._served = 0
+        self._lost: BaseException | None = None
+
+    @classmethod
+    async def connect(
+        cls, name: str, actor: Any, vllm_config: Any, addresses: EngineAddresses, transfer: KVTransferConfig
+    ) -> "EngineFrontEnd":
+        """The front end of an engine core that was launched to connect to ``addresses``."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
+
+        registry = CollectorRegistry()
+        # The constructor binds the sockets and waits (blocking) for the engine core's hello,
+        # which is already queued: a few milliseconds, but not on the event loop.
+        engine = await asyncio.to_thread(
+            AsyncLLM,
+            vllm_config,
+            Executor.get_class(vllm_config),
+            log_stats=False,
+            log_requests=False,
+            stat_loggers=[registry_bound_stat_logger(registry)],
+            client_addresses={"input_address": addresses.input, "output_address": addresses.output},
+        )
+        return cls(name, actor, engine, registry, transfer)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None
+    ) -> PrefillResult:
+        self._check_alive()
+        self._requests.add(request_id)
+        try:
+            return await run_prefill(
+                self.engine, _vllm_params, self.transfer, self.name, request_id, prompt_token_ids, sampling, decode_endpoint
+            )
+        except Exception as error:
+            raise self._failure(error) from error
+        finally:
+            self._finished(request_id)
+
+    async def decode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        kv_transfer_params: dict[str, Any] | None,
+        first_token_id: int | None,
+        first_text: str,
+    ) -> AsyncIterator[DecodeChunk]:
+        self._check_alive()
+        self._requests.add(request_id)
+        updates = decode_updates(
+            self.engine, _vllm_params, request_id, prompt_token_ids, sampling, kv_transfer_params, first_token_id, first_text
+        )
+        try:
+            async for token_ids, text, finish in updates:
+                if finish == "abort" and self._lost is not None:
+                    raise EngineLost(f"worker {self.name} is gone ({self._lost})")
+                yield DecodeChunk(token_ids, text, finish)
+        except (EngineLost, GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as error:
+            raise self._failure(error) from error
+        finally:
+            # Closing vLLM's generator early (the client left, the hand-off timed out) aborts
+            # the request in the engine and frees its KV blocks.
+            await updates.aclose()
+            self._finished(request_id)
+
+    def _check_alive(self) -> None:
+        if self._lost is not None:
+            raise EngineLost(f"worker {self.name} is gone ({self._lost})")
+
+    def _finished(self, request_id: str) -> None:
+        self._requests.discard(request_id)
+        self._served += 1
+
+    def _failure(self, error: BaseException) -> BaseException:
+        """vLLM's error as duet's: a dead engine can be retried elsewhere, anything else not."""
+        if self._lost is not None or type(error).__name__ == "EngineDeadError":
+            return EngineLost(f"worker {self.name} is gone ({self._lost or error})")
+        if isinstance(error, EngineAborted):
+            return EngineRejected(str(error))
+        return EngineRejected(f"{type(error).__name__}: {error}")
+
+    def lost(self, error: BaseException) -> None:
+        """End every request of this worker now: vLLM finishes them as aborted, which
+        :meth:`prefill` and :meth:`decode` turn into :class:`EngineLost`."""
+        if self._lost is None:
+            self._lost = error
+        self.engine.output_processor.abort_requests(list(self._requests), internal=False)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    async def ping(self) -> tuple[float, int]:
+        """Both halves answer: the actor (its engine core process is alive) and the engine core
+        itself (a round trip over the front end's sockets, which a hung engine never makes)."""
+        await self.actor.ping.remote()
+        await self.engine.is_sleeping()
+        metrics = read_engine_metrics(self.registry, _LOAD_METRICS)
+        return metrics.get("vllm:kv_cache_usage_perc", 0.0), int(metrics.get("vllm:num_requests_running", 0))
+
+    async def status(self) -> WorkerStatus:
+        status: WorkerStatus = await self.actor.status.remote()
+        status.requests_served = self._served
+        status.requests_inflight = len(self._requests)
+        status.engine_unfinished = self.engine.output_processor.get_num_unfinished_requests()
+        status.engine_metrics = read_engine_metrics(self.registry)
+        return status
+
+    def metrics_text(self) -> str:
+        lines = generate_latest(self.registry).decode().splitlines()
+        return "\n".join(line for line in lines if "vllm:" in line) + "\n"
+
+    async def model_limits(self) -> tuple[int, int, int]:
+        model_config = self.engine.model_config
+        return model_config.max_model_len, model_config.get_vocab_size(), self.engine.vllm_config.cache_config.block_size
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Close the sockets (the engine core itself goes with its actor)."""
+        self.engine.shutdown()
+
+
+def _vllm_params(sampling: SamplingSpec, kv_transfer_params: dict[str, Any] | None, delta: bool) -> Any:
+    return sampling.to_vllm(kv_transfer_params=kv_transfer_params, delta=delta)

@@ -455,17 +455,17 @@ async def _timed_request(stub: Any, prompt: list[int]) -> Timing:
 
 async def _prefill_alone_s(deployment: Any, prompt: list[int], request_id: str) -> float:
     """A colocated engine's time to first token: the prefill worker's engine running the
-    prompt for one token, no transfer (timed from the driver: one Ray hop, no gRPC)."""
+    prompt for one token, no transfer (timed in the router's process: no gRPC)."""
     from duet.cluster.worker_api import SamplingSpec
 
     start = time.perf_counter()
-    await deployment.prefill.members[0].actor.prefill.remote(request_id, prompt, SamplingSpec(max_tokens=1))
+    await deployment.prefill.members[0].engine.prefill(request_id, prompt, SamplingSpec(max_tokens=1), None)
     return time.perf_counter() - start
 
 
 async def _worker_metrics(deployment: Any) -> dict[str, dict[str, float]]:
-    prefill, decode = deployment.prefill.members[0].actor, deployment.decode.members[0].actor
-    statuses = await asyncio.gather(prefill.status.remote(), decode.status.remote())
+    prefill, decode = deployment.prefill.members[0].engine, deployment.decode.members[0].engine
+    statuses = await asyncio.gather(prefill.status(), decode.status())
     return {"prefill": statuses[0].engine_metrics, "decode": statuses[1].engine_metrics}
 
 

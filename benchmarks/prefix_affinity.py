@@ -65,12 +65,10 @@ def skewed_workload(base: Workload, hot_share: float, hot_tokens: int, seed: int
     return Workload("skewed", prompts, base.arrival_s, base.output_tokens)
 
 
-def _prefill_totals(deployment: Any) -> dict[str, float]:
-    import ray
-
+async def _prefill_totals(deployment: Any) -> dict[str, float]:
     totals: Counter[str] = Counter()
     for member in deployment.prefill.members:
-        metrics = ray.get(member.actor.status.remote()).engine_metrics
+        metrics = (await member.engine.status()).engine_metrics
         for key in (_HITS, _QUERIES, _COMPUTED):
             totals[key] += metrics.get(key, 0.0)
     return dict(totals)
@@ -83,9 +81,9 @@ async def _run(deployment: Any, workload: Workload, policy: Any, label: str) -> 
     from duet.cluster.placement.trace import Trace
     from duet.router.client import build_request
 
-    await asyncio.gather(*(m.actor.reset_prefix_cache.remote() for m in deployment.prefill.members))
+    await asyncio.gather(*(m.engine.reset_prefix_cache() for m in deployment.prefill.members))
     deployment.prefill.policy = policy
-    before = await asyncio.to_thread(_prefill_totals, deployment)
+    before = await _prefill_totals(deployment)
     routed: Counter[str] = Counter()
     busiest_share: list[float] = []  # the busiest worker's share of outstanding prompt tokens
     stop = asyncio.Event()
@@ -118,7 +116,7 @@ async def _run(deployment: Any, workload: Workload, policy: Any, label: str) -> 
     await watcher
     for record in records:
         routed[record.prefill_worker] += 1
-    after = await asyncio.to_thread(_prefill_totals, deployment)
+    after = await _prefill_totals(deployment)
     hits, queries = after[_HITS] - before[_HITS], after[_QUERIES] - before[_QUERIES]
     ttft = sorted(r.ttft_s for r in records if not r.error)
     return {
@@ -148,7 +146,7 @@ async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     data["server"].update(metrics_port=None, http_port=None)
     deployment = await Deployment(parse_config(data, "bench affinity")).start(port=0, http_port=None)
     try:
-        block_size = (await deployment.prefill.members[0].actor.model_limits.remote())[2]
+        block_size = (await deployment.prefill.members[0].engine.model_limits())[2]
         base = mooncake_workload(
             traces_dir() / "conversation_trace.jsonl", args.requests, args.block_tokens, args.max_blocks,
             args.duration, args.output_tokens,

@@ -1,5 +1,6 @@
-"""A worker's outgoing tokens: every request's new tokens, batched per engine step, written to
-the router over one TCP connection.
+"""A SIMULATED worker's outgoing tokens: every request's new tokens, batched per engine step,
+written to the router over one TCP connection. (vLLM workers' engines have their front ends in
+the router, and their tokens reach it over vLLM's own engine-core socket.)
 
 Streaming each request's tokens as its own Ray streaming-generator item cost a Ray object, a
 pickle, an owner notification and a poll per token per request; at a few thousand tokens a

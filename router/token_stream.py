@@ -1,4 +1,7 @@
-"""The router's end of the token streams: one TCP listener that every streaming worker connects to.
+"""The router's end of the token streams of SIMULATED workers: one TCP listener they connect to.
+
+(A vLLM worker's tokens need no stream of their own: its engine's front end runs in the router,
+router/engine_front_end.py. A SIMULATED engine runs inside its actor, and streams from there.)
 
 Workers send every request's new tokens in batches, one batch per engine step (see
 :mod:`duet.cluster.token_outbox` for why, and why plain TCP), as msgpack objects back to back on

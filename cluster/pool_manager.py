@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.cores import CoreAllocator
-from duet.router.engine_front_end import EngineFrontEnd, front_end_addresses
+from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.pools import PoolMember, ScaleError, WorkerPool
 from duet.router.token_stream import TokenReceiver
 from duet.router.worker_engines import ActorEngine
@@ -86,11 +86,15 @@ class PoolManager:
             status = await asyncio.wait_for(member.actor.start.remote(), timeout)
             member.engine = ActorEngine(member.actor, self.tokens)
         else:
-            addresses = front_end_addresses(self.tokens.address[0])
-            status = await asyncio.wait_for(member.actor.start.remote(addresses), timeout)
-            vllm_config = await member.actor.engine_config.remote()
+            listeners = FrontEndListeners.bind(self.tokens.address[0])
+            try:
+                status = await asyncio.wait_for(member.actor.start.remote(listeners.addresses), timeout)
+                vllm_config = await member.actor.engine_config.remote()
+            except BaseException:
+                listeners.close()
+                raise
             member.engine = await asyncio.wait_for(
-                EngineFrontEnd.connect(member.name, member.actor, vllm_config, addresses, self.config.kv_transfer), timeout
+                EngineFrontEnd.connect(member.name, member.actor, vllm_config, listeners, self.config.kv_transfer), timeout
             )
         member.kv_endpoint = status.kv_endpoint
 

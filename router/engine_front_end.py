@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -36,15 +37,31 @@ logger = logging.getLogger(__name__)
 _LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
 
 
-def front_end_addresses(host: str) -> EngineAddresses:
-    """Two free ports on ``host`` for an engine core to connect to."""
-    ports = []
-    for _ in range(2):
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.bind((host, 0))
-            ports.append(probe.getsockname()[1])
-    address = f"[{host}]" if ":" in host else host
-    return EngineAddresses(input=f"tcp://{address}:{ports[0]}", output=f"tcp://{address}:{ports[1]}")
+@dataclass
+class FrontEndListeners:
+    """A front end's two listening sockets, bound before its engine core starts, so the ports
+    are this process's from the first moment (a port picked, released and bound again later
+    can be taken in between, by another worker starting at the same time)."""
+
+    addresses: EngineAddresses
+    input: socket.socket
+    output: socket.socket
+
+    @classmethod
+    def bind(cls, host: str) -> "FrontEndListeners":
+        """Listen on two free ports of ``host`` (engine cores on other hosts connect over TCP)."""
+        import zmq
+        from vllm.utils.network_utils import make_zmq_listener
+
+        address = f"[{host}]" if ":" in host else host
+        requests = make_zmq_listener(f"tcp://{address}:0", zmq.ROUTER)
+        outputs = make_zmq_listener(f"tcp://{address}:0", zmq.PULL)
+        return cls(EngineAddresses(input=requests.address, output=outputs.address), requests.socket, outputs.socket)
+
+    def close(self) -> None:
+        """Release the ports of a front end that was never connected (its engine failed to start)."""
+        for listener in (self.input, self.output):
+            listener.close()
 
 
 class EngineFrontEnd:
@@ -62,9 +79,9 @@ class EngineFrontEnd:
 
     @classmethod
     async def connect(
-        cls, name: str, actor: Any, vllm_config: Any, addresses: EngineAddresses, transfer: KVTransferConfig
+        cls, name: str, actor: Any, vllm_config: Any, listeners: FrontEndListeners, transfer: KVTransferConfig
     ) -> "EngineFrontEnd":
-        """The front end of an engine core that was launched to connect to ``addresses``."""
+        """The front end of an engine core that was launched to connect to ``listeners``."""
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.executor import Executor
 
@@ -78,7 +95,12 @@ class EngineFrontEnd:
             log_stats=False,
             log_requests=False,
             stat_loggers=[registry_bound_stat_logger(registry)],
-            client_addresses={"input_address": addresses.input, "output_address": addresses.output},
+            client_addresses={
+                "input_address": listeners.addresses.input,
+                "output_address": listeners.addresses.output,
+                "input_listener": listeners.input,
+                "output_listener": listeners.output,
+            },
         )
         return cls(name, actor, engine, registry, transfer)
 

@@ -130,9 +130,12 @@ def test_overload_is_429_with_retry_after(sdk, model, deployment):
         with sdk.completions.with_streaming_response.create(
             model=model, prompt=PROMPT, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
         ) as running:
-            next(running.iter_lines())  # admitted and streaming
+            # Admitted and streaming. The line iterator must stay referenced: dropped, it closes
+            # the connection, and the server cancels the request.
+            lines = running.iter_lines()
+            next(lines)
             with pytest.raises(openai.RateLimitError) as raised:
-                sdk.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+                sdk.with_options(max_retries=0).completions.create(model=model, prompt=PROMPT, max_tokens=2)
         assert raised.value.response.headers["Retry-After"] == "1"
         assert raised.value.body["code"] == "overloaded"
     finally:

@@ -1,7 +1,8 @@
 """The contract between the router and the workers: plain dataclasses that cross Ray.
 
-The router never imports vLLM (it would add seconds to start-up and gigabytes to the process);
-it sends a :class:`SamplingSpec`, and the workers turn it into vLLM's ``SamplingParams``.
+Requests are described by a :class:`SamplingSpec`, which becomes vLLM's ``SamplingParams`` only
+where a vLLM front end takes the request (in the router, router/engine_front_end.py), so the
+rest of the router, the SIMULATED workers and the tests need no vLLM.
 """
 
 from __future__ import annotations

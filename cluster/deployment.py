@@ -7,7 +7,6 @@ exactly what users run.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,9 +251,6 @@ class Deployment:
             await manager.stop()
         if self.tokens is not None:
             self.tokens.close()
-        # vLLM's AsyncLLM (the engines' front ends) sits in reference cycles, and its finalizer
-        # fails if it first runs at interpreter exit; collect the closed ones now.
-        gc.collect()
 
 
 def _chat_template(config: DuetConfig) -> str | None:

@@ -139,7 +139,7 @@ class EngineFrontEnd:
                 if finish == "abort" and self._lost is not None:
                     raise EngineLost(f"worker {self.name} is gone ({self._lost})")
                 yield DecodeChunk(token_ids, text, finish)
-        except (EngineLost, GeneratorExit, asyncio.CancelledError):
+        except EngineLost:
             raise
         except Exception as error:
             raise self._failure(error) from error

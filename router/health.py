@@ -4,8 +4,9 @@ A ping asks both halves of the worker: its actor (Ray reports a dead one at once
 reports an engine core process that exited) and its engine core (a round trip through the
 engine's front end, which a hung engine never completes within the timeout). A worker that
 fails a ping is taken out of rotation and replaced at once, before any request finds it; with
-another ready worker in its pool, no request waits for the replacement. Each answer also carries the worker's load (KV cache usage, running requests),
-which the decode routing policy uses.
+another ready worker in its pool, no request waits for the replacement. Each answer also
+carries the worker's load (KV cache usage, running requests), which the decode routing policy
+uses.
 """
 
 from __future__ import annotations

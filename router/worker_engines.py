@@ -28,7 +28,7 @@ from duet.router.token_stream import StreamBroken, TokenReceiver
 logger = logging.getLogger(__name__)
 
 # vLLM errors raised inside a live actor that mean its engine is gone.
-_ENGINE_DEAD = ("EngineDeadError", "EngineCoreExited")
+_ENGINE_DEAD = ("EngineDeadError",)
 # How long after a worker's call returned its request's last tokens may still be on the way.
 _LAST_TOKENS_GRACE_S = 10.0
 

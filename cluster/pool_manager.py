@@ -71,8 +71,11 @@ class PoolManager:
         pool = self.pool_config
         # Only SIMULATED engines that stream tokens (decode, colocated) send them from the actor.
         streams_from_actor = self.simulated and self.pool.role != "prefill"
+        # Task events feed Ray's dashboard and state API, which duet does not use; recording one
+        # per health ping cost each actor and the GCS about a tenth of their idle CPU.
         return ray.remote(self.worker_class).options(
-            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=1000, **options
+            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=1000,
+            enable_task_events=False, **options,
         ).remote(name, self.config, core, self.tokens.address if streams_from_actor else None)
 
     @property

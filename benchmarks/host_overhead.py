@@ -1,12 +1,13 @@
-"""CPU the serving path spends per streamed token, measured on a running duet on this machine.
+"""CPU the serving path spends, measured on a running duet on this machine.
 
-On a CPU node every streamed token also costs CPU outside the engines' forward passes: the
-router's gRPC stream, Ray's streaming of each chunk from the decode actor, the engine front end in
-the actor, and the client. ``duet profile`` times the engine alone, so this is the part of the
-deployment it cannot see; on two cores it is large enough to decide the SLO (about 1 ms per token
-here, against 4-8 ms for a whole decode step). The result goes into the latency model as
-``host_ms_per_token``, which the simulator charges to the engines as tokens stream (see the
-simulator module's docstring).
+On a CPU node the serving path also costs CPU outside the engines' forward passes: the router's
+gRPC streams, the engines' front ends (each step's outputs decoded, detokenized and recorded),
+Ray's daemons and actors, and the client. ``duet profile`` times the engine alone, so this is the
+part of the deployment it cannot see; on two cores it is large enough to decide the SLO. It is
+measured as one number per streamed token (``measure_host_ms_per_token``) and in its parts, per
+engine step, token, request and second (``sample_serving_path``, ``fit_serving_path``), which
+the latency model holds as its ``serving_path`` and the simulator charges to the engines (see
+the simulator module's docstring).
 
 Counted: every process in the ``duet serve`` process tree except the vLLM engine processes
 (``VLLM::Worker`` and ``VLLM::EngineCore``, whose time the profile already holds), plus this
@@ -16,10 +17,17 @@ process, which drives the load from the same cores.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import time
+import urllib.request
 from pathlib import Path
 
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
 from duet.benchmarks.loadgen import RequestRecord, replay
+from duet.cluster.placement.latency_model import ServingPathCost
 from duet.cluster.placement.trace import Trace
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -77,3 +85,81 @@ def measure_host_ms_per_token(
     spent = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
     tokens = sum(r.completion_tokens for r in records)
     return (1000.0 * spent / tokens if tokens else 0.0), records
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingPathSample:
+    """What the serving path did over one replay (or an idle window), to tell its costs apart:
+    a cost per engine step (each step's outputs are one message to decode and record), per
+    streamed token, per request, and per second whatever the load (Ray's and the health pings')."""
+
+    cpu_s: float
+    wall_s: float
+    tokens: int
+    requests: int
+    engine_steps: int
+
+
+def engine_steps(metrics_url: str) -> int:
+    """Engine steps with outputs so far, summed over every worker (``vllm:iteration_tokens_total``'s
+    count, which the front ends record once per step message)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "vllm:iteration_tokens_total_count"
+        )
+    )
+
+
+def sample_serving_path(
+    target: str, serve_pid: int, metrics_url: str, trace: Trace | None, model: str = "", seed: int = 0, idle_s: float = 10.0
+) -> ServingPathSample:
+    """Replay ``trace`` (or, with None, wait ``idle_s``) and count what the serving path did."""
+    cpu_before, steps_before, started = host_cpu_seconds(serve_pid), engine_steps(metrics_url), time.monotonic()
+    if trace is None:
+        time.sleep(idle_s)
+        records: list[RequestRecord] = []
+    else:
+        records = asyncio.run(replay(target, trace, model=model, seed=seed))
+    wall = time.monotonic() - started
+    cpu_after = host_cpu_seconds(serve_pid)
+    return ServingPathSample(
+        cpu_s=sum(seconds - cpu_before.get(pid, 0.0) for pid, seconds in cpu_after.items()),
+        wall_s=wall,
+        tokens=sum(r.completion_tokens for r in records),
+        requests=len(records),
+        engine_steps=engine_steps(metrics_url) - steps_before,
+    )
+
+
+def fit_serving_path(samples: list[ServingPathSample]) -> ServingPathCost:
+    """The serving path's cost in parts, from an idle window and replays that differ in batch
+    size and in tokens per request (at least three, for three unknowns).
+
+    The idle windows give ``idle_cores``; what the replays spent beyond it is split into per
+    step, per token and per request by least squares, none of them negative (every subset of
+    the three is solved, and the best fit whose parts are all >= 0 is kept).
+    """
+    idle = [s for s in samples if s.requests == 0]
+    loaded = [s for s in samples if s.requests > 0]
+    if not idle or len(loaded) < 3:
+        raise ValueError("need an idle window and at least three replays")
+    idle_cores = sum(s.cpu_s for s in idle) / sum(s.wall_s for s in idle)
+    a = np.array([[s.engine_steps, s.tokens, s.requests] for s in loaded], dtype=float)
+    b = np.array([s.cpu_s - idle_cores * s.wall_s for s in loaded])
+    best, best_residual = np.zeros(3), float(np.sum(b**2))
+    for mask in range(1, 8):
+        columns = [i for i in range(3) if mask >> i & 1]
+        solution, *_ = np.linalg.lstsq(a[:, columns], b, rcond=None)
+        if np.any(solution < 0):
+            continue
+        residual = float(np.sum((a[:, columns] @ solution - b) ** 2))
+        if residual < best_residual:
+            best, best_residual = np.zeros(3), residual
+            best[columns] = solution
+    per_step, per_token, per_request = 1000.0 * best
+    return ServingPathCost(ms_per_token=per_token, ms_per_step=per_step, ms_per_request=per_request, idle_cores=idle_cores)

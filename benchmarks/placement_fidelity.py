@@ -43,7 +43,7 @@ from duet.cluster.config import load_config
 from duet.cluster.placement.cluster_spec import ClusterSpec, traces_dir
 from duet.cluster.placement.commands import parse_slo
 from duet.cluster.placement.goodput import plan_context, simulate
-from duet.cluster.placement.latency_model import LatencyModel
+from duet.cluster.placement.latency_model import LatencyModel, ServingPathCost
 from duet.cluster.placement.optimizer import optimize
 from duet.cluster.placement.plan import Plan
 from duet.cluster.placement.simulator import SimConfig, Slo
@@ -76,11 +76,13 @@ def write_cluster(path: Path, profile: Path) -> Path:
     return path
 
 
-def write_deploy_config(workdir: Path, requests: int) -> Path:
+def write_deploy_config(workdir: Path, requests: int, metrics_port: int | None = None) -> Path:
     """The default deployment with admission opened up: the simulator has no admission limit,
     so a request must never be turned away for being the 129th in flight."""
     data = load_config().model_dump()
     data["server"]["max_inflight_requests"] = max(requests, data["server"]["max_inflight_requests"])
+    if metrics_port is not None:
+        data["server"]["metrics_port"] = metrics_port
     path = workdir / "deploy.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -179,7 +181,7 @@ def main() -> None:
         wait_for_quiet(args.max_load, args.quiet_timeout)
         calibration = trace.head(CALIBRATION_REQUESTS).at_rate(min(rates))
         host_ms, _ = measure_host_ms_per_token(target, pid, calibration, model=cluster.model, seed=0)
-        with_host = dataclasses.replace(LatencyModel.load(profile), host_ms_per_token=host_ms)
+        with_host = dataclasses.replace(LatencyModel.load(profile), serving_path=ServingPathCost(ms_per_token=host_ms))
         with_host.save(workdir / "profile-host.yaml")
         cluster_host = ClusterSpec.load(write_cluster(workdir / "cluster-host.yaml", workdir / "profile-host.yaml"))
         print(f"serving path: {host_ms:.3f} ms of CPU per streamed token", flush=True)

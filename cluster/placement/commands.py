@@ -169,7 +169,7 @@ def _simulate(args: argparse.Namespace) -> int:
         tp = args.colocated_tp
         model = ctx.models[plan.pools()[0][1].gpu_type]
         engines = (model.engine(tp, 1),) * (plan.gpus // tp)
-        colocated = Deployment(engines, (), colocated=True, host_ms_per_token=model.host_ms_per_token)
+        colocated = Deployment(engines, (), colocated=True, serving_path=model.serving_path)
         runs.append((f"colocated tp={tp}", colocated, plan.gpus))
     print(f"trace {trace.name}: {len(trace)} requests at {rate:.3g} req/s; SLO {args.slo} @ {slo.attainment:.0%}")
     for name, dep, gpus in runs:

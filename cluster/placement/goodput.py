@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 
 from duet.cluster.placement.cluster_spec import ClusterSpec
-from duet.cluster.placement.latency_model import EnginePerf, LatencyModel
+from duet.cluster.placement.latency_model import EnginePerf, LatencyModel, ServingPathCost
 from duet.cluster.placement.plan import Plan, Pool
 from duet.cluster.placement.simulator import (
     SimConfig,
@@ -116,7 +116,7 @@ class Deployment:
     decode: tuple[EnginePerf, ...]
     transfer_bytes_per_s: float = math.inf
     colocated: bool = False
-    host_ms_per_token: float = 0.0  # serving-path CPU per streamed token on these processors
+    serving_path: ServingPathCost = ServingPathCost()  # its CPU on these processors (CPU deployments)
     local_prefill_max_tokens: int = 0  # > 0: conditional disaggregation (decode prefills shorter prompts)
 
 
@@ -133,7 +133,7 @@ def deployment(ctx: SearchContext, cand: Candidate) -> Deployment:
         decode=(model.engine(dtp, cand.pp),) * kd if kd else (),
         transfer_bytes_per_s=bandwidth,
         colocated=cand.kind == "colocated",
-        host_ms_per_token=model.host_ms_per_token,
+        serving_path=model.serving_path,
         local_prefill_max_tokens=cand.local_prefill_max_tokens,
     )
 
@@ -142,7 +142,7 @@ def simulate(ctx: SearchContext, dep: Deployment, rate: float, slo: Slo | None) 
     """Run ``ctx.trace`` rescaled to ``rate`` through ``dep``."""
     trace = ctx.trace.at_rate(rate)
     if dep.colocated:
-        return simulate_colocated(trace, dep.prefill, slo, ctx.sim, dep.host_ms_per_token)
+        return simulate_colocated(trace, dep.prefill, slo, ctx.sim, dep.serving_path)
     if dep.local_prefill_max_tokens:
         return simulate_conditional(
             trace,
@@ -153,7 +153,7 @@ def simulate(ctx: SearchContext, dep: Deployment, rate: float, slo: Slo | None) 
             dep.transfer_bytes_per_s,
             slo,
             ctx.sim,
-            dep.host_ms_per_token,
+            dep.serving_path,
         )
     return simulate_disaggregated(
         trace,
@@ -163,7 +163,7 @@ def simulate(ctx: SearchContext, dep: Deployment, rate: float, slo: Slo | None) 
         dep.transfer_bytes_per_s,
         slo,
         ctx.sim,
-        dep.host_ms_per_token,
+        dep.serving_path,
     )
 
 
@@ -279,15 +279,15 @@ def plan_deployment(plan: Plan, models: dict[str, LatencyModel]) -> Deployment:
             return ()
         return (models[pool.gpu_type].engine(pool.tensor_parallel, pool.pipeline_parallel),) * pool.replicas
 
-    host_ms = max(models[pool.gpu_type].host_ms_per_token for _, pool in plan.pools())
+    serving_path = ServingPathCost.heaviest([models[pool.gpu_type].serving_path for _, pool in plan.pools()])
     if plan.colocated is not None:
-        return Deployment(engines(plan.colocated), (), colocated=True, host_ms_per_token=host_ms)
+        return Deployment(engines(plan.colocated), (), colocated=True, serving_path=serving_path)
     assert plan.kv_transfer is not None  # the plan's own validation requires it here
     return Deployment(
         prefill=engines(plan.prefill),
         decode=engines(plan.decode),
         transfer_bytes_per_s=plan.kv_transfer.bandwidth_gbs * 1e9,
-        host_ms_per_token=host_ms,
+        serving_path=serving_path,
         local_prefill_max_tokens=plan.local_prefill_max_tokens,
     )
 

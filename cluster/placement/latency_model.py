@@ -22,7 +22,7 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +89,45 @@ class EnginePerf:
 
 
 @dataclass(frozen=True)
+class ServingPathCost:
+    """CPU the serving path (router, the engines' front ends, Ray) spends on a CPU deployment's
+    own cores, in the parts its mechanism has: each engine step's outputs arrive as one message
+    to receive, decode and record (``ms_per_step``); each streamed token is detokenized and
+    sent (``ms_per_token``); each request is admitted, routed, handed over and closed
+    (``ms_per_request``, with the prefill engine's steps while its KV waits to be pulled); and
+    Ray's daemons and the health pings take ``idle_cores`` whatever the load. All 0 where the
+    engines have devices of their own (GPUs). See duet.cluster.placement.simulator for how the
+    simulator charges it, and benchmarks/host_overhead.py for how it is measured.
+    """
+
+    ms_per_token: float = 0.0
+    ms_per_step: float = 0.0
+    ms_per_request: float = 0.0
+    idle_cores: float = 0.0
+
+    @property
+    def free(self) -> bool:
+        return not (self.ms_per_token or self.ms_per_step or self.ms_per_request or self.idle_cores)
+
+    def step_cores(self, tokens: int, requests: int, step_s: float) -> float:
+        """Cores the serving path needs while an engine runs steps of ``step_s`` that stream
+        ``tokens`` and start ``requests`` each."""
+        ms = self.ms_per_step + tokens * self.ms_per_token + requests * self.ms_per_request
+        return ms / 1000.0 / step_s
+
+    @staticmethod
+    def heaviest(costs: Sequence[ServingPathCost]) -> ServingPathCost:
+        """Each part at its largest over ``costs`` (one router serves pools of several types)."""
+        return ServingPathCost(
+            *(max((getattr(c, f) for c in costs), default=0.0) for f in ("ms_per_token", "ms_per_step", "ms_per_request", "idle_cores"))
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ServingPathCost:
+        return cls(**{key: float(data.get(key, 0.0)) for key in ("ms_per_token", "ms_per_step", "ms_per_request", "idle_cores")})
+
+
+@dataclass(frozen=True)
 class TpFit:
     """Coefficients for one tensor-parallel degree."""
 
@@ -113,11 +152,8 @@ class LatencyModel:
     weight_bytes: float | None = None
     max_pp: int = 8
     note: str = ""
-    # CPU ms per streamed output token that the serving path (router, token relay, engine
-    # front ends, client) spends on the engines' own processors; 0 where engines have devices
-    # of their own (GPUs). The simulator charges it to the engines as tokens stream (see
-    # duet.cluster.placement.simulator).
-    host_ms_per_token: float = 0.0
+    # CPU the serving path spends on the engines' own processors (CPU deployments only).
+    serving_path: ServingPathCost = ServingPathCost()
 
     def kv_capacity_tokens(self, tp: int, pp: int) -> int:
         if (tp, pp) in self.kv_capacity:
@@ -172,7 +208,7 @@ class LatencyModel:
             "max_pp": self.max_pp,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "weight_bytes": self.weight_bytes,
-            "host_ms_per_token": self.host_ms_per_token,
+            "serving_path": asdict(self.serving_path),
             "fits": {
                 tp: {
                     "prefill": list(f.prefill),
@@ -199,7 +235,10 @@ class LatencyModel:
                 max_pp=int(data.get("max_pp", 8)),
                 gpu_memory_bytes=data.get("gpu_memory_bytes"),
                 weight_bytes=data.get("weight_bytes"),
-                host_ms_per_token=float(data.get("host_ms_per_token", 0.0)),
+                # Profiles written before the serving path's cost had parts held one number.
+                serving_path=ServingPathCost.from_dict(
+                    data.get("serving_path") or {"ms_per_token": data.get("host_ms_per_token", 0.0)}
+                ),
                 fits={int(tp): _tp_fit(f) for tp, f in data["fits"].items()},
                 kv_capacity={
                     (int(e["tp"]), int(e["pp"])): int(e["tokens"])

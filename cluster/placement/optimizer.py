@@ -46,6 +46,7 @@ from duet.cluster.placement.goodput import (
     simulate,
     upper_bound,
 )
+from duet.cluster.placement.latency_model import ServingPathCost
 from duet.cluster.placement.placer import Inventory, PlacementError
 from duet.cluster.placement.plan import (
     Expected,
@@ -342,12 +343,12 @@ class _Planner:
         model_p, model_d = self.ctx.models[pc.gpu_type], self.ctx.models[dc.gpu_type]
         if s.algorithm == "colocated":
             engines = (model_p.engine(pc.prefill[0], 1),) * s.n_prefill
-            return Deployment(engines, (), colocated=True, host_ms_per_token=model_p.host_ms_per_token), self.rate
+            return Deployment(engines, (), colocated=True, serving_path=model_p.serving_path), self.rate
         dep = Deployment(
             prefill=(model_p.engine(pc.prefill[0], pc.pp),) * s.n_prefill,
             decode=(model_d.engine(dc.decode[0], dc.pp),) * s.n_decode,
             transfer_bytes_per_s=self.ctx.network_bytes_per_s,
-            host_ms_per_token=max(model_p.host_ms_per_token, model_d.host_ms_per_token),
+            serving_path=ServingPathCost.heaviest([model_p.serving_path, model_d.serving_path]),
             local_prefill_max_tokens=s.local_prefill_max_tokens,
         )
         return dep, self.rate

@@ -19,12 +19,17 @@ All latencies come from :class:`~duet.cluster.placement.latency_model.EnginePerf
 given, a run stops as soon as more requests have missed it than the attainment target allows:
 the optimizer only needs to know that a rate is too high, not by how much.
 
-Serving-path CPU (``host_ms_per_token``, CPU deployments only): the router, Ray's streaming and
-the engines' front ends spend that much CPU per streamed token on the engines' own processors,
-spread over all of them and ahead of the engines. Engine work (prefill batches, decode steps) is
-therefore scheduled in *engine time*, which runs at ``1 - demand / processors`` of wall
-time, where the demand follows the tokens the decode loops stream at that moment. A burst that
-fills the decode batch slows every prefill running during it; an idle decode pool slows nothing.
+Serving-path CPU (:class:`ServingPathCost`, CPU deployments only): the router, the engines'
+front ends and Ray run on the engines' own processors, unpinned, so the operating system gives
+them whatever cores the engines leave idle and shares the rest fairly. Engine work (prefill
+batches, decode steps) is therefore scheduled in *engine time*, which runs at a speed ``s`` of
+wall time: with ``b`` engines busy, ``P`` processors and the serving path needing ``x`` cores
+for the engines' work at full speed (per step, token and request of the batches running) plus
+its load-independent ``idle_cores``, ``s = min(1, (P - idle) / (b + x))``: an idle engine's
+core absorbs the serving path, and only when every core is wanted do the engines slow. (Not
+modelled: a serving path that needs more than the one core its event loop can use; with its
+cost per step shared by the whole batch, that takes far more tokens per second than these
+engines produce.)
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from duet.cluster.placement.latency_model import EnginePerf
+from duet.cluster.placement.latency_model import EnginePerf, ServingPathCost
 from duet.cluster.placement.trace import Trace
 
 
@@ -101,7 +106,7 @@ class _Run:
     """Event loop plus per-request outcomes; raises nothing, stops when the SLO is lost."""
 
     def __init__(
-        self, trace: Trace, slo: Slo | None, host_ms_per_token: float = 0.0, processors: int = 1
+        self, trace: Trace, slo: Slo | None, serving_path: ServingPathCost = ServingPathCost(), processors: int = 1
     ) -> None:
         self.arrival = trace.arrival_s.tolist()
         self.inp = trace.input_len.tolist()
@@ -120,9 +125,9 @@ class _Run:
         # Engine time (see the module docstring): engine events wait in their own heap, keyed
         # by engine time; the clock is anchored at the last change of speed.
         self._engine_heap: list[tuple[float, int, Callable, tuple]] = []
-        self._host_s_per_token = max(host_ms_per_token, 0.0) / 1000.0
+        self.serving_path = serving_path
         self._processors = max(processors, 1)
-        self._streams: dict[object, float] = {}
+        self._busy: dict[object, float] = {}  # engine -> serving-path cores its work needs
         self._speed = 1.0
         self._anchor_wall = self._anchor_engine = 0.0
 
@@ -144,20 +149,30 @@ class _Run:
     def _wall(self, engine_time: float) -> float:
         return self._anchor_wall + (engine_time - self._anchor_engine) / self._speed
 
-    def streaming(self, source: object, tokens_per_engine_s: float) -> None:
-        """``source`` (a decode loop) now streams this many tokens per second of engine time.
+    def engine_busy(self, engine: object, serving_path_cores: float) -> None:
+        """``engine`` is now running work that needs this many serving-path cores at full speed."""
+        self._set_load(engine, serving_path_cores)
 
-        Each token costs the serving path ``host_ms_per_token`` of CPU, spread over the
-        processors, and the engines run on what is left: with ``x`` = the host demand (cores) if
-        the engines ran at full speed, the speed ``s`` solves ``s = 1 - s*x/processors``. So a
-        decode step of ``n`` sequences costs its profiled time plus ``n*host_ms/processors``.
-        """
-        if self._host_s_per_token == 0 or self._streams.get(source, 0.0) == tokens_per_engine_s:
+    def engine_idle(self, engine: object) -> None:
+        self._set_load(engine, None)
+
+    def _set_load(self, engine: object, cores: float | None) -> None:
+        if self.serving_path.free or self._busy.get(engine) == cores:
             return
         self._anchor_engine, self._anchor_wall = self.engine_now(), self.now
-        self._streams[source] = tokens_per_engine_s
-        demand = self._host_s_per_token * sum(self._streams.values())
-        self._speed = 1.0 / (1.0 + demand / self._processors)
+        if cores is None:
+            self._busy.pop(engine, None)
+        else:
+            self._busy[engine] = cores
+        self._speed = self._speed_now()
+
+    def _speed_now(self) -> float:
+        """See the module docstring: idle engines' cores first, a fair share of the rest."""
+        if not self._busy:
+            return 1.0
+        demand = sum(self._busy.values())
+        spare = max(self._processors - self.serving_path.idle_cores, 1e-3)
+        return min(1.0, spare / (len(self._busy) + demand))
 
     def run(self) -> SimResult:
         heap, engine_heap = self._heap, self._engine_heap
@@ -211,7 +226,7 @@ class _DecodeLoop:
     With a fixed batch, step ``k`` costs ``A + k*B`` (context grows by one token per sequence
     per step), so a run of steps up to the next finish is one event. A request that wants to
     join mid-run interrupts the run at the next step boundary, exactly where a step-by-step
-    loop would have admitted it. Steps are timed in engine time (see :meth:`_Run.streaming`).
+    loop would have admitted it. Steps are timed in engine time (see :meth:`_Run.engine_busy`).
     """
 
     def __init__(self, run: _Run, perf: EnginePerf, on_boundary: Callable[[list[int]], None]):
@@ -244,9 +259,9 @@ class _DecodeLoop:
         self._b = self.perf.decode_step_s(n, ctx + n) - self._a
         self._t0 = self.run.engine_now()
         self._planned = self._finish_steps[0] - self.step_no
-        # Tokens stream at the run's first-step rate: a run lasts only until the next join or
-        # finish, and the context growth over it changes the step time little.
-        self.run.streaming(self, n / self._a)
+        # The serving path follows the run's first step: a run lasts only until the next join
+        # or finish, and the context growth over it changes the step time little.
+        self.run.engine_busy(self, self.run.serving_path.step_cores(n, 0, self._a))
         self._schedule(self._planned)
 
     def interrupt(self) -> None:
@@ -281,7 +296,7 @@ class _DecodeLoop:
         if epoch != self._epoch:
             return
         self.running = False
-        self.run.streaming(self, 0.0)
+        self.run.engine_idle(self)
         self.step_no += k
         self.sum_context += self.size * k
         done: list[int] = []
@@ -323,9 +338,12 @@ class _PrefillServer:
             sq += n * n
         if not batch:
             self.busy = False
+            run.engine_idle(self)
             return
         self.busy = True
         latency = self.perf.prefill_latency_s(total, sq)
+        # One step's message, a first token and a request's admission and hand-over per prompt.
+        run.engine_busy(self, run.serving_path.step_cores(len(batch), len(batch), latency))
         run.after_work(latency / self.perf.pp, self._start)
         run.after_work(latency, self._finish, batch, total)
 
@@ -436,18 +454,18 @@ def simulate_disaggregated(
     transfer_bytes_per_s: float = math.inf,
     slo: Slo | None = None,
     cfg: SimConfig = SimConfig(),
-    host_ms_per_token: float = 0.0,
+    serving_path: ServingPathCost = ServingPathCost(),
 ) -> SimResult:
     """Simulate prefill and decode pools; either may be empty to study one phase alone.
 
     With no prefill replicas, requests reach decode at arrival (TTFT 0); with no decode
     replicas, requests end at their first token (TPOT 0). The optimizer sizes each phase this
     way (DistServe's algorithm 1), then checks the whole plan with both pools. The serving
-    path's CPU (``host_ms_per_token``) shares the processors of the engines simulated, and only
-    the tokens simulated load it: a prefill pool simulated alone streams none.
+    path's CPU (``serving_path``) shares the processors of the engines simulated, and only the
+    work simulated loads it.
     """
     processors = sum(e.gpus for e in (*prefill, *decode))
-    run = _Run(trace, slo, host_ms_per_token, processors)
+    run = _Run(trace, slo, serving_path, processors)
     decoders = [_DecodeServer(run, p, cfg, transfer_bytes_per_s, kv_bytes_per_token) for p in decode]
 
     def to_decode(i: int) -> None:
@@ -541,8 +559,12 @@ class _ColocatedServer(_KvPuller):
             sq += run.inp[i] ** 2
         if prefill:
             self.prefilling = True
-            run.after_work(self.perf.prefill_latency_s(total, sq), self._prefill_done, prefill)
-        elif loop.size:
+            latency = self.perf.prefill_latency_s(total, sq)
+            run.engine_busy(self, run.serving_path.step_cores(len(prefill), len(prefill), latency))
+            run.after_work(latency, self._prefill_done, prefill)
+            return
+        run.engine_idle(self)  # its decode loop, if any, is the engine's load from here
+        if loop.size:
             loop.start()
 
     def _prefill_done(self, prefill: list[int]) -> None:
@@ -568,7 +590,7 @@ def simulate_conditional(
     transfer_bytes_per_s: float = math.inf,
     slo: Slo | None = None,
     cfg: SimConfig = SimConfig(),
-    host_ms_per_token: float = 0.0,
+    serving_path: ServingPathCost = ServingPathCost(),
 ) -> SimResult:
     """Conditional disaggregation, as duet's router does it: a prompt shorter than
     ``local_prefill_max_tokens`` is prefilled by the decode replica that serves it, with no KV
@@ -583,7 +605,7 @@ def simulate_conditional(
     """
     if any(e.pp != 1 for e in decode):
         raise ValueError("engines that prefill and decode are modelled with tensor parallelism only (pp=1)")
-    run = _Run(trace, slo, host_ms_per_token, sum(e.gpus for e in (*prefill, *decode)))
+    run = _Run(trace, slo, serving_path, sum(e.gpus for e in (*prefill, *decode)))
     servers = [_ColocatedServer(run, e, cfg, transfer_bytes_per_s, kv_bytes_per_token) for e in decode]
 
     def least_loaded() -> _ColocatedServer:
@@ -618,10 +640,10 @@ def simulate_colocated(
     engines: Sequence[EnginePerf],
     slo: Slo | None = None,
     cfg: SimConfig = SimConfig(),
-    host_ms_per_token: float = 0.0,
+    serving_path: ServingPathCost = ServingPathCost(),
 ) -> SimResult:
     """Simulate colocated replicas (pp=1): conditional disaggregation where every prompt is
     short enough; requests go to the replica with the least KV load."""
     return simulate_conditional(
-        trace, (), engines, 0, math.inf, slo=slo, cfg=cfg, host_ms_per_token=host_ms_per_token
+        trace, (), engines, 0, math.inf, slo=slo, cfg=cfg, serving_path=serving_path
     )

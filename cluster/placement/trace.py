@@ -61,8 +61,13 @@ class Trace:
         return self._replace(arrival_s=(self.arrival_s - self.arrival_s[0]) * (self.mean_rate / rate))
 
     def head(self, n: int) -> Trace:
+        return self.window(0, n)
+
+    def window(self, start: int, n: int) -> Trace:
+        """Requests ``start`` to ``start + n`` (a slice of the trace, with its own arrival times)."""
+        end = start + n
         return self._replace(
-            arrival_s=self.arrival_s[:n], input_len=self.input_len[:n], output_len=self.output_len[:n]
+            arrival_s=self.arrival_s[start:end], input_len=self.input_len[start:end], output_len=self.output_len[start:end]
         )
 
     def capped(self, max_input: int | None = None, max_output: int | None = None) -> Trace:

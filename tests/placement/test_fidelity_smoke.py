@@ -4,8 +4,9 @@ The load generator replays a handful of requests against the suite's running dep
 seconds, no engines of its own) to check that the open-loop replay sends each request at its
 arrival time, generates exactly the trace's output lengths, and records the router's TTFT/TPOT;
 a failed request must count as a miss in the summary the predictions are compared with. The
-serving-path CPU model (what made the simulator agree with the real CPU deployment: engine speed
-follows the tokens streamed at each moment) is checked on hand-made latency models.
+serving-path CPU model (idle engines' cores absorb it; only when every core is wanted do the
+engines slow, by the cost of the steps, tokens and requests running) is checked on hand-made
+latency models.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 from duet.benchmarks.host_overhead import host_cpu_seconds
 from duet.benchmarks.loadgen import RequestRecord, replay, replay_result
 from duet.cluster.placement.goodput import Deployment, SearchContext, simulate
-from duet.cluster.placement.latency_model import LatencyModel
+from duet.cluster.placement.latency_model import LatencyModel, ServingPathCost
 from duet.cluster.placement.simulator import Slo, simulate_disaggregated
 from duet.cluster.placement.trace import Trace, synthetic
 
@@ -49,56 +50,74 @@ def test_failed_requests_count_as_misses():
     assert summary["attainment"] == summary["ttft_attainment"] == summary["tpot_attainment"] == 0.5
 
 
-HOST_MS = 5.0  # serving-path CPU per streamed token in the tests below (decode steps are 5 ms)
+PER_TOKEN = ServingPathCost(ms_per_token=5.0)  # decode steps below are 5 ms
 
 
 def _host_trace(arrivals, inputs, outputs) -> Trace:
     return Trace("t", np.array(arrivals, float), np.array(inputs), np.array(outputs))
 
 
-def test_decode_steps_carry_their_tokens_serving_cost(linear_model):
-    # A step of n sequences streams n tokens: n * 5 ms of serving-path CPU over 2 processors
-    # (both engines' cores) comes on top of the profiled 5 ms step.
+def test_an_idle_engines_core_absorbs_the_serving_path(linear_model):
     engine = linear_model(prefill=(10.0, 0.1, 0.0), decode=(5.0, 0.0, 0.0)).engine(1, 1)
-    one = simulate_disaggregated(
-        _host_trace([0.0], [100], [201]), [engine], [engine], 1000, host_ms_per_token=HOST_MS
-    )
-    assert one.ttft_s[0] == pytest.approx(0.020)  # nothing streams yet: the prefill runs at full speed
-    assert one.tpot_s[0] == pytest.approx((5.0 + 1 * HOST_MS / 2) / 1000)
+    # One request: while it decodes the prefill engine is idle, and its core takes the serving
+    # path's one core of work (5 ms per 5 ms step): the decode runs at full speed.
+    one = simulate_disaggregated(_host_trace([0.0], [100], [201]), [engine], [engine], 1000, serving_path=PER_TOKEN)
+    assert one.ttft_s[0] == pytest.approx(0.020)
+    assert one.tpot_s[0] == pytest.approx(0.005)
+    # A decode pool simulated alone has only its own core: four streams need 4 cores of
+    # serving path beside the engine's 1, so the engine keeps 1/5.
     four = simulate_disaggregated(
-        _host_trace([0.0] * 4, [100] * 4, [2001] * 4), [], [engine], 1000, host_ms_per_token=HOST_MS
+        _host_trace([0.0] * 4, [100] * 4, [2001] * 4), [], [engine], 1000, serving_path=PER_TOKEN
     )
-    # A decode pool simulated alone has only its own processor to share.
-    assert np.allclose(four.tpot_s, (5.0 + 4 * HOST_MS / 1) / 1000, rtol=1e-3)
-    # The planner's path passes the deployment's cost through, colocated engines included.
+    assert np.allclose(four.tpot_s, 0.005 * 5, rtol=1e-3)
+    # The planner's path passes the deployment's cost through, colocated engines included
+    # (one engine on one core: 1 core of serving path beside it halves its speed).
     ctx = SearchContext(_host_trace([0.0], [100], [201]), Slo(1.0, 0.1), {}, 1000, 1e12, {})
-    shared = simulate(ctx, Deployment((engine,), (engine,), host_ms_per_token=HOST_MS), 1.0, None)
+    shared = simulate(ctx, Deployment((engine,), (engine,), serving_path=PER_TOKEN), 1.0, None)
     assert shared.tpot_s[0] == pytest.approx(one.tpot_s[0])
-    colocated_dep = Deployment((engine,), (), colocated=True, host_ms_per_token=HOST_MS)
-    colocated = simulate(ctx, colocated_dep, 1.0, None)
-    assert colocated.tpot_s[0] == pytest.approx((5.0 + HOST_MS / 1) / 1000)
+    colocated = simulate(ctx, Deployment((engine,), (), colocated=True, serving_path=PER_TOKEN), 1.0, None)
+    assert colocated.tpot_s[0] == pytest.approx(0.005 * 2)
 
 
-def test_a_burst_slows_prefill_more_than_the_same_tokens_spread_out(linear_model, tmp_path):
+def test_a_steps_cost_is_shared_by_its_batch_and_idle_cost_always_paid(linear_model):
+    engine = linear_model(prefill=(10.0, 0.1, 0.0), decode=(5.0, 0.0, 0.0)).engine(1, 1)
+    per_step = ServingPathCost(ms_per_step=5.0)
+
+    def tpot(streams: int, cost: ServingPathCost) -> float:
+        trace = _host_trace([0.0] * streams, [100] * streams, [201] * streams)
+        return float(simulate_disaggregated(trace, [], [engine], 1000, serving_path=cost).tpot_s[0])
+
+    # One message per step, however many sequences it carries: 1 core, the engine keeps 1/2.
+    assert tpot(1, per_step) == pytest.approx(0.010, rel=1e-3)
+    assert tpot(8, per_step) == pytest.approx(0.010, rel=1e-3)
+    # Ray's daemons and the health pings take their cores first: half of the only core.
+    assert tpot(1, ServingPathCost(idle_cores=0.5)) == pytest.approx(0.010, rel=1e-3)
+
+
+def test_a_burst_slows_prefill_only_while_every_core_is_wanted(linear_model, tmp_path):
     # Four 200-token streams, then a 20 ms probe prefill (one output token, so it never decodes).
     engine = linear_model(prefill=(10.0, 0.1, 0.0), decode=(5.0, 0.0, 0.0)).engine(1, 1)
 
     def probe_ttft(arrivals: list[float], probe_at: float) -> float:
         trace = _host_trace([*arrivals, probe_at], [100] * 5, [201] * 4 + [1])
-        return simulate_disaggregated(trace, [engine], [engine], 1000, host_ms_per_token=HOST_MS).ttft_s[-1]
+        return simulate_disaggregated(trace, [engine], [engine], 1000, serving_path=PER_TOKEN).ttft_s[-1]
 
-    # Burst: all four decode together when the probe arrives. Host demand at full engine speed
-    # is 4 tokens / 5 ms * 5 ms = 4 cores; the engines keep 1 / (1 + 4/2) of theirs.
-    assert probe_ttft([0.0] * 4, 1.0) == pytest.approx(0.020 * 3)
-    # Spread out, one streams at a time (1.5 s each): 1 / (1 + 1/2).
-    assert probe_ttft([0.0, 2.0, 4.0, 6.0], 1.0) == pytest.approx(0.020 * 1.5)
-    # Once the streams have ended, the prefill has its core back.
+    # The probe's own first token costs 5 ms over its 20 ms: 0.25 cores at full speed.
+    # Burst: both engines busy, the four streams want 4 cores: speed 2 / (2 + 4 + 0.25).
+    assert probe_ttft([0.0] * 4, 1.0) == pytest.approx(0.020 * (2 + 4.25) / 2)
+    # One stream (1 core): 2 / (2 + 1.25).
+    assert probe_ttft([0.0, 2.0, 4.0, 6.0], 0.5) == pytest.approx(0.020 * (2 + 1.25) / 2)
+    # Once the streams have ended, the decode engine's idle core takes the probe's share.
     assert probe_ttft([0.0] * 4, 10.0) == pytest.approx(0.020)
 
     path = tmp_path / "profile.yaml"
     model = linear_model()
-    LatencyModel(**{**model.__dict__, "host_ms_per_token": 0.8}).save(path)
-    assert LatencyModel.load(path).host_ms_per_token == 0.8
+    cost = ServingPathCost(ms_per_token=0.1, ms_per_step=0.4, ms_per_request=3.0, idle_cores=0.05)
+    LatencyModel(**{**model.__dict__, "serving_path": cost}).save(path)
+    assert LatencyModel.load(path).serving_path == cost
+    # A profile from before the cost had parts: its one number is the per-token part.
+    legacy = {k: v for k, v in model.to_dict().items() if k != "serving_path"} | {"host_ms_per_token": 0.8}
+    assert LatencyModel.from_dict(legacy).serving_path == ServingPathCost(ms_per_token=0.8)
 
 
 def test_host_cpu_counts_this_process():

@@ -58,3 +58,14 @@ def test_empty_trace_file_is_rejected(tmp_path):
     empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     with pytest.raises(TraceError, match="no requests"):
         load_trace(str(empty))
+
+
+def test_window_is_a_disjoint_slice_and_head_its_first():
+    t = synthetic(100, rate=2.0, seed=4)
+    second = t.window(40, 40)
+    assert len(second) == 40
+    assert np.array_equal(second.input_len, t.input_len[40:80])
+    assert np.array_equal(second.arrival_s, t.arrival_s[40:80])
+    assert np.array_equal(t.head(40).output_len, t.window(0, 40).output_len)
+    # A slice keeps its own arrival pattern when replayed at a rate.
+    assert second.at_rate(5.0).mean_rate == pytest.approx(5.0)

@@ -1,0 +1,46 @@
+"""The cross-validation benchmark's pure parts: which slices it holds back, how its rate ladder
+walks to a slice's knee, and how errors are summarised (the measured runs are the benchmark's)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from duet.benchmarks.placement_crossval import DEVELOPMENT, choose_slices, error_summary, errors, next_rate
+
+SIZES = {"azure-conv": 80, "azure-code": 80, "mooncake-conv": 100}
+
+
+def test_held_out_slices_are_drawn_by_the_seed_and_never_the_development_ones():
+    first = choose_slices(SIZES, held_out=2, seed=0)
+    assert first == choose_slices(SIZES, held_out=2, seed=0)
+    assert first != choose_slices(SIZES, held_out=2, seed=1)
+    assert first[0].development and (first[0].trace, first[0].index) == DEVELOPMENT
+    held_out = [s for s in first if not s.development]
+    assert len(held_out) == 2 * len(SIZES)
+    conv = [s.index for s in held_out if s.trace == "azure-conv"]
+    assert not {0, 1} & set(conv)  # slice 1 shaped the model too (the issue reported it)
+    assert all(0 <= s.index < SIZES[s.trace] for s in held_out)
+
+
+def test_ladder_climbs_descends_then_fills_the_knee():
+    assert next_rate({3.0: 1.0}, 1.5) == pytest.approx(4.5)  # all above 95%: faster
+    assert next_rate({3.0: 0.2}, 1.5) == pytest.approx(2.0)  # all below 50%: slower
+    # Bracketed with 80% and 50% missing: the geometric middle of the gap that holds them.
+    assert next_rate({3.0: 1.0, 4.5: 0.3}, 1.5) == pytest.approx(math.sqrt(3.0 * 4.5))
+    # A point near each of 95%, 80% and 50%: done.
+    assert next_rate({3.0: 0.96, 4.5: 0.81, 6.75: 0.5}, 1.5) is None
+
+
+def test_errors_are_points_for_attainment_and_relative_for_latency():
+    measured = {"attainment": 0.8, "ttft_p50_s": 0.5, "ttft_p90_s": 1.0, "tpot_p50_s": 0.01, "tpot_p90_s": 0.02}
+    predicted = {"attainment": 0.7, "ttft_p50_s": 0.6, "ttft_p90_s": 0.5, "tpot_p50_s": 0.01, "tpot_p90_s": 0.03}
+    e = errors(measured, predicted)
+    assert e["attainment_pp"] == pytest.approx(-10.0)
+    assert e["ttft_p50_s"] == pytest.approx(0.2)
+    assert e["ttft_p90_s"] == pytest.approx(-0.5)
+    assert e["tpot_p90_s"] == pytest.approx(0.5)
+    summary = error_summary([{"errors": e}, {"errors": {**e, "attainment_pp": 4.0, "ttft_p50_s": math.nan}}])
+    assert summary["attainment_pp"] == {"mean": pytest.approx(7.0), "worst": pytest.approx(10.0)}
+    assert summary["ttft_p50_s"]["worst"] == pytest.approx(0.2)  # the undefined error is left out

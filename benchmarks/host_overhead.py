@@ -161,5 +161,5 @@ def fit_serving_path(samples: list[ServingPathSample]) -> ServingPathCost:
         if residual < best_residual:
             best, best_residual = np.zeros(3), residual
             best[columns] = solution
-    per_step, per_token, per_request = 1000.0 * best
+    per_step, per_token, per_request = (float(ms) for ms in 1000.0 * best)
     return ServingPathCost(ms_per_token=per_token, ms_per_step=per_step, ms_per_request=per_request, idle_cores=idle_cores)

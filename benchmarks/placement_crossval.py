@@ -45,6 +45,8 @@ from duet.benchmarks.host_overhead import fit_serving_path, measure_host_ms_per_
 from duet.benchmarks.loadgen import replay, replay_result
 from duet.benchmarks.placement_fidelity import (
     CALIBRATION_REQUESTS,
+    add_run_arguments,
+    deployed_sim_config,
     predict,
     run_profile,
     serving,
@@ -52,7 +54,6 @@ from duet.benchmarks.placement_fidelity import (
     write_cluster,
     write_deploy_config,
 )
-from duet.cluster.config import load_config
 from duet.cluster.placement.cluster_spec import ClusterSpec, traces_dir
 from duet.cluster.placement.commands import parse_slo
 from duet.cluster.placement.latency_model import LatencyModel, ServingPathCost
@@ -226,26 +227,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=240, help="requests per slice")
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out slices")
     parser.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated, from {', '.join(TRACES)}")
-    parser.add_argument("--max-input", type=int, default=1800)
-    parser.add_argument("--max-output", type=int, default=96)
-    parser.add_argument("--slo", default="ttft=1,tpot=0.1")
     parser.add_argument("--step", type=float, default=1.5, help="rate factor between ladder steps")
     parser.add_argument("--max-runs", type=int, default=5, help="measured rates per slice at most")
-    parser.add_argument("--plan-rate", type=float, default=3.0, help="rate to plan for and calibrate at")
-    parser.add_argument("--profile", type=Path, help="reuse this profile.yaml instead of profiling")
-    parser.add_argument("--max-load", type=float, default=2.5, help="start a run only below this load")
-    parser.add_argument("--quiet-timeout", type=float, default=1800, help="seconds to wait for quiet")
-    parser.add_argument("--workdir", type=Path, help="keep profile, cluster, plan and logs here")
+    parser.add_argument("--plan-rate", type=float, default=1.5, help="rate to plan for and calibrate at")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    add_run_arguments(parser)
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="duet-crossval-"))
     workdir.mkdir(parents=True, exist_ok=True)
     slo = parse_slo(args.slo, 0.9)
-    deployed = load_config()
-    sim = SimConfig(
-        prefill_max_batch_tokens=deployed.prefill.max_num_batched_tokens, max_num_seqs=deployed.decode.max_num_seqs
-    )
+    sim = deployed_sim_config()
     names = [name for name in args.traces.split(",") if name]
     unknown = [name for name in names if name not in TRACES]
     if unknown:

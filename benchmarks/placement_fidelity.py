@@ -116,6 +116,25 @@ def serving(config: Path, plan: Path, log: Path) -> Iterator[tuple[str, int]]:
                 proc.kill()
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every fidelity run shares: lengths, SLO, profile, quiet machine, files."""
+    parser.add_argument("--max-input", type=int, default=1800)
+    parser.add_argument("--max-output", type=int, default=96)
+    parser.add_argument("--slo", default="ttft=1,tpot=0.1")
+    parser.add_argument("--profile", type=Path, help="reuse this profile.yaml instead of profiling")
+    parser.add_argument("--max-load", type=float, default=2.5, help="start a run only below this load")
+    parser.add_argument("--quiet-timeout", type=float, default=1800, help="seconds to wait for quiet")
+    parser.add_argument("--workdir", type=Path, help="keep profile, cluster, plan and logs here")
+
+
+def deployed_sim_config() -> SimConfig:
+    """The simulator's per-step budgets: the deployed engines' (duet's config defaults)."""
+    deployed = load_config()
+    return SimConfig(
+        prefill_max_batch_tokens=deployed.prefill.max_num_batched_tokens, max_num_seqs=deployed.decode.max_num_seqs
+    )
+
+
 def predict(cluster: ClusterSpec, plan: Plan, trace: Trace, slo: Slo, rate: float, sim: SimConfig) -> dict:
     """The simulator's summary for the plan on ``trace`` at ``rate`` (the same requests replayed)."""
     ctx, planned = plan_context(cluster, plan, trace, slo, sim)
@@ -137,18 +156,12 @@ def wait_for_quiet(max_load: float, timeout_s: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="60 requests per rate (a smoke run)")
-    parser.add_argument("--profile", type=Path, help="reuse this profile.yaml instead of profiling")
     parser.add_argument("--trace", default=str(traces_dir() / "AzureLLMInferenceTrace_conv.csv"))
     parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--max-input", type=int, default=1800)
-    parser.add_argument("--max-output", type=int, default=96)
-    parser.add_argument("--slo", default="ttft=1,tpot=0.1")
     parser.add_argument("--rates", default="3,5,8", help="req/s, comma-separated")
     parser.add_argument("--plan-rate", type=float, help="rate to plan for (default: the lowest)")
-    parser.add_argument("--max-load", type=float, default=2.5, help="start a rate only below this load")
-    parser.add_argument("--quiet-timeout", type=float, default=1800, help="seconds to wait for quiet")
-    parser.add_argument("--workdir", type=Path, help="keep profile, cluster, plan and logs here")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    add_run_arguments(parser)
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="duet-fidelity-"))
@@ -157,11 +170,7 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     slo = parse_slo(args.slo, 0.9)
     trace = load_trace(args.trace).head(requests).capped(args.max_input, args.max_output)
-    # The simulator's per-step budgets are the deployed engines' (duet's config defaults).
-    deployed = load_config()
-    sim = SimConfig(
-        prefill_max_batch_tokens=deployed.prefill.max_num_batched_tokens, max_num_seqs=deployed.decode.max_num_seqs
-    )
+    sim = deployed_sim_config()
 
     profile = args.profile or run_profile(workdir / "profile.yaml")
     cluster = ClusterSpec.load(write_cluster(workdir / "cluster.yaml", profile))

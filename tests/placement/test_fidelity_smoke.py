@@ -12,13 +12,14 @@ latency models.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 
 import numpy as np
 import pytest
 
-from duet.benchmarks.host_overhead import host_cpu_seconds
+from duet.benchmarks.host_overhead import ServingPathSample, fit_serving_path, host_cpu_seconds
 from duet.benchmarks.loadgen import RequestRecord, replay, replay_result
 from duet.cluster.placement.goodput import Deployment, SearchContext, simulate
 from duet.cluster.placement.latency_model import LatencyModel, ServingPathCost
@@ -122,3 +123,26 @@ def test_a_burst_slows_prefill_only_while_every_core_is_wanted(linear_model, tmp
 
 def test_host_cpu_counts_this_process():
     assert os.getpid() in host_cpu_seconds(os.getppid())
+
+
+def test_serving_path_parts_are_recovered_from_samples():
+    truth = ServingPathCost(ms_per_token=0.1, ms_per_step=0.8, ms_per_request=6.0, idle_cores=0.05)
+
+    def sample(wall: float, steps: int, tokens: int, requests: int) -> ServingPathSample:
+        busy = (steps * truth.ms_per_step + tokens * truth.ms_per_token + requests * truth.ms_per_request) / 1000
+        return ServingPathSample(busy + truth.idle_cores * wall, wall, tokens, requests, steps)
+
+    # idle; two rates (bigger batches: fewer steps for the same tokens); short outputs
+    samples = [sample(10, 0, 0, 0), sample(50, 6000, 7000, 80), sample(25, 3500, 7000, 80), sample(50, 400, 320, 80)]
+    fitted = fit_serving_path(samples)
+    for part in ("ms_per_token", "ms_per_step", "ms_per_request", "idle_cores"):
+        assert getattr(fitted, part) == pytest.approx(getattr(truth, part), rel=1e-6)
+        assert type(getattr(fitted, part)) is float  # it is written to profile.yaml
+    # Noise that would make a part negative leaves that part out instead.
+    # (here unconstrained least squares would say -0.1 ms per token).
+    cheaper = dataclasses.replace(samples[2], cpu_s=samples[2].cpu_s - 0.6)
+    refit = fit_serving_path([*samples[:2], cheaper, samples[3]])
+    assert refit.ms_per_token == 0
+    assert refit.ms_per_step > 0 and refit.ms_per_request > 0
+    with pytest.raises(ValueError, match="idle window"):
+        fit_serving_path(samples[1:])

@@ -105,24 +105,23 @@ def choose_slices(sizes: dict[str, int], held_out: int, seed: int) -> list[Slice
 def next_rate(measured: dict[float, float], step: float) -> float | None:
     """The next rate of a slice's ladder, or None once the knee is bracketed.
 
-    ``measured`` maps rate to attainment. The ladder climbs while every point is at or above
-    the top target and descends while every point is below the lowest; once both sides of the
-    knee are seen, it fills the widest gap in attainment between neighbouring rates that still
-    lacks a point near a target.
+    ``measured`` maps rate to attainment. A target attainment above every measured one sends
+    the ladder below its slowest rate (by ``step``), one below every measured one above its
+    fastest; once every target lies between measured points, the ladder fills the gap that
+    holds a target no point is near yet (at the gap's geometric middle).
     """
     rates = sorted(measured)
     values = [measured[r] for r in rates]
-    if min(values) >= KNEE_TARGETS[0]:
-        return rates[-1] * step
-    if max(values) < KNEE_TARGETS[-1]:
-        return rates[0] / step
     missing = [t for t in KNEE_TARGETS if min(abs(v - t) for v in values) > 0.08]
     if not missing:
         return None
+    if any(t > max(values) for t in missing):
+        return rates[0] / step
+    if any(t < min(values) for t in missing):
+        return rates[-1] * step
     for low, high in zip(rates, rates[1:]):
-        above, below = measured[low], measured[high]
-        if any(below < t < above for t in missing) and high / low > 1.08:
-            return math.sqrt(low * high)  # geometric midpoint
+        if any(measured[high] < t < measured[low] for t in missing) and high / low > 1.08:
+            return math.sqrt(low * high)
     return None
 
 

@@ -27,6 +27,9 @@ def test_held_out_slices_are_drawn_by_the_seed_and_never_the_development_ones():
 def test_ladder_climbs_descends_then_fills_the_knee():
     assert next_rate({3.0: 1.0}, 1.5) == pytest.approx(4.5)  # all above 95%: faster
     assert next_rate({3.0: 0.2}, 1.5) == pytest.approx(2.0)  # all below 50%: slower
+    # One point in the middle: 95% is above it, so slower first; then 50% is below both.
+    assert next_rate({3.0: 0.7}, 1.5) == pytest.approx(2.0)
+    assert next_rate({2.0: 0.97, 3.0: 0.7}, 1.5) == pytest.approx(4.5)
     # Bracketed with 80% and 50% missing: the geometric middle of the gap that holds them.
     assert next_rate({3.0: 1.0, 4.5: 0.3}, 1.5) == pytest.approx(math.sqrt(3.0 * 4.5))
     # A point near each of 95%, 80% and 50%: done.

@@ -41,7 +41,12 @@ from pathlib import Path
 
 import numpy as np
 
-from duet.benchmarks.host_overhead import fit_serving_path, measure_host_ms_per_token, sample_serving_path
+from duet.benchmarks.host_overhead import (
+    ServingPathSample,
+    fit_serving_path,
+    measure_host_ms_per_token,
+    sample_serving_path,
+)
 from duet.benchmarks.loadgen import replay, replay_result
 from duet.benchmarks.placement_fidelity import (
     CALIBRATION_REQUESTS,
@@ -152,10 +157,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def predicted_knee(cluster: ClusterSpec, plan: Plan, trace: Trace, slo: Slo, sim: SimConfig) -> float:
+def predicted_knee(cluster: ClusterSpec, plan: Plan, trace: Trace, slo: Slo, sim: SimConfig, floor: float) -> float:
     """The rate at which the simulator expects 80% attainment: where the measured ladder starts
-    (only a starting point; the measured attainments decide which rates are kept)."""
-    low, high = 0.05, 50.0
+    (only a starting point; the measured attainments decide which rates are kept). ``floor`` if
+    no rate down to it reaches 80%: a trace whose requests arrive in bursts (the Mooncake
+    conversation trace's timestamps come in 3 s buckets) keeps its bursts at any rate."""
+    low, high = floor, 50.0
     for _ in range(12):
         mid = math.sqrt(low * high)
         if predict(cluster, plan, trace, slo, mid, sim)["attainment"] >= KNEE_TARGETS[1]:
@@ -172,7 +179,8 @@ def measure_slice(
     measured: dict[float, float] = {}
     points = []
     rate: float | None = first_rate
-    while rate is not None and len(points) < args.max_runs:
+    slowest = len(trace) / args.max_run_s  # a slower rate would take longer than a run may
+    while rate is not None and rate >= slowest * 0.999 and len(points) < args.max_runs:
         load_before = wait_for_quiet(args.max_load, args.quiet_timeout)
         records = asyncio.run(replay(target, trace.at_rate(rate), model=model, seed=next(seeds)))
         summary = replay_result(records).summary(slo)
@@ -228,6 +236,7 @@ def main() -> None:
     parser.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated, from {', '.join(TRACES)}")
     parser.add_argument("--step", type=float, default=1.5, help="rate factor between ladder steps")
     parser.add_argument("--max-runs", type=int, default=5, help="measured rates per slice at most")
+    parser.add_argument("--max-run-s", type=float, default=300, help="no rate whose replay lasts longer")
     parser.add_argument("--plan-rate", type=float, default=1.5, help="rate to plan for and calibrate at")
     parser.add_argument("--out", type=Path, default=RESULTS)
     add_run_arguments(parser)
@@ -289,7 +298,7 @@ def main() -> None:
         cluster_per_token = ClusterSpec.load(write_cluster(workdir / "cluster-pt.yaml", workdir / "profile-per-token.yaml"))
         for slice_ in slices:
             trace = window(slice_)
-            start = predicted_knee(cluster_host, plan, trace, slo, sim)
+            start = predicted_knee(cluster_host, plan, trace, slo, sim, floor=len(trace) / args.max_run_s)
             print(f"{slice_.label} ({'development' if slice_.development else 'held-out'}), from {start} req/s", flush=True)
             points = measure_slice(target, cluster.model, trace, start, slo, seeds, args)
             for point in points:
@@ -301,6 +310,21 @@ def main() -> None:
             results.append(
                 {"slice": slice_.label, "role": "development" if slice_.development else "held-out", "points": points}
             )
+            write_report(args, slo, with_host, plan, samples, results)  # a stopped run keeps what it measured
+    write_report(args, slo, with_host, plan, samples, results, final=True)
+    print(f"wrote {args.out} (work files in {workdir})")
+
+
+def write_report(
+    args: argparse.Namespace,
+    slo: Slo,
+    profile: LatencyModel,
+    plan: Plan,
+    samples: list[ServingPathSample],
+    results: list[dict],
+    final: bool = False,
+) -> None:
+    """The JSON report (after every slice), and with ``final`` the tables on stdout."""
 
     def summarise(errors_key: str) -> dict:
         return {
@@ -309,10 +333,11 @@ def main() -> None:
         }
 
     summary, summary_per_token = summarise("errors"), summarise("errors_per_token_cost")
-    print(format_table(results))
-    print(format_summary(summary))
-    print("charging one number per token instead:")
-    print(format_summary(summary_per_token))
+    if final:
+        print(format_table(results))
+        print(format_summary(summary))
+        print("charging one number per token instead:")
+        print(format_summary(summary_per_token))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -321,7 +346,7 @@ def main() -> None:
                 "caps": {"input": args.max_input, "output": args.max_output},
                 "seed": args.seed,
                 "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-                "profile": with_host.to_dict(),
+                "profile": profile.to_dict(),
                 "plan": plan.summary(),
                 "serving_path_samples": [dataclasses.asdict(sample) for sample in samples],
                 "slices": results,
@@ -331,7 +356,6 @@ def main() -> None:
             indent=1,
         )
     )
-    print(f"wrote {args.out} (work files in {workdir})")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from duet.router.worker_engines import EngineLost, EngineRejected
 
 logger = logging.getLogger(__name__)
 
+# How long an engine's unexplained abort waits for its actor to say it is alive.
+_LIVENESS_TIMEOUT_S = 5.0
 # The gauges a health ping reports as the worker's load.
 _LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
 
@@ -115,6 +117,10 @@ class EngineFrontEnd:
             return await run_prefill(
                 self.engine, _vllm_params, self.transfer, self.name, request_id, prompt_token_ids, sampling, decode_endpoint
             )
+        except EngineAborted as error:
+            if self._lost is None and await self._worker_gone():
+                raise EngineLost(f"worker {self.name} is gone (its engine ended the request as it shut down)") from error
+            raise self._failure(error) from error
         except Exception as error:
             raise self._failure(error) from error
         finally:
@@ -136,8 +142,8 @@ class EngineFrontEnd:
         )
         try:
             async for token_ids, text, finish in updates:
-                if finish == "abort" and self._lost is not None:
-                    raise EngineLost(f"worker {self.name} is gone ({self._lost})")
+                if finish == "abort" and (self._lost is not None or await self._worker_gone()):
+                    raise EngineLost(f"worker {self.name} is gone ({self._lost or 'its engine ended the request as it shut down'})")
                 yield DecodeChunk(token_ids, text, finish)
         except EngineLost:
             raise
@@ -148,6 +154,17 @@ class EngineFrontEnd:
             # the request in the engine and frees its KV blocks.
             await updates.aclose()
             self._finished(request_id)
+
+    async def _worker_gone(self) -> bool:
+        """Asked when the engine aborts a request the router did not abort. An engine core
+        ends its requests that way when its worker dies (it watches its parent), often before
+        the health watcher has noticed; a worker that cannot answer its actor's ping now is
+        gone, and the request resumes elsewhere. One that answers aborted the request itself."""
+        try:
+            await asyncio.wait_for(self.actor.ping.remote(), _LIVENESS_TIMEOUT_S)
+        except Exception:  # the actor is dead (RayActorError), its engine core exited, or no answer
+            return True
+        return False
 
     def _check_alive(self) -> None:
         if self._lost is not None:

@@ -78,8 +78,10 @@ def write_cluster(path: Path, profile: Path) -> Path:
 
 def write_deploy_config(workdir: Path, requests: int, metrics_port: int | None = None) -> Path:
     """The default deployment with admission opened up: the simulator has no admission limit,
-    so a request must never be turned away for being the 129th in flight."""
+    so a request must never be turned away for being the 129th in flight; nor does it model
+    prefilling on the decode side when the prefill queue is long, so that is off."""
     data = load_config().model_dump()
+    data["router"]["local_prefill_queue_tokens"] = 0
     data["server"]["max_inflight_requests"] = max(requests, data["server"]["max_inflight_requests"])
     if metrics_port is not None:
         data["server"]["metrics_port"] = metrics_port

@@ -144,6 +144,8 @@ async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     data["prefill"].update(replicas=2, cpu_cores=[0, 1])
     data["ray"]["num_cpus"] = 4
     data["server"].update(metrics_port=None, http_port=None)
+    # Every prompt goes to the prefill pool, whose routing is what is measured.
+    data["router"]["local_prefill_queue_tokens"] = 0
     deployment = await Deployment(parse_config(data, "bench affinity")).start(port=0, http_port=None)
     try:
         block_size = (await deployment.prefill.members[0].engine.model_limits())[2]

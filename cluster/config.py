@@ -200,6 +200,11 @@ class RouterConfig(_Strict):
     # Conditional disaggregation: a prompt shorter than this is prefilled by the decode worker
     # itself (no KV transfer); 0 disaggregates every request.
     local_prefill_max_tokens: int = Field(default=0, ge=0)
+    # ... and, whatever its length, when every ready prefill worker already has more than this
+    # many prompt tokens queued or running while the decode worker's own queue of prompts is
+    # shorter (Dynamo's "prefill queue" condition): the decode engine's spare capacity then
+    # serves the TTFT the prefill pool cannot. 0 never does.
+    local_prefill_queue_tokens: int = Field(default=0, ge=0)
     # Health watching: every worker is pinged (a round trip to its engine) this often; one that
     # is dead, or does not answer within the timeout (a hung engine), is replaced at once.
     health_interval_s: float = Field(default=1.0, gt=0)

@@ -164,15 +164,12 @@ class Deployment:
             RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
             prefill_pushes_kv=TRANSPORTS[transfer.transport].pushes_to_decode,
             local_prefill_max_tokens=self.config.router.local_prefill_max_tokens,
+            local_prefill_queue_tokens=self.config.router.local_prefill_queue_tokens,
         )
         self.service = RequestService(
             lifecycle, limits, tokenizer, self.cluster, gatekeeper, server_config.max_inflight_requests
         )
-        if self.config.router.local_prefill_max_tokens:
-            self.cluster.routing_notes.append(
-                f"conditional disaggregation: prompts under {self.config.router.local_prefill_max_tokens} tokens "
-                "are prefilled on the decode worker"
-            )
+        self.cluster.routing_notes.extend(_conditional_disaggregation_notes(self.config))
         self.front_ends = await FrontEnds.start(
             self.service, server_config, bind_port, bind_http, _chat_template(self.config), operator=self
         )
@@ -287,3 +284,20 @@ def _plan_node_ids(role: str, nodes: list[int] | None) -> list[str] | None:
         )
     return [alive[index]["NodeID"] for index in nodes]
 
+
+def _conditional_disaggregation_notes(config: DuetConfig) -> list[str]:
+    """What ``duet status`` says about which prompts the decode workers prefill themselves."""
+    if config.mode == "colocated":
+        return []
+    router, notes = config.router, []
+    if router.local_prefill_max_tokens:
+        notes.append(
+            f"conditional disaggregation: prompts under {router.local_prefill_max_tokens} tokens "
+            "are prefilled on the decode worker"
+        )
+    if router.local_prefill_queue_tokens:
+        notes.append(
+            f"conditional disaggregation: while every prefill worker has over {router.local_prefill_queue_tokens} "
+            "prompt tokens queued, a decode worker with a shorter queue prefills the prompt itself"
+        )
+    return notes

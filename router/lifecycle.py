@@ -125,14 +125,17 @@ class RequestLifecycle:
         policy: RetryPolicy | None = None,
         prefill_pushes_kv: bool = False,
         local_prefill_max_tokens: int = 0,
+        local_prefill_queue_tokens: int = 0,
     ) -> None:
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.policy = policy or RetryPolicy()
         # Push transports stream KV during prefill, so prefill is told the decode worker.
         self.prefill_pushes_kv = prefill_pushes_kv
-        # Conditional disaggregation: shorter prompts are prefilled on the decode worker.
+        # Conditional disaggregation: shorter prompts are prefilled on the decode worker, and so
+        # is any prompt while the prefill pool's queues are longer than the threshold.
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.local_prefill_queue_tokens = local_prefill_queue_tokens
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
@@ -168,22 +171,35 @@ class RequestLifecycle:
 
     async def _start_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
         """The round's token chunks: colocated, one worker computes the prompt and streams every
-        token; disaggregated, prefill's first token, then the decode worker's."""
-        if self.prefill_pool is not None and len(round_.prompt_token_ids) >= self.local_prefill_max_tokens:
-            return self._disaggregated_round(round_)
-        # Colocated, or a prompt short enough that the hand-off would cost more than it saves
-        # (conditional disaggregation): the decode worker computes the prompt itself.
-        worker = await self.decode_pool.acquire(self.policy.worker_wait_s, round_.prompt_token_ids)
-        round_.prefill_worker = round_.decode_worker = worker.name
-        return self._decode(worker, round_, None, kv_transfer_params=None)
+        token; disaggregated, prefill's first token, then the decode worker's.
 
-    async def _disaggregated_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
-        assert self.prefill_pool is not None
-        # The decode worker is chosen before prefill runs: a prompt is only computed when a
-        # decode worker can take its KV (otherwise the prefill worker would hold that KV for a
-        # request that fails, until its lease runs out), and push transports need its address.
+        The decode worker is chosen first: a prompt is only computed when a decode worker can
+        take its KV (otherwise the prefill worker would hold that KV for a request that fails,
+        until its lease runs out), and push transports need its address."""
         prompt = round_.prompt_token_ids
         decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt)
+        if self.prefill_pool is None or not self._prefill_remotely(decode_worker, len(prompt)):
+            round_.prefill_worker = round_.decode_worker = decode_worker.name
+            return self._decode(decode_worker, round_, None, kv_transfer_params=None)
+        return self._disaggregated_round(round_, decode_worker)
+
+    def _prefill_remotely(self, decode_worker: PoolMember, prompt_tokens: int) -> bool:
+        """Conditional disaggregation: False where the decode worker should compute the prompt
+        itself. A short prompt's hand-off costs more than it saves; and while every prefill
+        worker's queue is past the threshold, a decode worker whose own queue of prompts is
+        shorter answers sooner, at the cost of one longer step for the sequences it decodes."""
+        assert self.prefill_pool is not None
+        if prompt_tokens < self.local_prefill_max_tokens:
+            return False
+        ready = self.prefill_pool.ready()
+        if not self.local_prefill_queue_tokens or not ready:
+            return True
+        backlog = min(member.outstanding_tokens for member in ready)
+        return backlog <= self.local_prefill_queue_tokens or decode_worker.local_prefill_tokens >= backlog
+
+    async def _disaggregated_round(self, round_: _Round, decode_worker: PoolMember) -> AsyncIterator[DecodeChunk]:
+        assert self.prefill_pool is not None
+        prompt = round_.prompt_token_ids
         prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
         round_.prefill_worker = prefill_worker.name
         result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
@@ -234,6 +250,9 @@ class RequestLifecycle:
         """Start the request on ``worker`` and relay its tokens as they arrive from it."""
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
+        # Without transfer parameters the worker computes the prompt itself, until its first token.
+        prefilling = len(round_.prompt_token_ids) if kv_transfer_params is None else 0
+        worker.local_prefill_tokens += prefilling
         chunks = worker.engine.decode(
             round_.request_id,
             round_.prompt_token_ids,
@@ -244,12 +263,16 @@ class RequestLifecycle:
         )
         try:
             async for chunk in chunks:
+                if prefilling:
+                    worker.local_prefill_tokens -= prefilling
+                    prefilling = 0
                 yield chunk
         except (EngineLost, EngineRejected) as error:
             raise self._worker_failure(self.decode_pool, worker, error) from error
         finally:
             worker.inflight -= 1
             worker.outstanding_tokens -= len(round_.prompt_token_ids)
+            worker.local_prefill_tokens -= prefilling
             await chunks.aclose()  # aborts the request in the engine unless it finished
 
     @staticmethod

@@ -54,6 +54,9 @@ class PoolMember:
     inflight: int = 0
     # Prompt tokens of the requests it is computing (prefill) or holding (decode) right now.
     outstanding_tokens: int = 0
+    # Prompt tokens it is computing itself, for requests not yet past their first token (a
+    # decode worker prefilling locally under conditional disaggregation, or colocated).
+    local_prefill_tokens: int = 0
     restarts: int = 0
     error: str = ""
     cpu_core: int | None = None  # the core its forward pass is pinned to (CPU hosts)

@@ -8,6 +8,8 @@ import random
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import psutil
@@ -181,3 +183,30 @@ def test_short_prompts_prefill_on_the_decode_worker(deployment, client, referenc
     assert short_last.usage.prefill_worker == short_last.usage.decode_worker == "decode-0"
     assert long_last.usage.prefill_worker == "prefill-0"
     assert [short_ids, long_ids] == reference.greedy([short, long], max_tokens=8, ignore_eos=True)
+
+
+def test_a_long_prefill_queue_is_relieved_by_the_decode_worker(deployment, client, reference):
+    """Conditional disaggregation's queue condition, on real engines: with the prefill worker's
+    queue past the threshold, some concurrent prompts are prefilled on the decode worker, and
+    every stream still equals colocated generation."""
+    lifecycle = deployment.service.lifecycle
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 700) for _ in range(300)] for _ in range(8)]
+
+    def run(prompt: list[int]) -> tuple[list[int], Any]:
+        return client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=8, ignore_eos=True), timeout=300)
+
+    threshold, lifecycle.local_prefill_queue_tokens = lifecycle.local_prefill_queue_tokens, 100
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(run, prompts))
+    finally:
+        lifecycle.local_prefill_queue_tokens = threshold
+    prefilled_by = [last.usage.prefill_worker for _, last in results]
+    assert "prefill-0" in prefilled_by and "decode-0" in prefilled_by, prefilled_by
+    assert [ids for ids, _ in results] == reference.greedy(prompts, max_tokens=8, ignore_eos=True)
+
+
+def test_the_queue_threshold_must_not_be_negative():
+    with pytest.raises(ConfigError, match=r"router\.local_prefill_queue_tokens"):
+        parse_config({"router": {"local_prefill_queue_tokens": -1}})

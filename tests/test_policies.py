@@ -1,9 +1,11 @@
-"""Routing policies on pool members (pure: the members' load figures are set directly)."""
+"""Routing policies and conditional disaggregation's choice, on pool members (pure: the members'
+load figures are set directly)."""
 
 from __future__ import annotations
 
+from duet.router.lifecycle import RequestLifecycle
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, PrefixAffinity
-from duet.router.pools import PoolMember
+from duet.router.pools import PoolMember, WorkerPool
 
 
 def _members(*outstanding: int) -> list[PoolMember]:
@@ -64,3 +66,26 @@ def test_block_hashes_name_the_whole_prefix():
     a, b = policy.block_hashes([1, 2, 3, 4, 5]), policy.block_hashes([9, 2, 3, 4])
     assert len(a) == 2 and len(b) == 2  # partial blocks are not cached by the engine either
     assert a[1] != b[1]  # same second block, different prefix
+
+
+def _conditional(threshold: int, max_tokens: int = 0) -> RequestLifecycle:
+    prefill = WorkerPool("prefill", members=_members(3000, 2000))
+    return RequestLifecycle(prefill, WorkerPool("decode"), local_prefill_max_tokens=max_tokens, local_prefill_queue_tokens=threshold)
+
+
+def test_a_long_prefill_queue_sends_prompts_to_a_decode_worker_with_a_shorter_one():
+    lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
+    assert not lifecycle._prefill_remotely(decode, 500)  # every prefill queue holds 2000+ tokens
+    decode.local_prefill_tokens = 1999
+    assert not lifecycle._prefill_remotely(decode, 500)
+    decode.local_prefill_tokens = 2000  # no shorter than the shortest prefill queue
+    assert lifecycle._prefill_remotely(decode, 500)
+
+
+def test_the_queue_condition_needs_every_prefill_worker_past_the_threshold():
+    lifecycle, decode = _conditional(threshold=2000), PoolMember("decode-0", actor=None)
+    assert lifecycle._prefill_remotely(decode, 500)  # one prefill queue is at 2000, not over
+    lifecycle.prefill_pool.members[1].state = "draining"  # only the 3000-token queue is in rotation
+    assert not lifecycle._prefill_remotely(decode, 500)
+    assert _conditional(threshold=0)._prefill_remotely(decode, 500)  # 0: off
+    assert not _conditional(threshold=0, max_tokens=600)._prefill_remotely(decode, 500)  # short prompt

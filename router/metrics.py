@@ -32,6 +32,13 @@ class RouterMetrics:
             "duet_requests", "Requests by outcome: served, failed, cancelled, invalid, overloaded, quota, unauthenticated.", ["outcome"], registry=registry
         )
         self.inflight = Gauge("duet_requests_inflight", "Requests being served.", registry=registry)
+        self.prefills = Counter(
+            "duet_prefills",
+            "Served requests by where their prompt was computed: prefill_pool, or decode_worker (conditional "
+            "disaggregation, colocated serving, or a hand-off that fell back to recomputing).",
+            ["where"],
+            registry=registry,
+        )
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token at the router.", buckets=_LATENCY_BUCKETS, registry=registry)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first.", buckets=_LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("duet_e2e_seconds", "Request latency, arrival to last token.", buckets=_LATENCY_BUCKETS, registry=registry)

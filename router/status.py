@@ -51,6 +51,8 @@ class ClusterView:
             self.metrics.inflight.dec()
             self.metrics.requests.labels(outcome).inc()
             if usage is not None:
+                where = "decode_worker" if usage.prefill_worker == usage.decode_worker else "prefill_pool"
+                self.metrics.prefills.labels(where).inc()
                 self.metrics.ttft.observe(usage.ttft_s)
                 self.metrics.e2e.observe(usage.e2e_s)
                 if usage.completion_tokens > 1:

@@ -196,6 +196,10 @@ def test_a_long_prefill_queue_is_relieved_by_the_decode_worker(deployment, clien
     def run(prompt: list[int]) -> tuple[list[int], Any]:
         return client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=8, ignore_eos=True), timeout=300)
 
+    def prefilled_on_decode() -> float:
+        return deployment.cluster.metrics.registry.get_sample_value("duet_prefills_total", {"where": "decode_worker"}) or 0.0
+
+    before = prefilled_on_decode()
     threshold, lifecycle.local_prefill_queue_tokens = lifecycle.local_prefill_queue_tokens, 100
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -204,6 +208,11 @@ def test_a_long_prefill_queue_is_relieved_by_the_decode_worker(deployment, clien
         lifecycle.local_prefill_queue_tokens = threshold
     prefilled_by = [last.usage.prefill_worker for _, last in results]
     assert "prefill-0" in prefilled_by and "decode-0" in prefilled_by, prefilled_by
+    # What operators see; counted as each request leaves the router, just after its last message.
+    deadline = time.monotonic() + 5
+    while prefilled_on_decode() - before < prefilled_by.count("decode-0") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prefilled_on_decode() - before == prefilled_by.count("decode-0")
     assert [ids for ids, _ in results] == reference.greedy(prompts, max_tokens=8, ignore_eos=True)
 
 

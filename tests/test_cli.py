@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 DUET = shutil.which("duet") or os.path.join(os.path.dirname(sys.executable), "duet")
@@ -72,6 +73,16 @@ def test_serve_on_a_taken_port_fails_fast_naming_it(deployment):
 
 
 @pytest.mark.timeout(600)
+def _descendant_commands(pid: int) -> list[str]:
+    commands = []
+    for process in psutil.Process(pid).children(recursive=True):
+        try:
+            commands.append(" ".join(process.cmdline()))
+        except psutil.Error:  # exited meanwhile
+            pass
+    return commands
+
+
 def test_serve_starts_serves_and_stops_on_sigint(deployment):
     """The main job, end to end: `duet serve` as its own process (its own local Ray)."""
     server = subprocess.Popen([DUET, "serve", "--port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -84,6 +95,11 @@ def test_serve_starts_serves_and_stops_on_sigint(deployment):
             match = re.search(r"serving duet-tiny-llama on 127\.0\.0\.1:(\d+)", line)
             port = match and int(match.group(1))
         assert port, "duet serve did not report that it is serving"
+        # Its own Ray, without the log monitor: worker logs stay local by default, so it would
+        # only poll files (cluster/deployment.py).
+        ray_processes = _descendant_commands(server.pid)
+        assert any("raylet" in command for command in ray_processes), ray_processes
+        assert not any("log_monitor" in command for command in ray_processes), ray_processes
         result = _duet("generate", "from a separate server", "--max-tokens", "5", "--ignore-eos", "--target", f"127.0.0.1:{port}")
         assert result.returncode == 0 and "5 generated tokens" in result.stderr, result.stderr
         server.send_signal(signal.SIGINT)

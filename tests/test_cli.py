@@ -72,7 +72,6 @@ def test_serve_on_a_taken_port_fails_fast_naming_it(deployment):
     assert time.monotonic() - started < 60, "duet started its workers before finding the port taken"
 
 
-@pytest.mark.timeout(600)
 def _descendant_commands(pid: int) -> list[str]:
     commands = []
     for process in psutil.Process(pid).children(recursive=True):
@@ -83,6 +82,7 @@ def _descendant_commands(pid: int) -> list[str]:
     return commands
 
 
+@pytest.mark.timeout(600)
 def test_serve_starts_serves_and_stops_on_sigint(deployment):
     """The main job, end to end: `duet serve` as its own process (its own local Ray)."""
     server = subprocess.Popen([DUET, "serve", "--port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -186,6 +186,27 @@ class EngineHost:
             raise EngineCoreExited(f"engine core exited: {exited}")
         return None
 
+    async def watch(self) -> str:
+        """Returns, saying why, once this worker's engine core process has exited.
+
+        The router keeps one such call pending per worker instead of asking on a timer: an
+        engine core that exits ends it through its process sentinel, and an actor that dies
+        fails it at once (Ray fails every pending call of a dead actor). A SIMULATED engine
+        lives and dies with its actor, so the call only ever ends that way."""
+        if self._engine_processes is None:
+            await asyncio.Event().wait()
+        processes = self._engine_processes.processes
+        loop = asyncio.get_running_loop()
+        exited = asyncio.Event()
+        for process in processes:
+            loop.add_reader(process.sentinel, exited.set)
+        try:
+            await exited.wait()
+        finally:
+            for process in processes:
+                loop.remove_reader(process.sentinel)
+        return f"engine core exited: {self._engine_processes.finished_procs() if self._engine_processes else {}}"
+
     @contextmanager
     def _tracked(self, request_id: str) -> Iterator[None]:
         """Count a request as in flight for exactly as long as this worker is working on it."""

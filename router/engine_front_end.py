@@ -192,12 +192,15 @@ class EngineFrontEnd:
     # ---- state ------------------------------------------------------------------------------
 
     async def ping(self) -> tuple[float, int]:
-        """Both halves answer: the actor (its engine core process is alive) and the engine core
-        itself (a round trip over the front end's sockets, which a hung engine never makes)."""
-        await self.actor.ping.remote()
+        """The engine core answers: a round trip over the front end's sockets, which a hung
+        engine never makes. (The actor and the engine core process are watched, not pinged:
+        :meth:`watch`.)"""
         await self.engine.is_sleeping()
         metrics = read_engine_metrics(self.registry, _LOAD_METRICS)
         return metrics.get("vllm:kv_cache_usage_perc", 0.0), int(metrics.get("vllm:num_requests_running", 0))
+
+    async def watch(self) -> str:
+        return await self.actor.watch.remote()
 
     async def status(self) -> WorkerStatus:
         status: WorkerStatus = await self.actor.status.remote()

@@ -1,12 +1,18 @@
-"""Health watching: every worker is pinged on a fixed period, whether or not traffic flows.
+"""Health watching: every worker is watched and pinged, whether or not traffic flows.
 
-A ping asks both halves of the worker: its actor (Ray reports a dead one at once, and the actor
-reports an engine core process that exited) and its engine core (a round trip through the
-engine's front end, which a hung engine never completes within the timeout). A worker that
-fails a ping is taken out of rotation and replaced at once, before any request finds it; with
-another ready worker in its pool, no request waits for the replacement. Each answer also
-carries the worker's load (KV cache usage, running requests), which the decode routing policy
-uses.
+Two checks, each for what it catches cheaply:
+
+- a watch: one actor call per worker that stays pending until its engine core process exits.
+  Ray fails every pending call of an actor that dies, so a dead actor or a dead engine core is
+  known at once, with no polling (the 1 s actor pings this replaced cost each idle actor more
+  CPU than anything else it did);
+- a ping on a fixed period: a round trip to the engine core (through the engine's front end for
+  vLLM workers, the actor for SIMULATED ones), which a hung engine never completes within the
+  timeout. Each answer also carries the worker's load (KV cache usage, running requests), which
+  the decode routing policy uses.
+
+A worker that fails either is taken out of rotation and replaced at once, before any request
+finds it; with another ready worker in its pool, no request waits for the replacement.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ class WorkerUnresponsive(RuntimeError):
     """A worker that did not answer its health ping in time (a hung engine or actor)."""
 
 
+class WorkerExited(RuntimeError):
+    """A worker whose engine core process exited (its watch ended)."""
+
+
 class HealthWatcher:
     def __init__(self, pools: list[WorkerPool], interval_s: float, timeout_s: float) -> None:
         self.pools = pools
@@ -31,6 +41,8 @@ class HealthWatcher:
         self.timeout_s = timeout_s
         self._task: asyncio.Task[None] | None = None
         self._checking: set[str] = set()
+        # Worker name -> (the engine its watch is on, the task awaiting that watch).
+        self._watches: dict[str, tuple[object, asyncio.Task[None]]] = {}
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="health-watcher")
@@ -38,14 +50,21 @@ class HealthWatcher:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for _, watch in self._watches.values():
+            watch.cancel()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             for pool in self.pools:
                 for member in pool.members:
+                    if member.state not in ("ready", "draining"):
+                        continue
+                    watched = self._watches.get(member.name)
+                    if watched is None or watched[0] is not member.engine:
+                        self._watches[member.name] = (member.engine, loop.create_task(self._watch(pool, member)))
                     # One ping in flight per worker: a slow one is judged by its own timeout.
-                    if member.state in ("ready", "draining") and member.name not in self._checking:
+                    if member.name not in self._checking:
                         self._checking.add(member.name)
                         loop.create_task(self._check(pool, member))
             await asyncio.sleep(self.interval_s)
@@ -65,3 +84,18 @@ class HealthWatcher:
                 pool.mark_failed(member, error)
         finally:
             self._checking.discard(member.name)
+
+    async def _watch(self, pool: WorkerPool, member: PoolMember) -> None:
+        """Wait on ``member``'s watch; when it ends, the worker is gone unless it was replaced or
+        removed meanwhile (a removed worker's actor is killed on purpose, which ends it too)."""
+        engine = member.engine
+        try:
+            error: BaseException = WorkerExited(await engine.watch())
+        except asyncio.CancelledError:
+            raise
+        except Exception as failure:  # RayActorError: the actor died
+            error = failure
+        if self._watches.get(member.name, (None,))[0] is engine:
+            del self._watches[member.name]
+        if member.engine is engine and member.state in ("ready", "draining"):
+            pool.mark_failed(member, error)

@@ -64,6 +64,10 @@ class WorkerEngine(Protocol):
         """A round trip to the engine (raises if gone; never returns if hung): (KV usage, running)."""
         ...
 
+    async def watch(self) -> str:
+        """Ends (saying why, or raising) only when the worker's actor or engine is gone."""
+        ...
+
     async def status(self) -> WorkerStatus: ...
 
     def metrics_text(self) -> str:
@@ -162,6 +166,9 @@ class ActorEngine:
 
     async def ping(self) -> tuple[float, int]:
         return await self.actor.ping.remote()
+
+    async def watch(self) -> str:
+        return await self.actor.watch.remote()
 
     async def status(self) -> WorkerStatus:
         return await self.actor.status.remote()

@@ -136,6 +136,25 @@ def test_a_killed_idle_worker_is_replaced_without_any_request(deployment, client
     assert len(ids) == 4
 
 
+def test_an_exited_engine_core_is_replaced_at_once_without_any_request(deployment, client):
+    """The actor lives on but its engine core process is gone: the worker's watch ends at once
+    (no ping timeout to wait out) and the worker is replaced."""
+    member = deployment.prefill.members[0]
+    restarts = member.restarts
+    pid = ray.get(member.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while member.state == "ready":
+        # The ping's timeout is 5 s; only the watch notices sooner.
+        assert time.monotonic() - killed_at < 3, "the exited engine core was not noticed within 3 s"
+        time.sleep(0.05)
+    assert "WorkerExited" in member.error and "engine core exited" in member.error
+    _wait_settled(client)
+    assert member.restarts == restarts + 1
+    ids, _ = client.generate_ids(build_request("after the engine restart", max_tokens=4, ignore_eos=True), timeout=120)
+    assert len(ids) == 4
+
+
 @pytest.mark.parametrize(
     "call, code, field",
     [

@@ -11,7 +11,9 @@ the simulator module's docstring).
 
 Counted: every process in the ``duet serve`` process tree except the vLLM engine processes
 (``VLLM::Worker`` and ``VLLM::EngineCore``, whose time the profile already holds), plus this
-process, which drives the load from the same cores.
+process, which drives the load from the same cores. vLLM names its engine processes with
+``setproctitle``, which does not always take (some runs here kept the spawn command line), so a
+process that Python's multiprocessing spawned, which is how vLLM starts them, is an engine too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from duet.cluster.placement.trace import Trace
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _ENGINE_PROCESS_PREFIX = "VLLM::"
+_SPAWNED_CHILD = b"multiprocessing.spawn"
 
 
 def _stat(pid: int) -> tuple[int, float] | None:
@@ -46,7 +49,10 @@ def _stat(pid: int) -> tuple[int, float] | None:
 
 def _is_engine(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().startswith(_ENGINE_PROCESS_PREFIX)
+        return (
+            Path(f"/proc/{pid}/comm").read_text().startswith(_ENGINE_PROCESS_PREFIX)
+            or _SPAWNED_CHILD in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
     except OSError:
         return False
 

@@ -7,11 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 from aiohttp import web
 
+from duet.benchmarks.host_overhead import host_cpu_seconds
 from duet.benchmarks.loadgen import RequestRecord, build_requests, prompt_token_ids
 from duet.benchmarks.openai_replay import replay_openai
 from duet.benchmarks.serve_report import (
@@ -280,3 +286,35 @@ def test_bench_serve_bad_flags_exit_2_with_one_line(flags, names, capsys):
     assert args.handler(args) == serve_bench.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert err.startswith("duet bench serve: error:") and names in err and err.count("\n") == 1
+
+
+def _burn_then_wait(ready) -> None:
+    """A spawned child (as vLLM starts its engine processes): spend CPU, then idle."""
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    ready.set()
+    time.sleep(60)
+
+
+def test_serving_cpu_leaves_out_spawned_engine_processes_even_when_unnamed():
+    """vLLM's engine processes are not the serving path; setproctitle does not always rename
+    them, so a multiprocessing-spawned child counts as one by its command line. A plain child
+    process (as Ray's daemons are) is counted."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    engine_like = context.Process(target=_burn_then_wait, args=(ready,), daemon=True)
+    engine_like.start()
+    plain = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()+0.3\nwhile time.process_time()<t: pass\ntime.sleep(60)"])
+    try:
+        assert ready.wait(60)
+        deadline = time.monotonic() + 60
+        while host_cpu_seconds(os.getpid()).get(plain.pid, 0.0) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        counted = host_cpu_seconds(os.getpid(), include_self=False)
+        assert counted.get(plain.pid, 0.0) >= 0.25
+        assert engine_like.pid not in counted
+    finally:
+        engine_like.terminate()
+        plain.kill()
+        plain.wait()

@@ -72,7 +72,8 @@ class PoolManager:
         # Only SIMULATED engines that stream tokens (decode, colocated) send them from the actor.
         streams_from_actor = self.simulated and self.pool.role != "prefill"
         # Task events feed Ray's dashboard and state API, which duet does not use; recording one
-        # per health ping cost each actor and the GCS about a tenth of their idle CPU.
+        # per actor call (each health ping, when pings went through the actors) cost each actor
+        # and the GCS about a tenth of their idle CPU.
         return ray.remote(self.worker_class).options(
             num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=1000,
             enable_task_events=False, **options,

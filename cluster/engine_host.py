@@ -193,19 +193,19 @@ class EngineHost:
         engine core that exits ends it through its process sentinel, and an actor that dies
         fails it at once (Ray fails every pending call of a dead actor). A SIMULATED engine
         lives and dies with its actor, so the call only ever ends that way."""
-        if self._engine_processes is None:
+        manager = self._engine_processes
+        if manager is None:
             await asyncio.Event().wait()
-        processes = self._engine_processes.processes
         loop = asyncio.get_running_loop()
         exited = asyncio.Event()
-        for process in processes:
+        for process in manager.processes:
             loop.add_reader(process.sentinel, exited.set)
         try:
             await exited.wait()
         finally:
-            for process in processes:
+            for process in manager.processes:
                 loop.remove_reader(process.sentinel)
-        return f"engine core exited: {self._engine_processes.finished_procs() if self._engine_processes else {}}"
+        return f"engine core exited: {manager.finished_procs()}"
 
     @contextmanager
     def _tracked(self, request_id: str) -> Iterator[None]:

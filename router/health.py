@@ -95,7 +95,8 @@ class HealthWatcher:
             raise
         except Exception as failure:  # RayActorError: the actor died
             error = failure
-        if self._watches.get(member.name, (None,))[0] is engine:
+        watched = self._watches.get(member.name)
+        if watched is not None and watched[0] is engine:  # not already a newer engine's watch
             del self._watches[member.name]
         if member.engine is engine and member.state in ("ready", "draining"):
             pool.mark_failed(member, error)

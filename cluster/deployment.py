@@ -35,7 +35,6 @@ from duet.router.auth import Gatekeeper
 from duet.router.front_ends import FrontEnds, check_exposure
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
-from duet.router.token_stream import TokenReceiver
 from duet.router.validation import ModelLimits
 
 logger = logging.getLogger(__name__)
@@ -113,7 +112,6 @@ class Deployment:
     http_port: int | None = None  # the OpenAI HTTP API's (None: disabled)
     cluster: ClusterView | None = None
     service: RequestService | None = None
-    tokens: TokenReceiver | None = None
     # A warning to show the operator (serving a public address without authentication).
     exposure_warning: str | None = None
     managers: dict[str, PoolManager] = field(default_factory=dict)
@@ -154,8 +152,6 @@ class Deployment:
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         start_ray(self.config)
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
-        self.tokens = TokenReceiver(_router_host(self.config))
-        await self.tokens.start()
         cores = CoreAllocator() if is_cpu_only() else None
         if colocated:
             self.managers = {"colocated": self._manager(ColocatedWorker, self.decode, self.config.colocated, cores)}
@@ -222,9 +218,8 @@ class Deployment:
         )
 
     def _manager(self, worker_class: type, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None) -> PoolManager:
-        assert self.tokens is not None
         return PoolManager(
-            pool, worker_class, pool_config, self.config, self.tokens, cores,
+            pool, worker_class, pool_config, self.config, _router_host(self.config), cores,
             plan_nodes=_plan_node_ids(pool.role, pool_config.nodes),
         )
 
@@ -277,8 +272,6 @@ class Deployment:
             self.autoscaler.stop()
         for manager in self.managers.values():
             await manager.stop()
-        if self.tokens is not None:
-            self.tokens.close()
 
 
 def _chat_template(config: DuetConfig) -> str | None:
@@ -289,7 +282,7 @@ def _chat_template(config: DuetConfig) -> str | None:
 
 def _router_host(config: DuetConfig) -> str:
     """The address workers reach the router at (engine cores their front ends, SIMULATED
-    engines the token receiver): loopback on a private local Ray, else this node's."""
+    engines their channels): loopback on a private local Ray, else this node's."""
     if config.ray.address == "local":
         return "127.0.0.1"
     return ray.util.get_node_ip_address()

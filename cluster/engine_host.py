@@ -10,8 +10,9 @@ server, instead of through a front end in the actor and a second hop to the rout
 (docs/benchmarks.md measures why that matters).
 
 A SIMULATED engine (``engine: simulated``) runs whole inside the actor, which then serves its
-requests itself (prefill_worker/, decode_worker/) and streams tokens to the router through its
-outbox; it exists for control-plane scale tests, and says so wherever it is used.
+requests itself (prefill_worker/, decode_worker/), taking them from and streaming tokens back
+over its channel to the router (cluster/worker_channel.py); it exists for control-plane scale
+tests, and says so wherever it is used.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any, Iterator, Literal
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
-from duet.cluster.token_outbox import TokenOutbox
 from duet.cluster.worker_api import EngineAddresses, SamplingSpec, WorkerStatus
+from duet.cluster.worker_channel import RouterLink
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,
@@ -48,12 +49,9 @@ class EngineHost:
 
     role: Role | Literal["colocated"]
 
-    def __init__(
-        self, name: str, config: DuetConfig, cpu_core: int | None, token_address: tuple[str, int] | None = None
-    ) -> None:
+    def __init__(self, name: str, config: DuetConfig, cpu_core: int | None) -> None:
         """``cpu_core`` is the core its forward pass is pinned to on a CPU host (the
-        deployment's core allocator chooses it). ``token_address`` is the router's token
-        receiver (host, port), where a SIMULATED engine's decode tokens go; None otherwise."""
+        deployment's core allocator chooses it)."""
         self.name = name
         self.config = config
         self.cpu_core = cpu_core
@@ -66,9 +64,8 @@ class EngineHost:
         self._inflight: set[str] = set()
         self._served = 0
         self.kv_endpoint = ""
-        self.outbox = TokenOutbox()
-        self._token_address = token_address
-        self._sender: asyncio.Task[None] | None = None
+        # A SIMULATED engine's channel to the router.
+        self.link = RouterLink(self)
 
     @property
     def pool(self) -> PoolConfig:
@@ -78,19 +75,19 @@ class EngineHost:
     def simulated(self) -> bool:
         return self.pool.engine == "simulated"
 
-    async def start(self, front_end: EngineAddresses | None = None) -> WorkerStatus:
+    async def start(self, front_end: EngineAddresses | tuple[str, int]) -> WorkerStatus:
         """Start the engine; returns the ready status, or raises with the reason it failed.
 
-        A vLLM engine core connects to its front end at ``front_end``; this returns once the
-        engine is loaded and its KV cache allocated.
+        A vLLM engine core connects to its front end in the router at ``front_end`` (its
+        addresses); this returns once the engine is loaded and its KV cache allocated. A
+        SIMULATED engine connects to its channel in the router at ``front_end`` (host, port).
         """
         try:
             if self.simulated:
                 self._start_simulated_engine()
-                if self._token_address is not None:
-                    self._sender = asyncio.get_running_loop().create_task(self.outbox.run(self._token_address))
+                await self.link.connect(tuple(front_end))  # type: ignore[arg-type]
             else:
-                if front_end is None:
+                if not isinstance(front_end, EngineAddresses):
                     raise ValueError("a vLLM worker needs the addresses of its front end in the router")
                 # Launching waits for the engine core's handshake: seconds, off the event loop.
                 await asyncio.to_thread(self._launch_engine_core, front_end)
@@ -234,13 +231,12 @@ class EngineHost:
             requests_inflight=len(self._inflight),
             engine_unfinished=self.engine.output_processor.get_num_unfinished_requests() if self.engine is not None else 0,
             error=self._error,
-            token_updates=self.outbox.updates_sent,
-            token_batches=self.outbox.batches_sent,
+            channel_messages=self.link.outbox.messages_sent,
+            channel_frames=self.link.outbox.frames_sent,
         )
 
     def shutdown(self) -> None:
-        if self._sender is not None:
-            self._sender.cancel()
+        self.link.close()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

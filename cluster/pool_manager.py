@@ -22,7 +22,7 @@ from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.cores import CoreAllocator
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.pools import PoolMember, ScaleError, WorkerPool
-from duet.router.token_stream import TokenReceiver
+from duet.router.actor_channel import ActorChannel
 from duet.router.worker_engines import ActorEngine
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,9 @@ class PoolManager:
     worker_class: type
     pool_config: PoolConfig
     config: DuetConfig
-    # The router's token receiver: SIMULATED decode workers stream to it, and its host is
-    # where vLLM engine cores reach their front ends.
-    tokens: TokenReceiver
+    # Where workers reach the router: vLLM engine cores their front ends, SIMULATED engines
+    # their channels.
+    router_host: str
     cores: CoreAllocator | None
     # Ray node ids for the first replicas, as a placement plan assigned them.
     plan_nodes: list[str] | None = None
@@ -69,15 +69,13 @@ class PoolManager:
         if node_id is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         pool = self.pool_config
-        # Only SIMULATED engines that stream tokens (decode, colocated) send them from the actor.
-        streams_from_actor = self.simulated and self.pool.role != "prefill"
         # Task events feed Ray's dashboard and state API, which duet does not use; recording one
         # per actor call (each health ping, when pings went through the actors) cost each actor
         # and the GCS about a tenth of their idle CPU.
         return ray.remote(self.worker_class).options(
             num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=1000,
             enable_task_events=False, **options,
-        ).remote(name, self.config, core, self.tokens.address if streams_from_actor else None)
+        ).remote(name, self.config, core)
 
     @property
     def simulated(self) -> bool:
@@ -87,10 +85,17 @@ class PoolManager:
         """Start the engine of ``member``'s actor and connect the router to it (bounded)."""
         timeout = self.config.server.worker_start_timeout_s
         if self.simulated:
-            status = await asyncio.wait_for(member.actor.start.remote(), timeout)
-            member.engine = ActorEngine(member.actor, self.tokens)
+            channel = ActorChannel(self.router_host)
+            try:
+                await channel.start()
+                status = await asyncio.wait_for(member.actor.start.remote(channel.address), timeout)
+                await channel.connected(timeout)
+            except BaseException:
+                channel.close()
+                raise
+            member.engine = ActorEngine(member.actor, channel)
         else:
-            listeners = FrontEndListeners.bind(self.tokens.address[0])
+            listeners = FrontEndListeners.bind(self.router_host)
             try:
                 status = await asyncio.wait_for(member.actor.start.remote(listeners.addresses), timeout)
                 vllm_config = await member.actor.engine_config.remote()

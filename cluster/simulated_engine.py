@@ -69,6 +69,8 @@ class _Request:
     hand_over: bool  # prefill for a remote decode: finish after the first token, keep the KV
     outputs: asyncio.Queue[_Output] = field(default_factory=asyncio.Queue)
     produced: int = 0
+    # The last tokens of the prompt and output so far, which the next token is derived from.
+    recent: list[int] = field(default_factory=list)
 
     @property
     def kv_tokens(self) -> int:
@@ -94,11 +96,23 @@ def simulated_perf(profile: str, tp: int, pp: int) -> tuple[EnginePerf, float]:
     return LatencyModel.load(Path(profile)).engine(tp, pp), 0.0
 
 
-def simulated_token(prompt: list[int], position: int, vocab_size: int) -> int:
-    """The simulated engine's token at ``position``: the same on every worker for a prompt, so
-    decode re-derives prefill's first token as a real engine does."""
-    seed = sum(prompt[-16:]) * 1_000_003 + len(prompt)
-    return 3 + (seed + position * 7_919) % (vocab_size - 3)
+def simulated_next_token(recent: list[int], length: int, vocab_size: int) -> int:
+    """The simulated engine's next token after a sequence (prompt and tokens so far) of
+    ``length`` tokens that ends with ``recent`` (its last 16, or all if fewer).
+
+    A function of the sequence alone, as greedy decoding is: every worker derives the same
+    tokens, so decode re-derives prefill's first token, and a request that resumes on another
+    worker (its streamed tokens appended to its prompt) continues exactly where it stopped."""
+    seed = sum(recent[-16:]) * 1_000_003 + length
+    return 3 + seed % (vocab_size - 3)
+
+
+def simulated_tokens(prompt: list[int], count: int, vocab_size: int) -> list[int]:
+    """The first ``count`` tokens the simulated engine generates for ``prompt``."""
+    sequence = list(prompt)
+    for _ in range(count):
+        sequence.append(simulated_next_token(sequence[-16:], len(sequence), vocab_size))
+    return sequence[len(prompt):]
 
 
 class SimulatedEngine:
@@ -235,7 +249,10 @@ class SimulatedEngine:
                     self._emit(request)
 
     def _emit(self, request: _Request) -> None:
-        token = simulated_token(request.prompt, request.produced, self.vocab_size)
+        if not request.recent:
+            request.recent = request.prompt[-16:]
+        token = simulated_next_token(request.recent, len(request.prompt) + request.produced, self.vocab_size)
+        request.recent = request.recent[-15:] + [token]
         request.produced += 1
         done = request.produced >= request.max_tokens or request.hand_over
         transfer = {"simulated_kv_tokens": len(request.prompt)} if request.hand_over else None

@@ -89,12 +89,6 @@ class DecodeChunk:
     finish_reason: FinishReason | None = None
 
 
-# One request's new tokens as they cross from a worker to the router:
-# (request_id, token_ids, text, finish_reason). A plain tuple, because a whole engine step's
-# worth of them is pickled together many times a second (see TokenOutbox).
-TokenUpdate = tuple[str, list[int], str, FinishReason | None]
-
-
 @dataclass
 class WorkerStatus:
     """A worker's state for ``duet status`` and the tests."""
@@ -107,7 +101,7 @@ class WorkerStatus:
     requests_inflight: int = 0
     engine_unfinished: int = 0
     error: str = ""
-    # The token stream: per-request updates sent, and the batches that carried them.
-    token_updates: int = 0
-    token_batches: int = 0
+    # A SIMULATED worker's channel: messages sent to the router, and the frames that carried them.
+    channel_messages: int = 0
+    channel_frames: int = 0
     engine_metrics: dict[str, float] = field(default_factory=dict)

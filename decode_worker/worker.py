@@ -11,7 +11,7 @@ every token is streamed, the first included, or the fallback when a KV hand-off 
 the engine's front end in its own process, so tokens go from the engine core straight to the
 client's stream (router/engine_front_end.py). :class:`DecodeWorker` is the Ray actor that hosts
 the engine core; it runs decode itself only for SIMULATED engines, whose engine lives in the
-actor, and sends their tokens to the router in per-step batches (cluster/token_outbox.py).
+actor, and sends their tokens to the router in per-step batches (cluster/worker_channel.py).
 """
 
 from __future__ import annotations
@@ -70,14 +70,14 @@ class DecodeWorker(EngineHost):
         first_token_id: int | None = None,
         first_text: str = "",
     ) -> None:
-        """SIMULATED engines only: generate into the token stream; returns when finished."""
-        put = self.outbox.put
+        """SIMULATED engines only: generate into the worker's channel; returns when finished."""
+        put = self.link.put
         with self._tracked(request_id):
             async for token_ids, text, finish in decode_updates(
                 self.engine, self._params, request_id, prompt_token_ids, sampling,
                 kv_transfer_params, first_token_id, first_text,
             ):
-                put((request_id, token_ids, text, finish))
+                put([request_id, "tokens", token_ids, text, finish])
 
 
 class ColocatedWorker(DecodeWorker):

@@ -5,8 +5,9 @@ the health watcher, status and metrics read. There are two kinds:
 
 - :class:`~duet.router.engine_front_end.EngineFrontEnd`, for vLLM workers: the engine's front
   end runs in the router, its engine core under the worker actor;
-- :class:`ActorEngine`, for SIMULATED workers, whose engine runs inside the actor: requests are
-  Ray calls, and decode tokens arrive in per-step batches through the router's token receiver.
+- :class:`ActorEngine`, for SIMULATED workers, whose engine runs inside the actor: requests go
+  to it and its answers (decode tokens in per-step batches) come back over the worker's channel
+  (router/actor_channel.py), and Ray calls serve only health and status.
 
 Both report failures the same way: :class:`EngineLost` (the worker or its engine is gone; the
 request resumes elsewhere) or :class:`EngineRejected` (the engine refused this request; retrying
@@ -16,21 +17,11 @@ would not help).
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, AsyncIterator, Protocol
 
-import ray
-from ray.exceptions import RayActorError, RayTaskError
-
 from duet.cluster.worker_api import DecodeChunk, PrefillResult, SamplingSpec, WorkerStatus
-from duet.router.token_stream import StreamBroken, TokenReceiver
-
-logger = logging.getLogger(__name__)
-
-# vLLM errors raised inside a live actor that mean its engine is gone.
-_ENGINE_DEAD = ("EngineDeadError",)
-# How long after a worker's call returned its request's last tokens may still be on the way.
-_LAST_TOKENS_GRACE_S = 10.0
+from duet.cluster.worker_channel import sampling_to_wire
+from duet.router.actor_channel import ActorChannel, ChannelClosed
 
 
 class EngineLost(RuntimeError):
@@ -88,23 +79,28 @@ class WorkerEngine(Protocol):
 
 
 class ActorEngine:
-    """A SIMULATED worker's engine, which runs inside its actor."""
+    """A SIMULATED worker's engine, which runs inside its actor and takes requests over the
+    worker's channel."""
 
-    def __init__(self, actor: Any, tokens: TokenReceiver) -> None:
+    def __init__(self, actor: Any, channel: ActorChannel) -> None:
         self.actor = actor
-        self.tokens = tokens
+        self.channel = channel
 
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None
     ) -> PrefillResult:
-        ref = self.actor.prefill.remote(request_id, prompt_token_ids, sampling, decode_endpoint)
+        queue = self.channel.subscribe(request_id)
         try:
-            return await ref
+            self._send(["prefill", request_id, prompt_token_ids, sampling_to_wire(sampling), decode_endpoint])
+            answer = await queue.get()
         except asyncio.CancelledError:
-            await self._abort(request_id, ref)
+            self._abort(request_id)
             raise
-        except (RayActorError, RayTaskError) as error:
-            raise _classify(error) from error
+        finally:
+            self.channel.unsubscribe(request_id)
+        if answer[1] != "prefilled":
+            raise _failure(answer)
+        return PrefillResult(*answer[2:8])
 
     async def decode(
         self,
@@ -115,54 +111,54 @@ class ActorEngine:
         first_token_id: int | None,
         first_text: str,
     ) -> AsyncIterator[DecodeChunk]:
-        """Start the request in the actor and relay its tokens from the token receiver.
+        """Start the request on the worker and relay its tokens as they come.
 
-        The call's result only says whether the worker failed. Updates that queued up while the
-        consumer was busy are merged into one chunk, so a loaded router sends fewer, larger
-        messages instead of falling further behind.
+        Answers that queued up while the consumer was busy are merged into one chunk, so a
+        loaded router sends fewer, larger messages instead of falling further behind.
         """
-        queue = self.tokens.subscribe(request_id)
-        call = self.actor.decode.remote(
-            request_id, prompt_token_ids, sampling, kv_transfer_params, first_token_id, first_text
-        )
-        asyncio.wrap_future(call.future()).add_done_callback(lambda done: _report_call_failure(done, queue))
+        queue = self.channel.subscribe(request_id)
         finished = False
         try:
-            while not finished:
-                updates = [await queue.get()]
+            self._send([
+                "decode", request_id, prompt_token_ids, sampling_to_wire(sampling),
+                kv_transfer_params, first_token_id, first_text,
+            ])
+            while True:
+                answers = [await queue.get()]
                 while not queue.empty():
-                    updates.append(queue.get_nowait())
+                    answers.append(queue.get_nowait())
                 token_ids: list[int] = []
                 text = ""
-                for update in updates:
-                    if isinstance(update, StreamBroken):
+                for answer in answers:
+                    if answer[1] != "tokens":
                         if token_ids or text:
                             yield DecodeChunk(token_ids, text)
-                        cause = update.cause
-                        raise _classify(cause) if isinstance(cause, (RayActorError, RayTaskError)) else EngineLost(str(update))
-                    token_ids += update[1]
-                    text += update[2]
-                    if update[3] is not None:
+                        raise _failure(answer)
+                    token_ids += answer[2]
+                    text += answer[3]
+                    if answer[4] is not None:
                         finished = True
-                        yield DecodeChunk(token_ids, text, update[3])
+                        yield DecodeChunk(token_ids, text, answer[4])
                         return
                 if token_ids or text:
                     yield DecodeChunk(token_ids, text)
         finally:
-            self.tokens.unsubscribe(request_id)
+            self.channel.unsubscribe(request_id)
             if not finished:  # cancelled, timed out, failed, or the consumer stopped early
-                await self._abort(request_id, call)
+                self._abort(request_id)
 
-    async def _abort(self, request_id: str, task: object) -> None:
-        """Stop the actor's task for ``request_id`` and free its engine state, whatever its state."""
+    def _send(self, message: list[Any]) -> None:
         try:
-            ray.cancel(task)
-        except Exception:  # already finished, or not cancellable: the abort below still frees it
+            self.channel.send(message)
+        except ChannelClosed as closed:
+            raise EngineLost(str(closed)) from None
+
+    def _abort(self, request_id: str) -> None:
+        """Stop ``request_id`` on the worker and free its engine state, whatever its state."""
+        try:
+            self.channel.send(["abort", request_id])
+        except ChannelClosed:  # a worker that is gone has nothing left to free
             pass
-        try:
-            await asyncio.wait_for(asyncio.shield(self.actor.abort.remote(request_id)), 10)
-        except Exception as error:  # a dead worker has nothing left to free
-            logger.warning("abort of %s failed: %s", request_id, error)
 
     async def ping(self) -> tuple[float, int]:
         return await self.actor.ping.remote()
@@ -183,30 +179,12 @@ class ActorEngine:
         await self.actor.reset_prefix_cache.remote()
 
     def lost(self, error: BaseException) -> None:
-        """Nothing to do: calls to an actor that is killed or dead fail by themselves."""
+        self.channel.fail_all(f"the worker was found dead ({type(error).__name__}: {error})")
 
     def close(self) -> None:
-        """Nothing to do: the engine goes with its actor."""
+        self.channel.close()
 
 
-def _classify(error: BaseException) -> BaseException:
-    """A failed actor call: a dead actor or engine can be retried elsewhere, anything else not."""
-    if isinstance(error, RayTaskError) and type(error.cause).__name__ not in _ENGINE_DEAD:
-        return EngineRejected(str(error.cause))
-    return EngineLost(type(error).__name__)
-
-
-def _report_call_failure(done: asyncio.Future[Any], queue: asyncio.Queue[Any]) -> None:
-    """Hand a failed actor call to the request waiting on its tokens.
-
-    A call that succeeded has put its finish on the token socket; should that never arrive (the
-    worker died right after), the request is failed after a grace period instead of waiting
-    forever. A request that did finish has stopped reading its queue by then.
-    """
-    if done.cancelled():
-        return
-    if done.exception() is not None:
-        queue.put_nowait(StreamBroken("the worker call failed", done.exception()))
-        return
-    lost = StreamBroken(f"the worker finished the request but its last tokens did not arrive in {_LAST_TOKENS_GRACE_S:.0f} s")
-    asyncio.get_running_loop().call_later(_LAST_TOKENS_GRACE_S, queue.put_nowait, lost)
+def _failure(answer: list[Any]) -> BaseException:
+    """The error a worker's ``failed`` or ``lost`` answer stands for."""
+    return EngineRejected(answer[2]) if answer[1] == "failed" else EngineLost(answer[2])

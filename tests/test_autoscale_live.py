@@ -17,7 +17,7 @@ from typing import Any, Callable
 import yaml
 
 from duet.cluster.config import load_config, parse_config
-from duet.cluster.simulated_engine import simulated_token
+from duet.cluster.simulated_engine import simulated_tokens
 from duet.router.client import DuetClient, build_request
 
 
@@ -84,7 +84,7 @@ def test_simulated_cluster_follows_a_load_step(running_deployment, tmp_path: Pat
                 results = list(pool.map(send, range(len(prompts))))
             vocab = deployment.service.limits.vocab_size
             for prompt, (ids, _) in zip(prompts, results):
-                assert ids == [simulated_token(prompt, n, vocab) for n in range(8)], "a request was lost or changed"
+                assert ids == simulated_tokens(prompt, 8, vocab), "a request was lost or changed"
             assert recorder.peak("prefill") >= 2, f"the prefill pool never grew: {recorder.samples[-5:]}"
             # Idle now: after the scale-down window both pools drain back to their minimum.
             _wait_for(lambda: _sizes(deployment) == {"prefill": 1, "decode": 1}, 60, "the pools to shrink back")

@@ -11,7 +11,7 @@ import pytest
 
 from duet.cluster.config import ConfigError, load_config, parse_config
 from duet.cluster.placement.latency_model import DecodePerf, EnginePerf, PrefillPerf
-from duet.cluster.simulated_engine import SimulatedEngine, SimulatedParams, simulated_token
+from duet.cluster.simulated_engine import SimulatedEngine, SimulatedParams, simulated_tokens
 from duet.cluster.worker_api import SamplingSpec
 from duet.router.client import DuetClient, build_request
 
@@ -36,7 +36,7 @@ def test_simulated_engine_batches_and_times_like_its_model():
 
     outputs, elapsed = asyncio.run(run())
     for i, ids in enumerate(outputs):
-        assert ids == [simulated_token([i + 5] * 100, n, 1000) for n in range(20)]
+        assert ids == simulated_tokens([i + 5] * 100, 20, 1000)
     # One batched prefill (1 + 8 ms) and 19 decode steps of 2 ms for all eight together: about
     # 50 ms, far from the 8 x 19 steps of running them one by one.
     assert 0.045 <= elapsed < 0.25
@@ -82,7 +82,7 @@ def test_sixteen_simulated_workers_serve_through_the_real_router(simulated_deplo
             results = list(pool.map(lambda p: client.generate_ids(build_request(prompt_token_ids=p, max_tokens=16), timeout=60), prompts))
         vocab = deployment.service.limits.vocab_size
         for prompt, (ids, last) in zip(prompts, results):
-            assert ids == [simulated_token(prompt, n, vocab) for n in range(16)]
+            assert ids == simulated_tokens(prompt, 16, vocab)
         used = {last.usage.prefill_worker for _, last in results} | {last.usage.decode_worker for _, last in results}
         assert len(used) >= 8  # spread over the pools
         status = client.status()
@@ -94,4 +94,28 @@ def test_sixteen_simulated_workers_serve_through_the_real_router(simulated_deplo
             assert time.monotonic() - started < 60
             time.sleep(0.2)
         ids, _ = client.generate_ids(build_request(prompt_token_ids=prompts[0], max_tokens=4), timeout=60)
-        assert ids == [simulated_token(prompts[0], n, vocab) for n in range(4)]
+        assert ids == simulated_tokens(prompts[0], 4, vocab)
+
+
+def test_streams_survive_a_simulated_worker_killed_mid_request(simulated_deployment):
+    """A SIMULATED worker's requests travel over its channel, not Ray calls: when its actor is
+    killed mid-stream, the closed connection ends its requests at once and they resume on the
+    other workers, every stream complete and exact."""
+    import ray
+
+    deployment = simulated_deployment
+    prompts = [[(i * 11) % 500 + 3] * (40 + i) for i in range(48)]
+    with DuetClient(f"127.0.0.1:{deployment.port}") as client:
+        vocab = deployment.service.limits.vocab_size
+        with ThreadPoolExecutor(48) as pool:
+            streams = [pool.submit(client.generate_ids, build_request(prompt_token_ids=p, max_tokens=200), timeout=120) for p in prompts]
+            deadline = time.monotonic() + 30
+            while not (busy := [m for m in deployment.decode.members if m.state == "ready" and m.inflight > 0]):
+                assert time.monotonic() < deadline, "no decode worker took a request"
+                time.sleep(0.01)
+            victim = busy[0]
+            ray.kill(victim.actor, no_restart=True)
+            results = [stream.result() for stream in streams]
+        for prompt, (ids, _) in zip(prompts, results):
+            assert ids == simulated_tokens(prompt, 200, vocab)
+        assert victim.restarts >= 1 or victim.state != "ready"

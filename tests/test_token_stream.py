@@ -1,8 +1,9 @@
 """The token data paths. vLLM workers: the engine core sends every step's outputs to its front
 end in the router, which streams them to the clients (the end-to-end test runs through the
-shared deployment: real gRPC server, real actors, real engines). SIMULATED workers: each pushes
-every request's tokens, batched per engine step, to the router's token socket (the outbox tests
-drive the real :class:`TokenOutbox` and :class:`TokenReceiver` on both event loops).
+shared deployment: real gRPC server, real actors, real engines). SIMULATED workers: requests go
+in and every request's tokens, batched per engine step, come back over the worker's channel
+(the channel tests drive both real ends, :class:`ActorChannel` and :class:`RouterLink`, over
+loopback on both event loops).
 """
 
 from __future__ import annotations
@@ -11,60 +12,115 @@ import asyncio
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import msgpack
 import pytest
 import uvloop
 
-from duet.cluster.token_outbox import TokenOutbox
+from duet.cluster.worker_api import PrefillResult, SamplingSpec
+from duet.cluster.worker_channel import Outbox, RouterLink, sampling_from_wire, sampling_to_wire
+from duet.router.actor_channel import ActorChannel
 from duet.router.client import build_request
-from duet.router.token_stream import TokenReceiver
 
 
 def test_outbox_batches_everything_put_since_the_last_batch():
-    async def scenario() -> list[list[tuple]]:
-        outbox = TokenOutbox()
+    async def scenario() -> list[list[list]]:
+        outbox = Outbox()
         batches = outbox.batches()
-        outbox.put(("a", [1], "x", None))
-        outbox.put(("b", [2], "y", None))
+        outbox.put(["a", "tokens", [1], "x", None])
+        outbox.put(["b", "tokens", [2], "y", None])
         first = await anext(batches)
-        outbox.put(("a", [3], "z", "length"))
+        outbox.put(["a", "tokens", [3], "z", "length"])
         second = await anext(batches)
-        assert (outbox.updates_sent, outbox.batches_sent) == (3, 2)
+        assert (outbox.messages_sent, outbox.frames_sent) == (3, 2)
         return [first, second]
 
     first, second = asyncio.run(scenario())
-    assert first == [("a", [1], "x", None), ("b", [2], "y", None)]
-    assert second == [("a", [3], "z", "length")]
+    assert [m[0] for m in first] == ["a", "b"] and second == [["a", "tokens", [3], "z", "length"]]
+
+
+def test_sampling_survives_the_wire():
+    spec = SamplingSpec(max_tokens=9, temperature=0.5, top_p=0.9, top_k=4, seed=7, stop=("x", "yz"), stop_token_ids=(2,), ignore_eos=True)
+    assert sampling_from_wire(msgpack.unpackb(msgpack.packb(sampling_to_wire(spec)))) == spec
+
+
+class _ScriptedWorker:
+    """A worker's request handler with fixed answers, to drive the channel alone: prefill
+    answers at once; decode streams ``count`` steps (one 3 MB text among them, which arrives in
+    many socket reads) unless aborted; "boom" fails."""
+
+    def __init__(self) -> None:
+        self.link = RouterLink(self)
+        self.aborted: list[str] = []
+        self.release = asyncio.Event()
+
+    async def prefill(self, request_id, prompt_token_ids, sampling, decode_endpoint) -> PrefillResult:
+        if request_id == "boom":
+            raise ValueError("no such thing")
+        return PrefillResult(prompt_token_ids[-1] + 1, "t", len(prompt_token_ids), {"at": decode_endpoint}, None, "w")
+
+    async def decode(self, request_id, prompt_token_ids, sampling, kv_transfer_params, first_token_id, first_text) -> None:
+        for step in range(sampling.max_tokens):
+            text = "x" * 3_000_000 if step == 1 else f"s{step}"
+            self.link.put([request_id, "tokens", [first_token_id + step], text, "length" if step == sampling.max_tokens - 1 else None])
+            await self.release.wait()
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
 
 
 @pytest.mark.parametrize("run_loop", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
-def test_updates_cross_the_socket_in_order_to_their_requests_only(run_loop):
-    """A real outbox writes to a real receiver over loopback, on both event loops duet runs
-    (Ray's actors and the router use uvloop): each subscribed request gets its own updates in
-    order, including a batch far larger than one socket read; updates for requests nobody
-    subscribed to are dropped."""
+def test_channel_carries_requests_and_answers_to_their_requests_only(run_loop):
+    """A real router end and a real worker end over loopback, on both event loops duet runs
+    (Ray's actors and the router use uvloop): each request gets its own answers in order; a
+    worker's failure reaches its request as ``failed``; an abort cancels the worker's task;
+    and when the worker's connection goes, every request still waiting gets ``lost``."""
 
-    async def scenario() -> tuple[list[tuple], list[tuple]]:
-        receiver = TokenReceiver("127.0.0.1")
-        await receiver.start()
-        outbox = TokenOutbox()
-        sender = asyncio.get_running_loop().create_task(outbox.run(receiver.address))
-        a, b = receiver.subscribe("a"), receiver.subscribe("b")
-        big_text = "x" * 3_000_000  # arrives in many reads: frames must be reassembled
-        outbox.put(("a", [1], "one", None))
-        outbox.put(("gone", [9], "nobody listens", None))
-        outbox.put(("b", [2], big_text, None))
-        await asyncio.sleep(0)
-        outbox.put(("a", [3, 4], "two", "length"))
-        got_a = [tuple(await asyncio.wait_for(a.get(), 10)) for _ in range(2)]
-        got_b = [tuple(await asyncio.wait_for(b.get(), 10))]
+    async def scenario() -> None:
+        channel = ActorChannel("127.0.0.1")
+        await channel.start()
+        worker = _ScriptedWorker()
+        await worker.link.connect(channel.address)
+        await channel.connected(5)
+        spec = sampling_to_wire(SamplingSpec(max_tokens=3))
+
+        prefilled, failed = channel.subscribe("p"), channel.subscribe("boom")
+        channel.send(["prefill", "p", [5, 6], spec, "decode-0"])
+        channel.send(["prefill", "boom", [5], spec, None])
+        assert await asyncio.wait_for(prefilled.get(), 10) == ["p", "prefilled", 7, "t", 2, {"at": "decode-0"}, None, "w"]
+        answer = await asyncio.wait_for(failed.get(), 10)
+        assert answer[1] == "failed" and "no such thing" in answer[2]
+
+        a, b = channel.subscribe("a"), channel.subscribe("b")
+        channel.send(["decode", "a", [1], spec, None, 100, ""])
+        channel.send(["decode", "b", [1], spec, None, 200, ""])
+        channel.send(["decode", "nobody-listens", [1], spec, None, 300, ""])
+        worker.release.set()
+        got_a = [await asyncio.wait_for(a.get(), 10) for _ in range(3)]
+        got_b = [await asyncio.wait_for(b.get(), 10) for _ in range(3)]
+        assert [m[2] for m in got_a] == [[100], [101], [102]] and got_a[-1][4] == "length"
+        assert [m[2] for m in got_b] == [[200], [201], [202]] and len(got_b[1][3]) == 3_000_000
         assert a.empty() and b.empty()
-        sender.cancel()
-        receiver.close()
-        return got_a, got_b
 
-    got_a, got_b = run_loop(scenario())
-    assert got_a == [("a", [1], "one", None), ("a", [3, 4], "two", "length")]
-    assert got_b[0][:2] == ("b", [2]) and len(got_b[0][2]) == 3_000_000
+        worker.release.clear()
+        slow = channel.subscribe("slow")
+        channel.send(["decode", "slow", [1], spec, None, 1, ""])
+        assert (await asyncio.wait_for(slow.get(), 10))[2] == [1]
+        channel.send(["abort", "slow"])
+        for _ in range(100):
+            if "slow" in worker.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert worker.aborted == ["slow"] and not worker.link._tasks
+
+        waiting = channel.subscribe("w")
+        channel.send(["decode", "w", [1], spec, None, 1, ""])
+        await asyncio.wait_for(waiting.get(), 10)
+        worker.link.close()  # as when the actor dies: its socket closes
+        answer = await asyncio.wait_for(waiting.get(), 10)
+        assert answer[1] == "lost"
+        channel.close()
+
+    run_loop(scenario())
 
 
 def test_sixteen_concurrent_streams_are_exact_and_decode_in_shared_steps(client, reference, worker_status):

@@ -143,6 +143,7 @@ class RouterLink:
         self.handler = handler
         self.outbox = Outbox()
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._aborts: set[asyncio.Task[None]] = set()  # held until done, so none is collected early
         self._reader: FrameReader | None = None
         self._sender: asyncio.Task[None] | None = None
 
@@ -183,8 +184,6 @@ class RouterLink:
                 ])
             else:
                 await self.handler.decode(request_id, prompt, sampling, *message[4:7])
-        except asyncio.CancelledError:
-            raise
         except Exception as error:  # the router fails the request with this message
             logger.warning("request %s failed: %s", request_id, error)
             self.put([request_id, "failed", f"{type(error).__name__}: {error}"])
@@ -194,7 +193,9 @@ class RouterLink:
         if task is not None:
             task.cancel()
         # Also frees a request the engine still holds after its task ended.
-        asyncio.get_running_loop().create_task(self.handler.abort(request_id))
+        abort = asyncio.get_running_loop().create_task(self.handler.abort(request_id))
+        self._aborts.add(abort)
+        abort.add_done_callback(self._aborts.discard)
 
     def _on_lost(self, exc: Exception | None) -> None:
         """The router is gone or dropped this worker: nobody will read these requests' tokens."""

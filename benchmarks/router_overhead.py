@@ -4,8 +4,8 @@
 SIMULATED engines (cluster/simulated_engine.py: no model is computed, timing from DistServe's
 A100 profile), and replays a Poisson load from a separate client process. For every request,
 the router-added latency is the client's end-to-end latency minus the seconds the request spent
-inside the two engines (each simulated engine records them): Ray calls, the router's event
-loop, the token socket, the gRPC server and client. Reported: its p50 and p99, as a share of
+inside the two engines (each simulated engine records them): the workers' channels, the
+router's event loop, the gRPC server and client. Reported: its p50 and p99, as a share of
 end-to-end latency, and the router process's memory at the start and end of the run.
 """
 

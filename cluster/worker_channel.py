@@ -47,8 +47,8 @@ from duet.cluster.worker_api import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
-# Bytes the kernel and the transport may hold for a peer that is not reading before messages
-# are dropped instead of piling up (a peer that stopped reading is gone, and its requests with it).
+# Bytes the kernel and the transport may hold for a peer that is not reading before the channel
+# is closed instead of piling up (a peer that stopped reading is gone, and its requests with it).
 _SEND_BUFFER_LIMIT = 64 * 1024 * 1024
 
 Message = list[Any]
@@ -97,9 +97,17 @@ class Outbox:
             if transport.is_closing():
                 return
             if transport.get_write_buffer_size() > _SEND_BUFFER_LIMIT:
-                logger.warning("peer is not reading; dropped %d messages", len(batch))
-                continue
-            transport.write(msgpack.packb(batch))
+                # Dropping messages would leave holes in streams, or requests waiting forever;
+                # a closed connection fails them all on both ends, and they resume elsewhere.
+                logger.error("peer is not reading (%d bytes queued); closing the channel", transport.get_write_buffer_size())
+                transport.abort()
+                return
+            try:
+                transport.write(msgpack.packb(batch))
+            except Exception:  # a message msgpack cannot carry: as above, rather than a silent stop
+                logger.exception("cannot send %d messages; closing the channel", len(batch))
+                transport.abort()
+                return
 
 
 class FrameReader(asyncio.Protocol):
@@ -171,11 +179,16 @@ class RouterLink:
                 continue
             task = asyncio.get_running_loop().create_task(self._serve(message))
             self._tasks[request_id] = task
-            task.add_done_callback(lambda _, request_id=request_id: self._tasks.pop(request_id, None))
+            task.add_done_callback(lambda done, request_id=request_id: self._forget(request_id, done))
+
+    def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(request_id) is task:
+            del self._tasks[request_id]
 
     async def _serve(self, message: Message) -> None:
-        kind, request_id, prompt, sampling = message[0], message[1], message[2], sampling_from_wire(message[3])
+        kind, request_id, prompt = message[0], message[1], message[2]
         try:
+            sampling = sampling_from_wire(message[3])
             if kind == "prefill":
                 result = await self.handler.prefill(request_id, prompt, sampling, message[4])
                 self.put([

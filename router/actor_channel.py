@@ -80,6 +80,8 @@ class ActorChannel:
         if self._accepted:  # one worker per channel
             raise ConnectionRefusedError(f"the channel at {self.address} is taken")
         self._accepted = True
+        if self._server is not None:  # stop listening: the port has served its one purpose
+            asyncio.get_running_loop().call_soon(self._server.close)
         return self._reader
 
     def _deliver(self, frame: list[Message]) -> None:

@@ -232,10 +232,11 @@ class RequestLifecycle:
         assert self.prefill_pool is not None
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
+        engine = worker.engine
         try:
-            return await worker.engine.prefill(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
+            return await engine.prefill(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
         except (EngineLost, EngineRejected) as error:
-            raise self._worker_failure(self.prefill_pool, worker, error) from error
+            raise self._worker_failure(self.prefill_pool, worker, engine, error) from error
         finally:
             worker.inflight -= 1
             worker.outstanding_tokens -= len(round_.prompt_token_ids)
@@ -253,7 +254,8 @@ class RequestLifecycle:
         # Without transfer parameters the worker computes the prompt itself, until its first token.
         prefilling = len(round_.prompt_token_ids) if kv_transfer_params is None else 0
         worker.local_prefill_tokens += prefilling
-        chunks = worker.engine.decode(
+        engine = worker.engine
+        chunks = engine.decode(
             round_.request_id,
             round_.prompt_token_ids,
             round_.sampling,
@@ -268,7 +270,7 @@ class RequestLifecycle:
                     prefilling = 0
                 yield chunk
         except (EngineLost, EngineRejected) as error:
-            raise self._worker_failure(self.decode_pool, worker, error) from error
+            raise self._worker_failure(self.decode_pool, worker, engine, error) from error
         finally:
             worker.inflight -= 1
             worker.outstanding_tokens -= len(round_.prompt_token_ids)
@@ -276,10 +278,14 @@ class RequestLifecycle:
             await chunks.aclose()  # aborts the request in the engine unless it finished
 
     @staticmethod
-    def _worker_failure(pool: WorkerPool, worker: PoolMember, error: EngineLost | EngineRejected) -> BaseException:
+    def _worker_failure(
+        pool: WorkerPool, worker: PoolMember, engine: Any, error: EngineLost | EngineRejected
+    ) -> BaseException:
         """A worker that is gone is taken out of rotation and the round retried; a request its
-        engine refused is not."""
+        engine refused is not. A failure that arrives after the worker was already replaced
+        (``engine`` is no longer its engine) leaves the replacement alone."""
         if isinstance(error, EngineRejected):
             return RequestFailed(f"{pool.role} worker {worker.name}: {error}")
-        pool.mark_failed(worker, error)
+        if worker.engine is engine:
+            pool.mark_failed(worker, error)
         return WorkerFailed(f"{pool.role} worker {worker.name} failed ({error})")

@@ -69,7 +69,7 @@ class _Request:
     hand_over: bool  # prefill for a remote decode: finish after the first token, keep the KV
     outputs: asyncio.Queue[_Output] = field(default_factory=asyncio.Queue)
     produced: int = 0
-    # The last tokens of the prompt and output so far, which the next token is derived from.
+    # The last 16 tokens of the prompt and output so far, which the next token is derived from.
     recent: list[int] = field(default_factory=list)
 
     @property
@@ -160,6 +160,7 @@ class SimulatedEngine:
             params.sampling.max_tokens,
             remote_kv_tokens=int(transfer.get("simulated_kv_tokens", 0)),
             hand_over=bool(transfer.get("do_remote_decode")),
+            recent=prompt[-16:],
         )
         self._requests[request_id] = request
         arrived = time.perf_counter()
@@ -249,8 +250,6 @@ class SimulatedEngine:
                     self._emit(request)
 
     def _emit(self, request: _Request) -> None:
-        if not request.recent:
-            request.recent = request.prompt[-16:]
         token = simulated_next_token(request.recent, len(request.prompt) + request.produced, self.vocab_size)
         request.recent = request.recent[-15:] + [token]
         request.produced += 1

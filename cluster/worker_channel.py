@@ -191,10 +191,7 @@ class RouterLink:
             sampling = sampling_from_wire(message[3])
             if kind == "prefill":
                 result = await self.handler.prefill(request_id, prompt, sampling, message[4])
-                self.put([
-                    request_id, "prefilled", result.first_token_id, result.first_text,
-                    result.num_prompt_tokens, result.kv_transfer_params, result.finish_reason, result.worker,
-                ])
+                self.put([request_id, "prefilled", *astuple(result)])
             else:
                 await self.handler.decode(request_id, prompt, sampling, *message[4:7])
         except Exception as error:  # the router fails the request with this message

@@ -74,14 +74,10 @@ class HealthWatcher:
         try:
             member.kv_usage, member.running = await asyncio.wait_for(engine.ping(), self.timeout_s)
             member.reported_at = time.monotonic()
-        except asyncio.CancelledError:
-            raise
         except TimeoutError:
-            if member.engine is engine:
-                pool.mark_failed(member, WorkerUnresponsive(f"no answer to a health ping in {self.timeout_s:g} s"))
+            pool.mark_failed(member, WorkerUnresponsive(f"no answer to a health ping in {self.timeout_s:g} s"), engine)
         except Exception as error:
-            if member.engine is engine:  # not already replaced meanwhile
-                pool.mark_failed(member, error)
+            pool.mark_failed(member, error, engine)
         finally:
             self._checking.discard(member.name)
 
@@ -91,12 +87,9 @@ class HealthWatcher:
         engine = member.engine
         try:
             error: BaseException = WorkerExited(await engine.watch())
-        except asyncio.CancelledError:
-            raise
         except Exception as failure:  # RayActorError: the actor died
             error = failure
         watched = self._watches.get(member.name)
         if watched is not None and watched[0] is engine:  # not already a newer engine's watch
             del self._watches[member.name]
-        if member.engine is engine and member.state in ("ready", "draining"):
-            pool.mark_failed(member, error)
+        pool.mark_failed(member, error, engine)

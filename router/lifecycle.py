@@ -282,10 +282,8 @@ class RequestLifecycle:
         pool: WorkerPool, worker: PoolMember, engine: Any, error: EngineLost | EngineRejected
     ) -> BaseException:
         """A worker that is gone is taken out of rotation and the round retried; a request its
-        engine refused is not. A failure that arrives after the worker was already replaced
-        (``engine`` is no longer its engine) leaves the replacement alone."""
+        engine refused is not."""
         if isinstance(error, EngineRejected):
             return RequestFailed(f"{pool.role} worker {worker.name}: {error}")
-        if worker.engine is engine:
-            pool.mark_failed(worker, error)
+        pool.mark_failed(worker, error, engine)
         return WorkerFailed(f"{pool.role} worker {worker.name} failed ({error})")

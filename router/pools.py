@@ -114,12 +114,16 @@ class WorkerPool:
                 except TimeoutError:
                     pass
 
-    def mark_failed(self, member: PoolMember, error: BaseException) -> None:
+    def mark_failed(self, member: PoolMember, error: BaseException, engine: object) -> None:
         """Take ``member`` out of rotation, end its requests (they resume on the others) and
         start its replacement (once per failure).
 
-        A draining member is not replaced: it was leaving anyway.
+        ``engine`` is the engine that failed: a failure reported after ``member`` was replaced
+        (a late ping, watch or request of the old engine) leaves the replacement alone. A
+        draining member is not replaced: it was leaving anyway.
         """
+        if member.engine is not engine:
+            return
         if member.engine is not None and member.state in ("ready", "draining"):
             member.engine.lost(error)
         if member.state == "draining":

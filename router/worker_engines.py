@@ -100,7 +100,7 @@ class ActorEngine:
             self.channel.unsubscribe(request_id)
         if answer[1] != "prefilled":
             raise _failure(answer)
-        return PrefillResult(*answer[2:8])
+        return PrefillResult(*answer[2:])
 
     async def decode(
         self,

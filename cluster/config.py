@@ -113,8 +113,11 @@ class KVTransferConfig(_Strict):
     # Bound on a KV hand-off (from launching decode to its first tokens); past it the decode
     # worker recomputes the prompt itself.
     handoff_timeout_s: float = Field(default=30.0, gt=0)
-    # NIXL's UCX progress thread busy-polls a whole core per engine; off is faster on CPU.
-    nixl_progress_thread: bool = False
+    # NIXL's UCX progress thread in each engine: "wait" sleeps until UCX has work (a KV pull
+    # completes while the prefill engine computes its next prompt); "poll" is NIXL's default,
+    # which busy-polls a whole core per engine; "off" progresses UCX only between engine steps,
+    # so a pull waits out the prefill step in progress (docs/kv_transfer.md).
+    nixl_progress_thread: Literal["wait", "poll", "off"] = "wait"
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     # Seconds a prefill worker keeps KV for a decode worker that never pulls it (the decode side
     # extends the lease by heartbeats while it is still waiting to pull).

@@ -103,7 +103,7 @@ def engine_environment(
     """Environment a worker must set before it creates its engine."""
     if settings.transport != "nixl":
         return {}
-    env = {ENV_NIXL_PROGRESS_THREAD: "1" if settings.nixl_progress_thread else "0"}
+    env = {ENV_NIXL_PROGRESS_THREAD: settings.nixl_progress_thread}
     if endpoint is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = endpoint.host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(endpoint.port)

@@ -6,9 +6,13 @@ worker process. The plugin does nothing unless a duet worker asked for it throug
 variables (see :func:`duet.kv_transfer.config.engine_environment`), so plain vLLM use in the same
 environment is unaffected.
 
-Two adjustments, both measured on CPU (../shared/ENVIRONMENT.md):
-- NIXL's UCX progress thread busy-polls a whole core per engine even when idle; turning it off
-  cut a 1,500-token request from 639 ms to 195 ms and transfers still complete.
+Two adjustments, both measured on CPU (docs/kv_transfer.md, ../shared/ENVIRONMENT.md):
+- NIXL's UCX progress thread. NIXL's Python API always asks for a poll timeout of 0, so the
+  thread busy-polls a whole core per engine even when idle (a 1,500-token request took 639 ms
+  instead of 195 ms). Without the thread, UCX only progresses between engine steps, and a KV
+  pull from a prefill engine that has started its next long prompt waits out that whole step
+  (0.5-0.7 s on CPU). ``wait`` keeps the thread but gives it a timeout, so it sleeps in
+  ``poll()`` on UCX's event descriptors and wakes when a transfer needs it.
 - With NixlConnector, vLLM pins each worker's forward-pass thread to the last core of each NUMA
   node, so two engines on one host fight over the same core. duet gives each worker its own.
 """
@@ -20,6 +24,11 @@ import os
 from typing import Any, Callable
 
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
+
+# The progress thread's poll() timeout in "wait" mode. UCX wakes it through event descriptors
+# when a transfer needs progress; the timeout only bounds the wait for an event UCX does not
+# signal, and costs 50 wakeups a second per engine.
+PROGRESS_THREAD_WAKEUP_US = 20_000
 
 
 def _without_progress_thread(make_config: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,6 +51,28 @@ def _disable_nixl_progress_thread() -> None:
         base_worker.nixl_agent_config = patched
 
 
+def _let_progress_thread_sleep(timeout_us: int) -> None:
+    """Make the zero poll timeout that ``nixl_agent`` sets into ``timeout_us``."""
+    import nixl._api as nixl_api
+
+    base = nixl_api.nixlBind.nixlAgentConfig
+    if getattr(base, "_duet_patched", False):
+        return
+
+    class SleepingProgressThreadConfig(base):  # type: ignore[misc,valid-type]
+        _duet_patched = True
+
+        @property
+        def pthrDelay(self) -> int:
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, delay_us: int) -> None:
+            base.pthrDelay.__set__(self, delay_us or timeout_us)
+
+    nixl_api.nixlBind.nixlAgentConfig = SleepingProgressThreadConfig
+
+
 def _pin_worker_to_core(core: int) -> None:
     from vllm.platforms.cpu import CpuPlatform
 
@@ -51,8 +82,11 @@ def _pin_worker_to_core(core: int) -> None:
 
 def register() -> None:
     """Entry point called by vLLM's plugin loader."""
-    if os.environ.get(ENV_NIXL_PROGRESS_THREAD) == "0":
+    progress_thread = os.environ.get(ENV_NIXL_PROGRESS_THREAD)
+    if progress_thread == "off":
         _disable_nixl_progress_thread()
+    elif progress_thread == "wait":
+        _let_progress_thread_sleep(PROGRESS_THREAD_WAKEUP_US)
     core = os.environ.get(ENV_WORKER_CPU_CORE)
     if core is not None:
         _pin_worker_to_core(int(core))

@@ -64,8 +64,8 @@ class EngineHost:
         self._inflight: set[str] = set()
         self._served = 0
         self.kv_endpoint = ""
-        # A SIMULATED engine's channel to the router.
-        self.link = RouterLink(self)
+        # A SIMULATED engine's channel to the router (a vLLM engine core has its own sockets).
+        self.link: RouterLink | None = None
 
     @property
     def pool(self) -> PoolConfig:
@@ -85,6 +85,7 @@ class EngineHost:
         try:
             if self.simulated:
                 self._start_simulated_engine()
+                self.link = RouterLink(self)
                 await self.link.connect(tuple(front_end))  # type: ignore[arg-type]
             else:
                 if not isinstance(front_end, EngineAddresses):
@@ -176,7 +177,7 @@ class EngineHost:
         is its load (KV cache usage, requests running); a vLLM engine's load is read by its
         front end in the router, and its round trip made from there."""
         if self.simulated:
-            await self.engine.is_sleeping()
+            self.engine.check_scheduler()
             return self.engine.load()
         exited = self._engine_processes.finished_procs() if self._engine_processes is not None else {}
         if exited:
@@ -231,12 +232,13 @@ class EngineHost:
             requests_inflight=len(self._inflight),
             engine_unfinished=self.engine.output_processor.get_num_unfinished_requests() if self.engine is not None else 0,
             error=self._error,
-            channel_messages=self.link.outbox.messages_sent,
-            channel_frames=self.link.outbox.frames_sent,
+            channel_messages=self.link.outbox.messages_sent if self.link is not None else 0,
+            channel_frames=self.link.outbox.frames_sent if self.link is not None else 0,
         )
 
     def shutdown(self) -> None:
-        self.link.close()
+        if self.link is not None:
+            self.link.close()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -185,15 +185,20 @@ class SimulatedEngine:
             self._forget(request)
             request.outputs.put_nowait(_Output([_Completion([], "", "abort")], finished=True))
 
-    async def is_sleeping(self) -> bool:
-        return False
-
     async def reset_prefix_cache(self) -> bool:
         return True  # it caches nothing
 
     def shutdown(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+
+    def check_scheduler(self) -> None:
+        """Raises if the scheduler loop has ended (an error stopped it): every request would
+        wait on it forever while the actor still answers, so the health ping must fail."""
+        task = self._loop_task
+        if task is not None and task.done():
+            error = "cancelled" if task.cancelled() else repr(task.exception())
+            raise RuntimeError(f"the SIMULATED scheduler stopped: {error}")
 
     def load(self) -> tuple[float, int]:
         """(KV usage, running sequences), as a health ping reports them."""

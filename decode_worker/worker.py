@@ -71,6 +71,7 @@ class DecodeWorker(EngineHost):
         first_text: str = "",
     ) -> None:
         """SIMULATED engines only: generate into the worker's channel; returns when finished."""
+        assert self.link is not None, "only SIMULATED workers are sent requests over the channel"
         put = self.link.put
         with self._tracked(request_id):
             async for token_ids, text, finish in decode_updates(

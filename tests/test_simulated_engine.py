@@ -59,6 +59,40 @@ def test_simulated_engine_queues_what_its_kv_cannot_hold():
     assert asyncio.run(run()) >= 0.01  # at least the rest of "a"'s decode steps
 
 
+def test_a_stopped_simulated_scheduler_fails_the_health_check():
+    """A scheduler loop that died leaves its requests waiting while the actor still answers:
+    the health ping (EngineHost.ping calls check_scheduler) must fail so the worker is replaced."""
+
+    async def run() -> str:
+        engine = SimulatedEngine(_perf(), max_model_len=4096, vocab_size=1000)
+        engine.check_scheduler()  # not started yet: healthy
+        await _generate(engine, "a", [5] * 10, 2)
+        engine.check_scheduler()  # started and idle: healthy
+
+        perf = engine.perf
+
+        class BrokenDecodeTiming:
+            def __getattr__(self, name: str) -> object:
+                return getattr(perf, name)
+
+            def decode_step_s(self, *args: object) -> float:
+                raise ValueError("no decode timing")
+
+        engine.perf = BrokenDecodeTiming()  # type: ignore[assignment]
+        stuck = asyncio.create_task(_generate(engine, "b", [6] * 10, 3))
+        await asyncio.sleep(0.05)
+        assert not stuck.done()  # waits for a step that will never come
+        try:
+            engine.check_scheduler()
+        except RuntimeError as error:
+            return str(error)
+        finally:
+            stuck.cancel()
+        return ""
+
+    assert "no decode timing" in asyncio.run(run())
+
+
 def test_simulated_engines_need_the_pull_hand_off():
     with pytest.raises(ConfigError, match="kv_transfer.transport"):
         parse_config({"decode": {"engine": "simulated"}, "kv_transfer": {"transport": "nccl"}})

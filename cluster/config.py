@@ -126,6 +126,11 @@ class KVTransferConfig(_Strict):
     # the prefill, the baseline `duet bench transfer` compares against).
     layerwise: bool = True
 
+    @field_validator("nixl_progress_thread", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML reads an unquoted ``off`` as false."""
+        return "off" if value is False else value
 
 class RayConfig(_Strict):
     address: str = Field(

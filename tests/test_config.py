@@ -26,12 +26,21 @@ def test_embedded_default_loads():
         ({"prefill": {"replicas": 2, "cpu_cores": [0]}}, "prefill"),
         ({"decode": {"replcas": 2}}, "decode.replcas"),
         ({"prefill": {"max_num_batched_tokens": 0}}, "prefill.max_num_batched_tokens"),
+        ({"kv_transfer": {"nixl_progress_thread": True}}, "kv_transfer.nixl_progress_thread"),
     ],
 )
 def test_bad_field_is_named(data, field):
     with pytest.raises(ConfigError) as raised:
         parse_config(data)
     assert f"  {field}:" in str(raised.value)
+
+
+def test_nixl_progress_thread_off_survives_yaml(tmp_path):
+    """An unquoted ``off`` is YAML for false; it must still mean "off"."""
+    path = tmp_path / "off.yaml"
+    path.write_text("kv_transfer:\n  nixl_progress_thread: off\n")
+    assert load_config(path).kv_transfer.nixl_progress_thread == "off"
+    assert load_config().kv_transfer.nixl_progress_thread == "wait"
 
 
 def test_engine_step_budget_is_set_explicitly():

@@ -21,7 +21,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path

@@ -132,6 +132,7 @@ class KVTransferConfig(_Strict):
         """YAML reads an unquoted ``off`` as false."""
         return "off" if value is False else value
 
+
 class RayConfig(_Strict):
     address: str = Field(
         default="local",

@@ -19,9 +19,7 @@ Two adjustments, both measured on CPU (docs/kv_transfer.md, ../shared/ENVIRONMEN
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import Any, Callable
 
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
 
@@ -31,36 +29,32 @@ from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_COR
 PROGRESS_THREAD_WAKEUP_US = 20_000
 
 
-def _without_progress_thread(make_config: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(make_config)
-    def make(*args: Any, **kwargs: Any) -> Any:
-        kwargs["enable_prog_thread"] = False
-        return make_config(*args, **kwargs)
+def _set_progress_thread(mode: str) -> None:
+    """Make every NIXL agent of this process run its progress thread as ``mode`` says.
 
-    return make
-
-
-def _disable_nixl_progress_thread() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-
-    if base_worker.nixl_agent_config is not None and not getattr(
-        base_worker.nixl_agent_config, "_duet_patched", False
-    ):
-        patched = _without_progress_thread(base_worker.nixl_agent_config)
-        patched._duet_patched = True  # type: ignore[attr-defined]
-        base_worker.nixl_agent_config = patched
-
-
-def _let_progress_thread_sleep(timeout_us: int) -> None:
-    """Make the zero poll timeout that ``nixl_agent`` sets into ``timeout_us``."""
+    ``nixl_agent`` builds its bound ``nixlAgentConfig`` from ``nixl_agent_config`` (thread on by
+    default, as vLLM leaves it) and then sets a poll timeout of 0, with no way to choose
+    either from outside. So the bound class is replaced by a subclass whose setters decide:
+    ``off`` turns the thread off, ``wait`` turns the zero timeout into
+    ``PROGRESS_THREAD_WAKEUP_US``. Patching at NIXL's layer keeps duet independent of where
+    vLLM builds its agent. A NIXL release that renames the class fails here, loudly, at engine
+    start (and in tests/kv_transfer/test_nixl_progress.py).
+    """
     import nixl._api as nixl_api
 
     base = nixl_api.nixlBind.nixlAgentConfig
-    if getattr(base, "_duet_patched", False):
-        return
+    base = getattr(base, "_duet_base", base)  # patched before (the plugin loads in every process)
 
-    class SleepingProgressThreadConfig(base):  # type: ignore[misc,valid-type]
-        _duet_patched = True
+    class DuetProgressThreadConfig(base):  # type: ignore[misc,valid-type]
+        _duet_base = base
+
+        @property
+        def useProgThread(self) -> bool:
+            return base.useProgThread.__get__(self)
+
+        @useProgThread.setter
+        def useProgThread(self, enabled: bool) -> None:
+            base.useProgThread.__set__(self, enabled and mode != "off")
 
         @property
         def pthrDelay(self) -> int:
@@ -68,9 +62,9 @@ def _let_progress_thread_sleep(timeout_us: int) -> None:
 
         @pthrDelay.setter
         def pthrDelay(self, delay_us: int) -> None:
-            base.pthrDelay.__set__(self, delay_us or timeout_us)
+            base.pthrDelay.__set__(self, delay_us or (PROGRESS_THREAD_WAKEUP_US if mode == "wait" else 0))
 
-    nixl_api.nixlBind.nixlAgentConfig = SleepingProgressThreadConfig
+    nixl_api.nixlBind.nixlAgentConfig = DuetProgressThreadConfig
 
 
 def _pin_worker_to_core(core: int) -> None:
@@ -83,10 +77,8 @@ def _pin_worker_to_core(core: int) -> None:
 def register() -> None:
     """Entry point called by vLLM's plugin loader."""
     progress_thread = os.environ.get(ENV_NIXL_PROGRESS_THREAD)
-    if progress_thread == "off":
-        _disable_nixl_progress_thread()
-    elif progress_thread == "wait":
-        _let_progress_thread_sleep(PROGRESS_THREAD_WAKEUP_US)
+    if progress_thread in ("off", "wait"):  # "poll" is NIXL's own behaviour
+        _set_progress_thread(progress_thread)
     core = os.environ.get(ENV_WORKER_CPU_CORE)
     if core is not None:
         _pin_worker_to_core(int(core))

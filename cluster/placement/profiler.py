@@ -1,9 +1,26 @@
 """``duet profile``: measure the real engine on this machine and fit the DistServe model form.
 
-Prefill: a batch of B random prompts of length L with ``max_tokens=1`` is timed end to end.
-Decode: the same batch run for T tokens; the step time is ``(t_T - t_1) / (T - 1)``, with the
-mean context ``L + T/2`` per sequence. Prompts are fresh random tokens each time and prefix
-caching is off, so nothing is served from cache. Each point is the median of ``repeats``.
+Prefill: a batch of B random prompts of length L with ``max_tokens=1``; the time from the
+first request's scheduling to the last one's first token. Decode: the same batch run for T
+tokens; the step time is ``(t_T - t_1) / (T - 1)`` per request (the median over the batch),
+with the mean context ``L + T/2`` per sequence. Prompts are fresh random tokens each time and
+prefix caching is off, so nothing is served from cache.
+
+What is timed is the engine alone, as a deployment runs it:
+
+* The times are the engine core's own timestamps (vLLM's per-request stats: scheduled, first
+  and last token), not the caller's clock around ``generate``. Timing a decode as the difference
+  of two end-to-end runs (T tokens minus 1) subtracts two prefills of the whole batch, and their
+  noise was larger than the decode it meant to measure: the batch-16 step ranged 11-35 ms over
+  five repeats on this machine, against 13-21 ms from the engine's timestamps.
+* The engine core gets the profiled cores, and ``LLM``'s own front end (output processing after
+  every step) is moved to the other cores once the engine has started. In a deployment that
+  per-step work runs in duet's router and worker actors, and the simulator charges it separately
+  (``ServingPathCost``), so it must not be in the profile as well.
+
+Each point is the median of ``repeats`` sweeps over the whole grid rather than of back-to-back
+repeats, so a burst of load from another tenant of a shared machine spoils one sweep's sample
+of many points instead of every sample of one point.
 
 Only what the hardware here can run is measured: on CPU that is tensor_parallel=1,
 pipeline_parallel=1, and the profile says so (``max_pp: 1``, one TP fit). The KV capacity is the
@@ -13,6 +30,7 @@ cache vLLM is given (``VLLM_CPU_KVCACHE_SPACE``) over the KV bytes per token of 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -68,6 +86,19 @@ def _model_facts(path: Path) -> tuple[int, int]:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4, cfg["max_position_embeddings"]
 
 
+def _move_this_process(cpus: set[int]) -> None:
+    """Pin every thread of this process (``LLM``'s front end) to ``cpus``.
+
+    ``os.sched_setaffinity(0, ...)`` moves only the calling thread; the engine client's threads
+    started with the engine would stay on the engine's core.
+    """
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
 def profile_engine(
     model: str, grid: ProfileGrid = DEFAULT_GRID, kv_cache_gib: float = 1.0, cpus: set[int] | None = None
 ) -> tuple[LatencyModel, str]:
@@ -86,9 +117,12 @@ def profile_engine(
     if longest > max_len:
         raise ValueError(f"profile grid needs {longest}-token contexts; {name} supports {max_len}")
 
+    available = os.sched_getaffinity(0)
     if cpus:
         os.sched_setaffinity(0, cpus)  # inherited by the engine's processes
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    if cpus:  # as a deployment binds its engines (cluster/engine.py), not vLLM's own choice
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(cpus))
     from vllm import LLM, SamplingParams
 
     batch_tokens = max(
@@ -105,30 +139,41 @@ def profile_engine(
         max_num_batched_tokens=max(batch_tokens, max_len),
         max_num_seqs=max(max(grid.prefill_batches), max(grid.decode_batches)),
         seed=0,
+        disable_log_stats=False,  # the per-request timestamps that the timing below reads
     )
     startup_s = time.perf_counter() - start
+    if cpus and available - cpus:
+        _move_this_process(available - cpus)
     rng = np.random.default_rng(0)
     vocab = llm.get_tokenizer().vocab_size
 
-    def timed(batch: int, length: int, tokens: int) -> float:
+    def timed(batch: int, length: int, tokens: int) -> tuple[float, float]:
+        """(prefill ms of the batch, median decode step ms) by the engine core's clock."""
         prompts = [{"prompt_token_ids": rng.integers(3, vocab, length).tolist()} for _ in range(batch)]
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return (time.perf_counter() - t0) * 1000.0
+        stats = [out.metrics for out in llm.generate(prompts, params, use_tqdm=False)]
+        prefill_ms = (max(s.first_token_ts for s in stats) - min(s.scheduled_ts for s in stats)) * 1000.0
+        if tokens == 1:
+            return prefill_ms, math.nan
+        step_ms = statistics.median((s.last_token_ts - s.first_token_ts) / (tokens - 1) for s in stats) * 1000.0
+        return prefill_ms, step_ms
 
     timed(2, 64, 4)  # warm-up
-    prefill = []
-    for b in grid.prefill_batches:
-        for n in grid.prefill_lengths:
-            ms = statistics.median(timed(b, n, 1) for _ in range(grid.repeats))
-            prefill.append(([n] * b, ms))
-    decode = []
     steps = grid.decode_steps
-    for b in grid.decode_batches:
-        for n in grid.decode_contexts:
-            runs = [(timed(b, n, steps) - timed(b, n, 1)) / (steps - 1) for _ in range(grid.repeats)]
-            decode.append((b, float(b * (n + steps / 2)), max(statistics.median(runs), 1e-3)))
+    prefill_points = [(b, n) for b in grid.prefill_batches for n in grid.prefill_lengths]
+    decode_points = [(b, n) for b in grid.decode_batches for n in grid.decode_contexts]
+    prefill_runs: dict[tuple[int, int], list[float]] = {p: [] for p in prefill_points}
+    decode_runs: dict[tuple[int, int], list[float]] = {p: [] for p in decode_points}
+    for _ in range(grid.repeats):
+        for b, n in prefill_points:
+            prefill_runs[b, n].append(timed(b, n, 1)[0])
+        for b, n in decode_points:
+            decode_runs[b, n].append(timed(b, n, steps)[1])
+    prefill = [([n] * b, statistics.median(prefill_runs[b, n])) for b, n in prefill_points]
+    decode = [
+        (b, float(b * (n + steps / 2)), max(statistics.median(decode_runs[b, n]), 1e-3))
+        for b, n in decode_points
+    ]
 
     prefill_fit = fit_prefill(prefill)
     small, large, threshold = fit_decode(decode)

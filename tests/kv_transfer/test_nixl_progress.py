@@ -27,7 +27,8 @@ def _target(outbox: Any, inbox: Any, mode: str) -> None:
     vllm_plugin.register()
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent("duet-test-prefill", nixl_agent_config(enable_prog_thread=mode != "off"))
+    # As vLLM builds it: the thread on; the plugin decides what it does.
+    agent = nixl_agent("duet-test-prefill", nixl_agent_config())
     buf = torch.full((BUFFER_FLOATS,), 1.0)
     agent.register_memory(buf)
     descs = agent.get_xfer_descs([(buf.data_ptr(), BUFFER_FLOATS * 4, 0)], "DRAM")

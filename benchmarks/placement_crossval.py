@@ -289,11 +289,11 @@ def main() -> None:
             samples.append(sample_serving_path(target, pid, metrics_url, trace, cluster.model, next(seeds)))
         cost = fit_serving_path(samples)
         print(f"serving path: {cost} (one number: {host_ms:.3f} ms per streamed token)", flush=True)
-        with_host = dataclasses.replace(LatencyModel.load(profile), serving_path=cost)
+        with_host = LatencyModel.load(profile).with_serving_path(cost)
         with_host.save(workdir / "profile-host.yaml")
         cluster_host = ClusterSpec.load(write_cluster(workdir / "cluster-host.yaml", workdir / "profile-host.yaml"))
         # The same simulator charging one number per token: how much the parts matter.
-        per_token = dataclasses.replace(with_host, serving_path=ServingPathCost(ms_per_token=host_ms))
+        per_token = with_host.with_serving_path(ServingPathCost(ms_per_token=host_ms))
         per_token.save(workdir / "profile-per-token.yaml")
         cluster_per_token = ClusterSpec.load(write_cluster(workdir / "cluster-pt.yaml", workdir / "profile-per-token.yaml"))
         for slice_ in slices:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import re
@@ -192,7 +191,7 @@ def main() -> None:
         wait_for_quiet(args.max_load, args.quiet_timeout)
         calibration = trace.head(CALIBRATION_REQUESTS).at_rate(min(rates))
         host_ms, _ = measure_host_ms_per_token(target, pid, calibration, model=cluster.model, seed=0)
-        with_host = dataclasses.replace(LatencyModel.load(profile), serving_path=ServingPathCost(ms_per_token=host_ms))
+        with_host = LatencyModel.load(profile).with_serving_path(ServingPathCost(ms_per_token=host_ms))
         with_host.save(workdir / "profile-host.yaml")
         cluster_host = ClusterSpec.load(write_cluster(workdir / "cluster-host.yaml", workdir / "profile-host.yaml"))
         print(f"serving path: {host_ms:.3f} ms of CPU per streamed token", flush=True)

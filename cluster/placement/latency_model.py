@@ -22,7 +22,7 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -95,19 +95,23 @@ class ServingPathCost:
     to receive, decode and record (``ms_per_step``); each streamed token is detokenized and
     sent (``ms_per_token``); each request is admitted, routed, handed over and closed
     (``ms_per_request``, with the prefill engine's steps while its KV waits to be pulled); and
-    Ray's daemons and the health pings take ``idle_cores`` whatever the load. All 0 where the
-    engines have devices of their own (GPUs). See duet.cluster.placement.simulator for how the
-    simulator charges it, and benchmarks/host_overhead.py for how it is measured.
+    Ray's daemons and the health pings take ``idle_cores`` whatever the load. One more way a
+    CPU host is shared: engines on cores of their own still slow each other through the caches
+    and memory bandwidth they share, by ``corun_slowdown`` (a fraction) while two or more are
+    busy. All 0 where the engines have devices of their own (GPUs). See
+    duet.cluster.placement.simulator for how the simulator charges it, benchmarks/host_overhead.py
+    for how the serving path is measured, and ``duet profile`` for ``corun_slowdown``.
     """
 
     ms_per_token: float = 0.0
     ms_per_step: float = 0.0
     ms_per_request: float = 0.0
     idle_cores: float = 0.0
+    corun_slowdown: float = 0.0
 
     @property
     def free(self) -> bool:
-        return not (self.ms_per_token or self.ms_per_step or self.ms_per_request or self.idle_cores)
+        return not any(getattr(self, f) for f in _SERVING_PATH_FIELDS)
 
     def step_cores(self, tokens: int, requests: int, step_s: float) -> float:
         """Cores the serving path needs while an engine runs steps of ``step_s`` that stream
@@ -118,13 +122,14 @@ class ServingPathCost:
     @staticmethod
     def heaviest(costs: Sequence[ServingPathCost]) -> ServingPathCost:
         """Each part at its largest over ``costs`` (one router serves pools of several types)."""
-        return ServingPathCost(
-            *(max((getattr(c, f) for c in costs), default=0.0) for f in ("ms_per_token", "ms_per_step", "ms_per_request", "idle_cores"))
-        )
+        return ServingPathCost(*(max((getattr(c, f) for c in costs), default=0.0) for f in _SERVING_PATH_FIELDS))
 
     @classmethod
     def from_dict(cls, data: dict) -> ServingPathCost:
-        return cls(**{key: float(data.get(key, 0.0)) for key in ("ms_per_token", "ms_per_step", "ms_per_request", "idle_cores")})
+        return cls(**{key: float(data.get(key, 0.0)) for key in _SERVING_PATH_FIELDS})
+
+
+_SERVING_PATH_FIELDS = tuple(f.name for f in fields(ServingPathCost))
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,11 @@ class LatencyModel:
             for tp, pp in itertools.product(sorted(self.fits), pps)
             if (max_gpus is None or tp * pp <= max_gpus) and self.kv_capacity_tokens(tp, pp) > 0
         ]
+
+    def with_serving_path(self, cost: ServingPathCost) -> LatencyModel:
+        """This model with a measured serving path; the profile's ``corun_slowdown`` is kept
+        (the serving-path measurement cannot see it)."""
+        return replace(self, serving_path=replace(cost, corun_slowdown=self.serving_path.corun_slowdown))
 
     def engine(self, tp: int, pp: int) -> EnginePerf:
         if tp not in self.fits:

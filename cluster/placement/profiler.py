@@ -18,6 +18,11 @@ What is timed is the engine alone, as a deployment runs it:
   per-step work runs in duet's router and worker actors, and the simulator charges it separately
   (``ServingPathCost``), so it must not be in the profile as well.
 
+With ``--cpus`` and a core outside them, the grid's ``corun`` also times a few points beside a
+second engine busy on that core (``neighbour_load``): engines on cores of their own still share
+caches and memory bandwidth, and the simulator charges the measured slowdown while two or more
+engines are busy (``ServingPathCost.corun_slowdown``).
+
 Each point is the median of ``repeats`` sweeps over the whole grid rather than of back-to-back
 repeats, so a burst of load from another tenant of a shared machine spoils one sweep's sample
 of many points instead of every sample of one point.
@@ -32,8 +37,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +50,7 @@ import numpy as np
 
 from duet.cluster.placement.latency_model import (
     LatencyModel,
+    ServingPathCost,
     TpFit,
     fit_decode,
     fit_prefill,
@@ -56,6 +66,8 @@ class ProfileGrid:
     decode_contexts: tuple[int, ...]
     decode_steps: int
     repeats: int
+    # Also time the engine with a second engine busy on another core (ServingPathCost.corun_slowdown).
+    corun: bool = False
 
 
 # About two minutes on 2 cores after the engine starts (tiny model).
@@ -66,6 +78,7 @@ DEFAULT_GRID = ProfileGrid(
     decode_contexts=(64, 512),
     decode_steps=16,
     repeats=3,
+    corun=True,
 )
 # For tests: a handful of points, still enough to fit three coefficients per phase.
 SMALL_GRID = ProfileGrid(
@@ -75,6 +88,7 @@ SMALL_GRID = ProfileGrid(
     decode_contexts=(64,),
     decode_steps=8,
     repeats=1,
+    corun=True,
 )
 
 
@@ -97,6 +111,54 @@ def _move_this_process(cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
+
+
+# The points timed alone and beside a busy engine: prefill of one prompt, a decode step.
+CORUN_PREFILL_LENGTHS = (256, 1024)
+CORUN_DECODE = (16, 512)
+CORUN_REPEATS = 5
+
+
+def _corun_slowdown(
+    timed: Callable[[int, int, int], tuple[float, float]],
+    grid: ProfileGrid,
+    model_dir: str,
+    core: int,
+    kv_cache_gib: float,
+) -> float:
+    """How much slower this engine runs while another engine is busy on ``core``.
+
+    The engines of a CPU deployment share caches and memory bandwidth though not cores: measured
+    on this machine, a 256-token prefill took 46 ms instead of 35 with a neighbour decoding, a
+    1,800-token one 524 instead of 498. Returns the median over the points of (beside / alone)
+    - 1, at least 0; the simulator slows every engine by it while two or more are busy.
+    """
+    def sample() -> list[float]:
+        times = []
+        for n in CORUN_PREFILL_LENGTHS:
+            times.append(statistics.median(timed(1, n, 1)[0] for _ in range(CORUN_REPEATS)))
+        batch, context = CORUN_DECODE
+        times.append(statistics.median(timed(batch, context, grid.decode_steps)[1] for _ in range(CORUN_REPEATS)))
+        return times
+
+    alone = sample()
+    neighbour = subprocess.Popen(
+        [sys.executable, "-m", "duet.cluster.placement.neighbour_load", model_dir, str(core), f"{kv_cache_gib:g}"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its engine's processes die with it (killpg below)
+    )
+    try:
+        for line in neighbour.stdout:  # type: ignore[union-attr]
+            if line.strip() == "ready":
+                break
+        else:
+            raise RuntimeError(f"the neighbour engine on core {core} exited before it was ready")
+        beside = sample()
+    finally:
+        os.killpg(neighbour.pid, signal.SIGKILL)
+        neighbour.wait()
+    return max(0.0, statistics.median(b / a for a, b in zip(alone, beside)) - 1.0)
 
 
 def profile_engine(
@@ -175,6 +237,13 @@ def profile_engine(
         for b, n in decode_points
     ]
 
+    neighbour_cores = sorted(available - cpus) if cpus else []
+    corun = (
+        _corun_slowdown(timed, grid, str(path), neighbour_cores[0], kv_cache_gib)
+        if grid.corun and neighbour_cores
+        else 0.0
+    )
+
     prefill_fit = fit_prefill(prefill)
     small, large, threshold = fit_decode(decode)
     cores = len(cpus) if cpus else len(os.sched_getaffinity(0))
@@ -190,6 +259,7 @@ def profile_engine(
         fits={1: TpFit(prefill_fit, small, large, threshold)},
         kv_capacity={(1, 1): int(kv_cache_gib * 2**30 // kv_bytes)},
         max_pp=1,
+        serving_path=ServingPathCost(corun_slowdown=corun),
     )
     engine = fitted.engine(1, 1)
     prefill_err = relative_error(
@@ -215,6 +285,11 @@ def profile_engine(
             )
             + f"   (mean relative error {decode_err:.1%})",
             f"KV capacity: {fitted.kv_capacity[(1, 1)]} tokens ({kv_cache_gib:g} GiB)",
+            (
+                f"beside a busy engine on core {neighbour_cores[0]}: {corun:.1%} slower (corun_slowdown)"
+                if grid.corun and neighbour_cores
+                else "co-run slowdown not measured (needs --cpus and a core outside them)"
+            ),
         ]
     )
     return fitted, report

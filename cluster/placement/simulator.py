@@ -26,8 +26,9 @@ batches, decode steps) is therefore scheduled in *engine time*, which runs at a 
 wall time: with ``b`` engines busy, ``P`` processors and the serving path needing ``x`` cores
 for the engines' work at full speed (per step, token and request of the batches running) plus
 its load-independent ``idle_cores``, ``s = min(1, (P - idle) / (b + x))``: an idle engine's
-core absorbs the serving path, and only when every core is wanted do the engines slow. (Not
-modelled: a serving path that needs more than the one core its event loop can use; with its
+core absorbs the serving path, and only when every core is wanted do the engines slow. While
+two or more engines are busy, each also runs ``1 + corun_slowdown`` times slower: they share
+the host's caches and memory bandwidth (measured by ``duet profile``). (Not modelled: a serving path that needs more than the one core its event loop can use; with its
 cost per step shared by the whole batch, that takes far more tokens per second than these
 engines produce.)
 """
@@ -172,7 +173,10 @@ class _Run:
             return 1.0
         demand = sum(self._busy.values())
         spare = max(self._processors - self.serving_path.idle_cores, 1e-3)
-        return min(1.0, spare / (len(self._busy) + demand))
+        speed = min(1.0, spare / (len(self._busy) + demand))
+        if len(self._busy) > 1:  # engines side by side share caches and memory bandwidth
+            speed /= 1.0 + self.serving_path.corun_slowdown
+        return speed
 
     def run(self) -> SimResult:
         heap, engine_heap = self._heap, self._engine_heap

@@ -121,6 +121,25 @@ def test_a_burst_slows_prefill_only_while_every_core_is_wanted(linear_model, tmp
     assert LatencyModel.from_dict(legacy).serving_path == ServingPathCost(ms_per_token=0.8)
 
 
+
+def test_engines_side_by_side_slow_each_other_only_while_both_are_busy(linear_model):
+    # A 20 ms probe prefill; the decode engine runs 200-token streams of 5 ms steps.
+    engine = linear_model(prefill=(10.0, 0.1, 0.0), decode=(5.0, 0.0, 0.0)).engine(1, 1)
+    corun = ServingPathCost(corun_slowdown=0.25)
+
+    def probe_ttft(decoding: bool) -> float:
+        arrivals, outputs = ([0.0, 0.5], [201, 1]) if decoding else ([0.5], [1])
+        trace = _host_trace(arrivals, [100] * len(arrivals), outputs)
+        return float(simulate_disaggregated(trace, [engine], [engine], 1000, serving_path=corun).ttft_s[-1])
+
+    assert probe_ttft(decoding=False) == pytest.approx(0.020)
+    assert probe_ttft(decoding=True) == pytest.approx(0.020 * 1.25)
+    # Kept when a measured serving path replaces the profile's (which has only this part).
+    model = linear_model()
+    profiled = LatencyModel(**{**model.__dict__, "serving_path": corun})
+    measured = profiled.with_serving_path(ServingPathCost(ms_per_token=0.3))
+    assert measured.serving_path == ServingPathCost(ms_per_token=0.3, corun_slowdown=0.25)
+
 def test_host_cpu_counts_this_process():
     assert os.getpid() in host_cpu_seconds(os.getppid())
 

@@ -1,4 +1,13 @@
-"""Profiles the real vLLM CPU engine once with a tiny grid (about 40 s, 3 GB of RAM)."""
+"""Profiles the real vLLM CPU engine once with a tiny grid, pinned to core 0, and measures how
+much it slows beside a second engine busy on core 1 (about 80 s, 6 GB of RAM).
+
+It runs ``duet profile`` in its own process, as users do: profiling pins the calling process's
+threads to the cores it frees for the engine, which must not leak into the test session.
+"""
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -8,15 +17,25 @@ pytest.importorskip("vllm")
 
 
 @pytest.mark.engine
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the co-run measurement needs a second core")
 def test_profile_real_engine_small_grid(tmp_path):
-    from duet.cluster.placement.profiler import SMALL_GRID, profile_engine
-
-    model, report = profile_engine("tiny", SMALL_GRID, kv_cache_gib=1.0)
-    model.save(tmp_path / "profile.yaml")
-    loaded = LatencyModel.load(tmp_path / "profile.yaml")
+    out = tmp_path / "profile.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "duet.cli", "profile", "--model", "tiny", "--grid", "small", "--cpus", "0", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = LatencyModel.load(out)
     engine = loaded.engine(1, 1)
     assert loaded.model == "duet-tiny-llama" and loaded.max_pp == 1 and list(loaded.fits) == [1]
     # longer prompts take longer, bigger batches take longer, and the numbers are plausible
     assert 1 < engine.prefill.batch_ms(64, 64**2) < engine.prefill.batch_ms(2048, 4 * 512**2) < 5000
     assert 0.1 < engine.decode.step_ms(1, 64) <= engine.decode.step_ms(32, 32 * 64) < 1000
-    assert "tp=1 pp=1 only" in report
+    assert "tp=1 pp=1 only" in done.stdout
+    # The neighbour engine ran (and was measured), and nothing of it is left running.
+    assert "beside a busy engine on core 1" in done.stdout
+    assert 0.0 <= loaded.serving_path.corun_slowdown < 1.0
+    leftover = subprocess.run(["pgrep", "-f", "duet.cluster.placement.neighbour_load"], capture_output=True)
+    assert leftover.returncode == 1, f"neighbour engine still running: {leftover.stdout!r}"

@@ -116,7 +116,8 @@ def _move_this_process(cpus: set[int]) -> None:
 # The points timed alone and beside a busy engine: prefill of one prompt, a decode step.
 CORUN_PREFILL_LENGTHS = (256, 1024)
 CORUN_DECODE = (16, 512)
-CORUN_REPEATS = 5
+# Rounds of (alone, beside) pairs; the neighbour is paused for "alone" rather than stopped.
+CORUN_ROUNDS = 5
 
 
 def _corun_slowdown(
@@ -128,37 +129,41 @@ def _corun_slowdown(
 ) -> float:
     """How much slower this engine runs while another engine is busy on ``core``.
 
-    The engines of a CPU deployment share caches and memory bandwidth though not cores: measured
-    on this machine, a 256-token prefill took 46 ms instead of 35 with a neighbour decoding, a
-    1,800-token one 524 instead of 498. Returns the median over the points of (beside / alone)
-    - 1, at least 0; the simulator slows every engine by it while two or more are busy.
+    The engines of a CPU deployment share caches and memory bandwidth though not cores. The
+    neighbour engine is started once and then paused (SIGSTOP) and resumed in turn, so that
+    every "beside" sample has an "alone" sample taken seconds before it: on a shared machine
+    the load of other tenants drifts over a minute, and timing all points alone and then all
+    beside read that drift as a slowdown of 0% or 23% in two runs minutes apart; paired, three
+    runs gave 1.6%, 2.0% and 3.0%. Returns the median ratio over the rounds and points, less
+    one, at least 0; the simulator slows every engine by it while two or more are busy.
     """
     def sample() -> list[float]:
-        times = []
-        for n in CORUN_PREFILL_LENGTHS:
-            times.append(statistics.median(timed(1, n, 1)[0] for _ in range(CORUN_REPEATS)))
         batch, context = CORUN_DECODE
-        times.append(statistics.median(timed(batch, context, grid.decode_steps)[1] for _ in range(CORUN_REPEATS)))
-        return times
+        return [timed(1, n, 1)[0] for n in CORUN_PREFILL_LENGTHS] + [timed(batch, context, grid.decode_steps)[1]]
 
-    alone = sample()
     neighbour = subprocess.Popen(
         [sys.executable, "-m", "duet.cluster.placement.neighbour_load", model_dir, str(core), f"{kv_cache_gib:g}"],
         stdout=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # its engine's processes die with it (killpg below)
+        start_new_session=True,  # its engine's processes are in its process group (killpg below)
     )
+    ratios = []
     try:
         for line in neighbour.stdout:  # type: ignore[union-attr]
             if line.strip() == "ready":
                 break
         else:
             raise RuntimeError(f"the neighbour engine on core {core} exited before it was ready")
-        beside = sample()
+        for _ in range(CORUN_ROUNDS):
+            os.killpg(neighbour.pid, signal.SIGSTOP)
+            alone = sample()
+            os.killpg(neighbour.pid, signal.SIGCONT)
+            time.sleep(0.5)  # back to its steady mix of prefill and decode
+            ratios += [b / a for a, b in zip(alone, sample())]
     finally:
         os.killpg(neighbour.pid, signal.SIGKILL)
         neighbour.wait()
-    return max(0.0, statistics.median(b / a for a, b in zip(alone, beside)) - 1.0)
+    return max(0.0, statistics.median(ratios) - 1.0)
 
 
 def profile_engine(

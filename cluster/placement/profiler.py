@@ -70,7 +70,7 @@ class ProfileGrid:
     corun: bool = False
 
 
-# About two minutes on 2 cores after the engine starts (tiny model).
+# About two and a half minutes on 2 cores, engine starts included (tiny model, co-run measured).
 DEFAULT_GRID = ProfileGrid(
     prefill_batches=(1, 2, 4, 8),
     prefill_lengths=(32, 128, 512, 1024),

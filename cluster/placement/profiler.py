@@ -41,6 +41,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ CORUN_PREFILL_LENGTHS = (256, 1024)
 CORUN_DECODE = (16, 512)
 # Rounds of (alone, beside) pairs; the neighbour is paused for "alone" rather than stopped.
 CORUN_ROUNDS = 5
+NEIGHBOUR_START_LIMIT_S = 300
 
 
 def _corun_slowdown(
@@ -148,12 +150,16 @@ def _corun_slowdown(
         start_new_session=True,  # its engine's processes are in its process group (killpg below)
     )
     ratios = []
+    # An engine that hangs while starting is killed, which ends its output: an error, not a hang.
+    start_limit = threading.Timer(NEIGHBOUR_START_LIMIT_S, os.killpg, (neighbour.pid, signal.SIGKILL))
+    start_limit.start()
     try:
         for line in neighbour.stdout:  # type: ignore[union-attr]
             if line.strip() == "ready":
                 break
         else:
-            raise RuntimeError(f"the neighbour engine on core {core} exited before it was ready")
+            raise RuntimeError(f"the neighbour engine on core {core} did not start within {NEIGHBOUR_START_LIMIT_S} s")
+        start_limit.cancel()
         for _ in range(CORUN_ROUNDS):
             os.killpg(neighbour.pid, signal.SIGSTOP)
             alone = sample()
@@ -161,7 +167,11 @@ def _corun_slowdown(
             time.sleep(0.5)  # back to its steady mix of prefill and decode
             ratios += [b / a for a, b in zip(alone, sample())]
     finally:
-        os.killpg(neighbour.pid, signal.SIGKILL)
+        start_limit.cancel()
+        try:
+            os.killpg(neighbour.pid, signal.SIGKILL)
+        except ProcessLookupError:  # already killed by the start limit
+            pass
         neighbour.wait()
     return max(0.0, statistics.median(ratios) - 1.0)
 

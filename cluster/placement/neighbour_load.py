@@ -17,6 +17,8 @@ import sys
 
 import numpy as np
 
+from duet.cluster.engine import apply_environment, cpu_engine_environment
+
 BATCH = 16
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 64
@@ -24,8 +26,7 @@ OUTPUT_TOKENS = 64
 
 def main(model_dir: str, core: int, kv_cache_gib: float) -> None:
     os.sched_setaffinity(0, {core})
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    apply_environment(cpu_engine_environment(kv_cache_gib, core, one_process_executor=False))
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=False, seed=1)

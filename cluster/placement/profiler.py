@@ -194,7 +194,9 @@ def profile_engine(
     if longest > max_len:
         raise ValueError(f"profile grid needs {longest}-token contexts; {name} supports {max_len}")
 
-    available = os.sched_getaffinity(0)
+    # The cores left to the front end, and the one a neighbour engine runs on for ``grid.corun``.
+    other_cores = os.sched_getaffinity(0) - cpus if cpus else set()
+    neighbour_core = min(other_cores) if grid.corun and other_cores else None
     if cpus:
         os.sched_setaffinity(0, cpus)  # inherited by the engine's processes
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
@@ -219,8 +221,8 @@ def profile_engine(
         disable_log_stats=False,  # the per-request timestamps that the timing below reads
     )
     startup_s = time.perf_counter() - start
-    if cpus and available - cpus:
-        _move_this_process(available - cpus)
+    if other_cores:
+        _move_this_process(other_cores)
     rng = np.random.default_rng(0)
     vocab = llm.get_tokenizer().vocab_size
 
@@ -252,12 +254,7 @@ def profile_engine(
         for b, n in decode_points
     ]
 
-    neighbour_cores = sorted(available - cpus) if cpus else []
-    corun = (
-        _corun_slowdown(timed, grid, str(path), neighbour_cores[0], kv_cache_gib)
-        if grid.corun and neighbour_cores
-        else 0.0
-    )
+    corun = 0.0 if neighbour_core is None else _corun_slowdown(timed, grid, str(path), neighbour_core, kv_cache_gib)
 
     prefill_fit = fit_prefill(prefill)
     small, large, threshold = fit_decode(decode)
@@ -301,8 +298,8 @@ def profile_engine(
             + f"   (mean relative error {decode_err:.1%})",
             f"KV capacity: {fitted.kv_capacity[(1, 1)]} tokens ({kv_cache_gib:g} GiB)",
             (
-                f"beside a busy engine on core {neighbour_cores[0]}: {corun:.1%} slower (corun_slowdown)"
-                if grid.corun and neighbour_cores
+                f"beside a busy engine on core {neighbour_core}: {corun:.1%} slower (corun_slowdown)"
+                if neighbour_core is not None
                 else "co-run slowdown not measured (needs --cpus and a core outside them)"
             ),
         ]

@@ -28,9 +28,9 @@ for the engines' work at full speed (per step, token and request of the batches 
 its load-independent ``idle_cores``, ``s = min(1, (P - idle) / (b + x))``: an idle engine's
 core absorbs the serving path, and only when every core is wanted do the engines slow. While
 two or more engines are busy, each also runs ``1 + corun_slowdown`` times slower: they share
-the host's caches and memory bandwidth (measured by ``duet profile``). (Not modelled: a serving path that needs more than the one core its event loop can use; with its
-cost per step shared by the whole batch, that takes far more tokens per second than these
-engines produce.)
+the host's caches and memory bandwidth (measured by ``duet profile``). (Not modelled: a
+serving path that needs more than the one core its event loop can use; with its cost per step
+shared by the whole batch, that takes far more tokens per second than these engines produce.)
 """
 
 from __future__ import annotations

@@ -121,7 +121,6 @@ def test_a_burst_slows_prefill_only_while_every_core_is_wanted(linear_model, tmp
     assert LatencyModel.from_dict(legacy).serving_path == ServingPathCost(ms_per_token=0.8)
 
 
-
 def test_engines_side_by_side_slow_each_other_only_while_both_are_busy(linear_model):
     # A 20 ms probe prefill; the decode engine runs 200-token streams of 5 ms steps.
     engine = linear_model(prefill=(10.0, 0.1, 0.0), decode=(5.0, 0.0, 0.0)).engine(1, 1)
@@ -139,6 +138,7 @@ def test_engines_side_by_side_slow_each_other_only_while_both_are_busy(linear_mo
     profiled = LatencyModel(**{**model.__dict__, "serving_path": corun})
     measured = profiled.with_serving_path(ServingPathCost(ms_per_token=0.3))
     assert measured.serving_path == ServingPathCost(ms_per_token=0.3, corun_slowdown=0.25)
+
 
 def test_host_cpu_counts_this_process():
     assert os.getpid() in host_cpu_seconds(os.getppid())

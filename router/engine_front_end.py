@@ -223,11 +223,17 @@ class EngineFrontEnd:
 
     def close(self) -> None:
         """Close the sockets (the engine core itself goes with its actor)."""
-        self.engine.shutdown()
-        # AsyncLLM's finalizer shuts down again; when that runs at interpreter exit (the object
-        # can outlive the deployment), vLLM's module globals are gone and it raises. Once closed
-        # there is nothing left to shut down.
-        self.engine.shutdown = lambda timeout=None: None
+        shut_down(self.engine)
+
+
+def shut_down(engine: Any) -> None:
+    """Shut an ``AsyncLLM`` down, once.
+
+    AsyncLLM's finalizer shuts down again; when that runs at interpreter exit (the object can
+    outlive its user), vLLM's module globals are gone and it raises. Once closed there is
+    nothing left to shut down."""
+    engine.shutdown()
+    engine.shutdown = lambda timeout=None: None
 
 
 def _vllm_params(sampling: SamplingSpec, kv_transfer_params: dict[str, Any] | None, delta: bool) -> Any:

@@ -86,7 +86,7 @@ async def measure(concurrencies: list[int], tokens: int, repeats: int) -> list[B
     from duet.router.engine_metrics import registry_bound_stat_logger
 
     if is_cpu_only():
-        apply_environment(cpu_engine_environment(kv_cache_gib=1, cpu_core=None, one_process_executor=False))
+        apply_environment(cpu_engine_environment(kv_cache_gib=1, cpu_core=None))  # as in a worker
     vllm_config = AsyncEngineArgs(**engine_kwargs(ModelConfig(), kv_cache_gib=1)).create_engine_config()
     # As router/engine_front_end.py builds a worker's front end, less the engine core's address.
     engine = AsyncLLM(

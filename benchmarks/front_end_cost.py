@@ -10,9 +10,8 @@ systems that stream the same tokens differ by how many engine steps their front 
 (docs/benchmarks.md, "Why the CPU per token stays about 2x").
 
 ``duet bench front-end`` measures ``a`` and ``b``: one engine core of the built-in model in its
-own process, its front end in this one, built as the router builds it (duet's registry-bound
-stat logger), and batches of C concurrent greedy requests of N tokens each, so that every step
-carries C outputs. This process's CPU per batch is fitted as ``a * steps + b * outputs`` by
+own process, its front end in this one, built by the router's own ``new_front_end``, and
+batches of C concurrent greedy requests of N tokens each, so that every step carries C outputs. This process's CPU per batch is fitted as ``a * steps + b * outputs`` by
 least squares. No serving path runs here: it is the floor any front end of this vLLM pays.
 """
 
@@ -22,6 +21,7 @@ import argparse
 import asyncio
 import json
 import resource
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,35 +77,23 @@ async def measure(concurrencies: list[int], tokens: int, repeats: int) -> list[B
     """Start the engine, warm it up, then time each concurrency ``repeats`` times."""
     from prometheus_client import CollectorRegistry
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.executor import Executor
 
     from duet.cluster.config import ModelConfig
     from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
-    from duet.router.engine_front_end import shut_down
-    from duet.router.engine_metrics import registry_bound_stat_logger
+    from duet.router.engine_front_end import new_front_end, shut_down
 
     if is_cpu_only():
         apply_environment(cpu_engine_environment(kv_cache_gib=1, cpu_core=None))  # as in a worker
     vllm_config = AsyncEngineArgs(**engine_kwargs(ModelConfig(), kv_cache_gib=1)).create_engine_config()
-    # As router/engine_front_end.py builds a worker's front end, less the engine core's address.
-    engine = AsyncLLM(
-        vllm_config,
-        Executor.get_class(vllm_config),
-        log_stats=False,
-        log_requests=False,
-        stat_loggers=[registry_bound_stat_logger(CollectorRegistry())],
-    )
+    engine = new_front_end(vllm_config, CollectorRegistry())  # starting its own engine core
     try:
         await asyncio.gather(*(_request(engine, f"warm-{i}", 32) for i in range(max(concurrencies))))
         batches = []
         for repeat in range(repeats):
             for concurrency in concurrencies:
-                cpu_before, wall_before = _cpu_s(), asyncio.get_running_loop().time()
+                cpu_before, wall_before = _cpu_s(), time.perf_counter()
                 await asyncio.gather(*(_request(engine, f"r{repeat}-c{concurrency}-{i}", tokens) for i in range(concurrency)))
-                batches.append(
-                    Batch(concurrency, tokens, _cpu_s() - cpu_before, asyncio.get_running_loop().time() - wall_before)
-                )
+                batches.append(Batch(concurrency, tokens, _cpu_s() - cpu_before, time.perf_counter() - wall_before))
         return batches
     finally:
         shut_down(engine)

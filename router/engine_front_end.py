@@ -84,19 +84,13 @@ class EngineFrontEnd:
         cls, name: str, actor: Any, vllm_config: Any, listeners: FrontEndListeners, transfer: KVTransferConfig
     ) -> "EngineFrontEnd":
         """The front end of an engine core that was launched to connect to ``listeners``."""
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.executor import Executor
-
         registry = CollectorRegistry()
         # The constructor binds the sockets and waits (blocking) for the engine core's hello,
         # which is already queued: a few milliseconds, but not on the event loop.
         engine = await asyncio.to_thread(
-            AsyncLLM,
+            new_front_end,
             vllm_config,
-            Executor.get_class(vllm_config),
-            log_stats=False,
-            log_requests=False,
-            stat_loggers=[registry_bound_stat_logger(registry)],
+            registry,
             client_addresses={
                 "input_address": listeners.addresses.input,
                 "output_address": listeners.addresses.output,
@@ -224,6 +218,23 @@ class EngineFrontEnd:
     def close(self) -> None:
         """Close the sockets (the engine core itself goes with its actor)."""
         shut_down(self.engine)
+
+
+def new_front_end(vllm_config: Any, registry: CollectorRegistry, client_addresses: dict[str, Any] | None = None) -> Any:
+    """An ``AsyncLLM`` as duet runs one per worker: vLLM's metrics in ``registry``, no request
+    logging. With ``client_addresses`` it connects to an engine core launched elsewhere (a
+    worker's); without, it starts its own (``duet bench front-end``)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor import Executor
+
+    return AsyncLLM(
+        vllm_config,
+        Executor.get_class(vllm_config),
+        log_stats=False,
+        log_requests=False,
+        stat_loggers=[registry_bound_stat_logger(registry)],
+        client_addresses=client_addresses,
+    )
 
 
 def shut_down(engine: Any) -> None:

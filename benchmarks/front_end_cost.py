@@ -11,8 +11,9 @@ systems that stream the same tokens differ by how many engine steps their front 
 
 ``duet bench front-end`` measures ``a`` and ``b``: one engine core of the built-in model in its
 own process, its front end in this one, built by the router's own ``new_front_end``, and
-batches of C concurrent greedy requests of N tokens each, so that every step carries C outputs. This process's CPU per batch is fitted as ``a * steps + b * outputs`` by
-least squares. No serving path runs here: it is the floor any front end of this vLLM pays.
+batches of C concurrent greedy requests of N tokens each, so that every step carries C outputs.
+This process's CPU per batch is fitted as ``a * steps + b * outputs`` by least squares. No
+serving path runs here: it is the floor any front end of this vLLM pays.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
 from duet.cluster.worker_api import EngineAddresses, SamplingSpec, WorkerStatus
 from duet.cluster.worker_channel import RouterLink
+from duet.decode_worker.output_coalescing import ENV_OUTPUT_INTERVAL_MS
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,
@@ -118,6 +119,7 @@ class EngineHost:
         env = engine_environment(transfer, endpoint, core) if transfers_kv else {}
         if on_cpu:
             env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
+        env[ENV_OUTPUT_INTERVAL_MS] = str(self.pool.output_interval_ms)
         apply_environment(env)
         kwargs = engine_kwargs(
             self.config.model,

@@ -19,6 +19,7 @@ def test_embedded_default_loads():
     [
         ({"prefill": {"replicas": 0}}, "prefill.replicas"),
         ({"decode": {"kv_cache_gib": -1}}, "decode.kv_cache_gib"),
+        ({"decode": {"output_interval_ms": -5}}, "decode.output_interval_ms"),
         ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport"),
         ({"model": {"dtype": "int3"}}, "model.dtype"),
         ({"model": {"path": "/no/such/model"}}, "model.path"),

@@ -1,0 +1,135 @@
+"""A decode engine's outputs travel together, at most one message per interval
+(decode_worker/output_coalescing.py).
+
+The queue is driven with vLLM's own output structs, as the engine core's busy loop fills it;
+the end-to-end test streams through the shared deployment, whose decode worker runs with the
+default interval, and checks the merged stream is the reference engine's, token for token.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
+from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
+
+from duet.decode_worker.output_coalescing import CoalescingOutputQueue
+from duet.router.client import build_request
+
+INTERVAL_S = 0.2
+
+
+def _step(*outputs: tuple[str, list[int]], finished: str | None = None, running: int = 1) -> tuple[int, EngineCoreOutputs]:
+    """One engine step's message, as from an engine with a KV connector: it carries the
+    connector's prefix cache statistics, empty, at every step."""
+    return 0, EngineCoreOutputs(
+        outputs=[
+            EngineCoreOutput(request_id, tokens, finish_reason=FinishReason.LENGTH if request_id == finished else None)
+            for request_id, tokens in outputs
+        ],
+        scheduler_stats=SchedulerStats(num_running_reqs=running, connector_prefix_cache_stats=PrefixCacheStats()),
+    )
+
+
+def _sent_recently(inner: queue.Queue) -> CoalescingOutputQueue:
+    """A queue whose previous send was just now, so the next one is held for the interval."""
+    coalescing = CoalescingOutputQueue(inner, INTERVAL_S)
+    inner.put_nowait((0, EngineCoreOutputs()))
+    coalescing.get()
+    return coalescing
+
+
+def test_outputs_within_the_interval_arrive_as_one_message_in_order():
+    inner: queue.Queue = queue.Queue()
+    coalescing = _sent_recently(inner)
+    inner.put_nowait(_step(("a", [1]), ("b", [10])))
+    inner.put_nowait(_step(("a", [2]), ("b", [11]), running=2))
+    inner.put_nowait(_step(("a", [3]), ("b", [12]), ("c", [20]), finished="a", running=3))
+    client_index, merged = coalescing.get()
+    assert client_index == 0
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in merged.outputs] == [
+        ("a", [1, 2, 3], FinishReason.LENGTH),
+        ("b", [10, 11, 12], None),
+        ("c", [20], None),
+    ]
+    assert merged.scheduler_stats.num_running_reqs == 3  # the latest gauges
+
+
+def test_a_step_after_a_quiet_interval_is_sent_at_once():
+    inner: queue.Queue = queue.Queue()
+    coalescing = CoalescingOutputQueue(inner, INTERVAL_S)
+    inner.put_nowait(_step(("a", [1])))
+    started = time.monotonic()
+    _, outputs = coalescing.get()
+    assert time.monotonic() - started < INTERVAL_S / 2
+    assert outputs.outputs[0].new_token_ids == [1]
+
+
+def test_a_held_step_waits_at_most_the_interval():
+    inner: queue.Queue = queue.Queue()
+    coalescing = _sent_recently(inner)
+    inner.put_nowait(_step(("a", [1])))
+    later = threading.Timer(INTERVAL_S / 2, inner.put_nowait, args=(_step(("a", [2])),))
+    later.start()
+    started = time.monotonic()
+    _, outputs = coalescing.get()
+    waited = time.monotonic() - started
+    later.join()
+    assert outputs.outputs[0].new_token_ids == [1, 2]
+    assert INTERVAL_S / 2 <= waited < INTERVAL_S * 1.5
+
+
+def test_a_first_token_is_sent_at_once_and_a_last_one_ends_the_wait():
+    inner: queue.Queue = queue.Queue()
+    coalescing = _sent_recently(inner)
+    first = _step(("new", [7]))
+    first[1].outputs[0].prefill_stats = PrefillStats(num_prompt_tokens=40)
+    inner.put_nowait(first)
+    started = time.monotonic()
+    assert coalescing.get()[1].outputs[0].new_token_ids == [7]
+    assert time.monotonic() - started < INTERVAL_S / 2, "the first token waited"
+
+    inner.put_nowait(_step(("new", [8])))
+    inner.put_nowait(_step(("new", [9]), finished="new"))
+    started = time.monotonic()
+    last = coalescing.get()[1].outputs[0]
+    assert (last.new_token_ids, last.finish_reason) == ([8, 9], FinishReason.LENGTH)
+    assert time.monotonic() - started < INTERVAL_S / 2, "the last token waited"
+
+
+def test_utility_answers_and_the_shutdown_sentinel_are_not_merged_and_keep_their_place():
+    inner: queue.Queue = queue.Queue()
+    coalescing = _sent_recently(inner)
+    answer = (0, EngineCoreOutputs(utility_output=UtilityOutput(call_id=7)))
+    for item in (_step(("a", [1])), answer, _step(("a", [2])), b"ENGINE_CORE_DEAD"):
+        inner.put_nowait(item)
+    received = [coalescing.get() for _ in range(4)]
+    assert received[0][1].outputs[0].new_token_ids == [1]
+    assert received[1] is answer
+    assert received[2][1].outputs[0].new_token_ids == [2]
+    assert received[3] == b"ENGINE_CORE_DEAD"
+
+
+def test_a_step_with_prefix_cache_counts_is_not_merged_into():
+    """Its per-step counters would be overwritten by the next step's statistics."""
+    inner: queue.Queue = queue.Queue()
+    coalescing = _sent_recently(inner)
+    counted = _step(("a", [1]))
+    counted[1].scheduler_stats.prefix_cache_stats.record(num_tokens=16, num_hits=8, preempted=False)
+    inner.put_nowait(counted)
+    inner.put_nowait(_step(("a", [2])))
+    first, second = coalescing.get()[1], coalescing.get()[1]
+    assert first.scheduler_stats.prefix_cache_stats.hits == 8 and first.outputs[0].new_token_ids == [1]
+    assert second.outputs[0].new_token_ids == [2]
+
+
+def test_merged_decode_stream_equals_the_reference_engine(client, reference):
+    """The shared deployment's decode worker holds outputs for the default interval: its
+    stream arrives in messages of several tokens, and they are the colocated engine's tokens."""
+    prompt = list(range(5, 45))
+    responses = list(client.generate(build_request(prompt_token_ids=prompt, max_tokens=64, ignore_eos=True), timeout=120))
+    tokens = [token for response in responses for token in response.token_ids]
+    assert tokens == reference.greedy([prompt], max_tokens=64, ignore_eos=True)[0]
+    assert max(len(response.token_ids) for response in responses) >= 2, "no message carried more than one token"

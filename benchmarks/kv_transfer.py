@@ -391,8 +391,10 @@ class Timing:
 
     @property
     def step_s(self) -> float:
-        """One decode step: the median gap between the tokens after the second."""
-        return statistics.median(b - a for a, b in zip(self.token_s[1:], self.token_s[2:]))
+        """One decode step: the mean gap between the tokens after the second (whole over the
+        gaps, so tokens an engine sends together, ``output_interval_ms``, still average out:
+        the last token is sent as soon as it exists)."""
+        return (self.token_s[-1] - self.token_s[1]) / (len(self.token_s) - 2)
 
 
 @dataclass
@@ -526,6 +528,10 @@ def _deployment_config(model_dir: Path | None, variant: Variant) -> Any:
     data["kv_transfer"]["transport"] = variant.transport
     data["kv_transfer"]["layerwise"] = variant.layerwise
     data["server"]["metrics_port"] = None
+    # The time to the second token is the decode side's first step after the transfer: every
+    # token goes to the client as its step ends, not merged (PoolConfig.output_interval_ms).
+    for pool in ("prefill", "decode"):
+        data[pool]["output_interval_ms"] = 0
     return parse_config(data, source=f"bench variant {variant.name}")
 
 

@@ -57,7 +57,9 @@ def test_nixl_metrics_count_one_transfer_of_the_prompt_kv(deployment):
             return await bench.measure_sizes(deployment, stub, "nixl", prompts, raw)
 
     run = deployment.background.run(measure(), timeout=600)["1k"]  # on the loop its engines live on
-    assert all(0 < t.first_s < t.second_s and t.step_s > 0 for t in run.timings)
+    # The shared deployment merges a decode engine's outputs (40 ms), so its second to fourth
+    # tokens may arrive together; the benchmark's own deployments send every step.
+    assert all(0 < t.first_s < t.second_s <= t.token_s[-1] and t.step_s >= 0 for t in run.timings)
     assert len(run.colocated_ttft_s) == 2 and min(run.colocated_ttft_s) > 0
     assert run.transfer.transfers == 2
     assert run.transfer.bytes == 2 * geometry.prompt_bytes(1000)

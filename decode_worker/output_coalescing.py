@@ -59,9 +59,6 @@ class CoalescingOutputQueue:
     def put_nowait(self, item: Any) -> None:
         self._inner.put_nowait(item)
 
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        self._inner.put(item, block, timeout)
-
     def get(self) -> Any:
         item, self._held = (self._held, None) if self._held is not None else (self._inner.get(), None)
         if not _mergeable(item):

@@ -5,7 +5,7 @@ gRPC streams, the engines' front ends (each step's outputs decoded, detokenized 
 Ray's daemons and actors, and the client. ``duet profile`` times the engine alone, so this is the
 part of the deployment it cannot see; on two cores it is large enough to decide the SLO. It is
 measured as one number per streamed token (``measure_host_ms_per_token``) and in its parts, per
-engine step, token, request and second (``sample_serving_path``, ``fit_serving_path``), which
+engine output message, token, request and second (``sample_serving_path``, ``fit_serving_path``), which
 the latency model holds as its ``serving_path`` and the simulator charges to the engines (see
 the simulator module's docstring).
 
@@ -96,19 +96,21 @@ def measure_host_ms_per_token(
 @dataclasses.dataclass(frozen=True)
 class ServingPathSample:
     """What the serving path did over one replay (or an idle window), to tell its costs apart:
-    a cost per engine step (each step's outputs are one message to decode and record), per
-    streamed token, per request, and per second whatever the load (Ray's and the health pings')."""
+    a cost per engine output message (to decode and record: one per step, or per output interval
+    where the engines merge steps), per streamed token, per request, and per second whatever the
+    load (Ray's and the health pings')."""
 
     cpu_s: float
     wall_s: float
     tokens: int
     requests: int
-    engine_steps: int
+    engine_messages: int
 
 
-def engine_steps(metrics_url: str) -> int:
-    """Engine steps with outputs so far, summed over every worker (``vllm:iteration_tokens_total``'s
-    count, which the front ends record once per step message)."""
+def engine_messages(metrics_url: str) -> int:
+    """Output messages the engines have sent so far, summed over every worker
+    (``vllm:iteration_tokens_total``'s count, which the front ends record once per message they
+    receive: once per engine step, or once per output interval where the engine merges steps)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as reply:
         text = reply.read().decode()
     return int(
@@ -125,7 +127,7 @@ def sample_serving_path(
     target: str, serve_pid: int, metrics_url: str, trace: Trace | None, model: str = "", seed: int = 0, idle_s: float = 10.0
 ) -> ServingPathSample:
     """Replay ``trace`` (or, with None, wait ``idle_s``) and count what the serving path did."""
-    cpu_before, steps_before, started = host_cpu_seconds(serve_pid), engine_steps(metrics_url), time.monotonic()
+    cpu_before, messages_before, started = host_cpu_seconds(serve_pid), engine_messages(metrics_url), time.monotonic()
     if trace is None:
         time.sleep(idle_s)
         records: list[RequestRecord] = []
@@ -138,24 +140,27 @@ def sample_serving_path(
         wall_s=wall,
         tokens=sum(r.completion_tokens for r in records),
         requests=len(records),
-        engine_steps=engine_steps(metrics_url) - steps_before,
+        engine_messages=engine_messages(metrics_url) - messages_before,
     )
 
 
-def fit_serving_path(samples: list[ServingPathSample]) -> ServingPathCost:
+def fit_serving_path(samples: list[ServingPathSample], output_interval_ms: float = 0.0) -> ServingPathCost:
     """The serving path's cost in parts, from an idle window and replays that differ in batch
-    size and in tokens per request (at least three, for three unknowns).
+    size and in tokens per request (at least three, for three unknowns), on a deployment whose
+    engines send their outputs at most every ``output_interval_ms`` (recorded with the parts: the
+    simulator needs it to know how many messages an engine sends).
 
     The idle windows give ``idle_cores``; what the replays spent beyond it is split into per
     step, per token and per request by least squares, none of them negative (every subset of
-    the three is solved, and the best fit whose parts are all >= 0 is kept).
+    the three is solved, and the best fit whose parts are all >= 0 is kept). The per-message part
+    is ``ms_per_step``.
     """
     idle = [s for s in samples if s.requests == 0]
     loaded = [s for s in samples if s.requests > 0]
     if not idle or len(loaded) < 3:
         raise ValueError("need an idle window and at least three replays")
     idle_cores = sum(s.cpu_s for s in idle) / sum(s.wall_s for s in idle)
-    a = np.array([[s.engine_steps, s.tokens, s.requests] for s in loaded], dtype=float)
+    a = np.array([[s.engine_messages, s.tokens, s.requests] for s in loaded], dtype=float)
     b = np.array([s.cpu_s - idle_cores * s.wall_s for s in loaded])
     best, best_residual = np.zeros(3), float(np.sum(b**2))
     for mask in range(1, 8):
@@ -167,5 +172,11 @@ def fit_serving_path(samples: list[ServingPathSample]) -> ServingPathCost:
         if residual < best_residual:
             best, best_residual = np.zeros(3), residual
             best[columns] = solution
-    per_step, per_token, per_request = (float(ms) for ms in 1000.0 * best)
-    return ServingPathCost(ms_per_token=per_token, ms_per_step=per_step, ms_per_request=per_request, idle_cores=idle_cores)
+    per_message, per_token, per_request = (float(ms) for ms in 1000.0 * best)
+    return ServingPathCost(
+        ms_per_token=per_token,
+        ms_per_step=per_message,
+        ms_per_request=per_request,
+        idle_cores=idle_cores,
+        output_interval_ms=float(output_interval_ms),
+    )

@@ -17,7 +17,7 @@ the next, and the rates that matter are those around the knee, where attainment 
 
 Everything runs on one ``duet serve --plan`` deployment (the plan is one prefill and one decode
 engine, one core each, for every slice on this machine), warmed up and calibrated once: the
-serving path's CPU is measured in its parts (``fit_serving_path``: per engine step, token,
+serving path's CPU is measured in its parts (``fit_serving_path``: per engine output message, token,
 request and second) on requests outside every slice. Each replay uses new prompts, so the
 prefix cache never serves one run from another.
 
@@ -59,6 +59,7 @@ from duet.benchmarks.placement_fidelity import (
     write_cluster,
     write_deploy_config,
 )
+from duet.cluster.config import load_config
 from duet.cluster.placement.cluster_spec import ClusterSpec, traces_dir
 from duet.cluster.placement.commands import parse_slo
 from duet.cluster.placement.latency_model import LatencyModel, ServingPathCost
@@ -275,7 +276,7 @@ def main() -> None:
         wait_for_quiet(args.max_load, args.quiet_timeout)
         calibration = development.head(CALIBRATION_REQUESTS).at_rate(args.plan_rate)
         host_ms, _ = measure_host_ms_per_token(target, pid, calibration, model=cluster.model, seed=0)
-        # What the serving path's CPU is made of (per engine step, token, request, second): an
+        # What the serving path's CPU is made of (per engine message, token, request, second): an
         # idle window, and requests the profile never saw at two rates (two batch sizes) and
         # with short outputs (another ratio of tokens to requests).
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -287,7 +288,7 @@ def main() -> None:
             requests.capped(max_output=4).at_rate(args.plan_rate),
         ):
             samples.append(sample_serving_path(target, pid, metrics_url, trace, cluster.model, next(seeds)))
-        cost = fit_serving_path(samples)
+        cost = fit_serving_path(samples, output_interval_ms=load_config(config).decode.output_interval_ms)
         print(f"serving path: {cost} (one number: {host_ms:.3f} ms per streamed token)", flush=True)
         with_host = LatencyModel.load(profile).with_serving_path(cost)
         with_host.save(workdir / "profile-host.yaml")

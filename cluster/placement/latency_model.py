@@ -91,16 +91,23 @@ class EnginePerf:
 @dataclass(frozen=True)
 class ServingPathCost:
     """CPU the serving path (router, the engines' front ends, Ray) spends on a CPU deployment's
-    own cores, in the parts its mechanism has: each engine step's outputs arrive as one message
-    to receive, decode and record (``ms_per_step``); each streamed token is detokenized and
-    sent (``ms_per_token``); each request is admitted, routed, handed over and closed
-    (``ms_per_request``, with the prefill engine's steps while its KV waits to be pulled); and
-    Ray's daemons and the health pings take ``idle_cores`` whatever the load. One more way a
-    CPU host is shared: engines on cores of their own still slow each other through the caches
-    and memory bandwidth they share, by ``corun_slowdown`` (a fraction) while two or more are
-    busy. All 0 where the engines have devices of their own (GPUs). See
-    duet.cluster.placement.simulator for how the simulator charges it, benchmarks/host_overhead.py
-    for how the serving path is measured, and ``duet profile`` for ``corun_slowdown``.
+    own cores, in the parts its mechanism has: each output message an engine sends is received,
+    decoded and recorded (``ms_per_step``, one message per engine step when the deployment sends
+    every step); each streamed token is detokenized and sent (``ms_per_token``); each request is
+    admitted, routed, handed over and closed (``ms_per_request``, with the prefill engine's steps
+    while its KV waits to be pulled); and Ray's daemons and the health pings take ``idle_cores``
+    whatever the load. One more way a CPU host is shared: engines on cores of their own still
+    slow each other through the caches and memory bandwidth they share, by ``corun_slowdown`` (a
+    fraction) while two or more are busy. All 0 where the engines have devices of their own
+    (GPUs). See duet.cluster.placement.simulator for how the simulator charges it,
+    benchmarks/host_overhead.py for how the serving path is measured, and ``duet profile`` for
+    ``corun_slowdown``.
+
+    ``output_interval_ms`` is not a cost but how the deployment measured sends its messages
+    (``PoolConfig.output_interval_ms``): an engine core holds a step's outputs until that long
+    after its last message and merges them, except first tokens, which go at once. A decode
+    engine whose steps are shorter than the interval therefore pays ``ms_per_step`` once per
+    interval, not once per step.
     """
 
     ms_per_token: float = 0.0
@@ -108,21 +115,29 @@ class ServingPathCost:
     ms_per_request: float = 0.0
     idle_cores: float = 0.0
     corun_slowdown: float = 0.0
+    output_interval_ms: float = 0.0
 
     @property
     def free(self) -> bool:
-        return not any(getattr(self, f) for f in _SERVING_PATH_FIELDS)
+        return not any(getattr(self, f) for f in _SERVING_PATH_COSTS)
 
     def step_cores(self, tokens: int, requests: int, step_s: float) -> float:
         """Cores the serving path needs while an engine runs steps of ``step_s`` that stream
-        ``tokens`` and start ``requests`` each."""
-        ms = self.ms_per_step + tokens * self.ms_per_token + requests * self.ms_per_request
+        ``tokens`` and start ``requests`` each. A step that starts requests sends their first
+        tokens at once; other steps' messages wait out the output interval, merged."""
+        message_s = step_s if requests else max(step_s, self.output_interval_ms / 1000.0)
+        per_message = self.ms_per_step * step_s / message_s
+        ms = per_message + tokens * self.ms_per_token + requests * self.ms_per_request
         return ms / 1000.0 / step_s
 
     @staticmethod
     def heaviest(costs: Sequence[ServingPathCost]) -> ServingPathCost:
-        """Each part at its largest over ``costs`` (one router serves pools of several types)."""
-        return ServingPathCost(*(max((getattr(c, f) for c in costs), default=0.0) for f in _SERVING_PATH_FIELDS))
+        """Each cost at its largest over ``costs``, and the shortest output interval (one router
+        serves pools of several types)."""
+        costs = list(costs)
+        largest = {f: max((getattr(c, f) for c in costs), default=0.0) for f in _SERVING_PATH_COSTS}
+        interval = min((c.output_interval_ms for c in costs), default=0.0)
+        return ServingPathCost(**largest, output_interval_ms=interval)
 
     @classmethod
     def from_dict(cls, data: dict) -> ServingPathCost:
@@ -130,6 +145,7 @@ class ServingPathCost:
 
 
 _SERVING_PATH_FIELDS = tuple(f.name for f in fields(ServingPathCost))
+_SERVING_PATH_COSTS = tuple(f for f in _SERVING_PATH_FIELDS if f != "output_interval_ms")
 
 
 @dataclass(frozen=True)

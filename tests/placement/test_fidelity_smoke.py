@@ -91,6 +91,16 @@ def test_a_steps_cost_is_shared_by_its_batch_and_idle_cost_always_paid(linear_mo
     # One message per step, however many sequences it carries: 1 core, the engine keeps 1/2.
     assert tpot(1, per_step) == pytest.approx(0.010, rel=1e-3)
     assert tpot(8, per_step) == pytest.approx(0.010, rel=1e-3)
+    # Engines that merge their outputs send one message per 20 ms interval, not per 5 ms step:
+    # a quarter of a core, the engine keeps 1/1.25. Prefill steps send first tokens at once.
+    merged = dataclasses.replace(per_step, output_interval_ms=20.0)
+    assert tpot(1, merged) == pytest.approx(0.005 * 1.25, rel=1e-3)
+    assert merged.step_cores(tokens=1, requests=1, step_s=0.005) == pytest.approx(1.0)
+    assert merged.step_cores(tokens=1, requests=0, step_s=0.040) == pytest.approx(0.125)
+    # One router serving pools measured apart: the larger costs, the shorter interval.
+    heaviest = ServingPathCost.heaviest([merged, ServingPathCost(ms_per_token=1.0, output_interval_ms=40.0)])
+    assert heaviest == ServingPathCost(ms_per_token=1.0, ms_per_step=5.0, output_interval_ms=20.0)
+    assert ServingPathCost(output_interval_ms=40.0).free  # an interval alone costs nothing
     # Ray's daemons and the health pings take their cores first: half of the only core.
     assert tpot(1, ServingPathCost(idle_cores=0.5)) == pytest.approx(0.010, rel=1e-3)
 
@@ -113,7 +123,7 @@ def test_a_burst_slows_prefill_only_while_every_core_is_wanted(linear_model, tmp
 
     path = tmp_path / "profile.yaml"
     model = linear_model()
-    cost = ServingPathCost(ms_per_token=0.1, ms_per_step=0.4, ms_per_request=3.0, idle_cores=0.05)
+    cost = ServingPathCost(ms_per_token=0.1, ms_per_step=0.4, ms_per_request=3.0, idle_cores=0.05, output_interval_ms=40)
     LatencyModel(**{**model.__dict__, "serving_path": cost}).save(path)
     assert LatencyModel.load(path).serving_path == cost
     # A profile from before the cost had parts: its one number is the per-token part.
@@ -153,7 +163,8 @@ def test_serving_path_parts_are_recovered_from_samples():
 
     # idle; two rates (bigger batches: fewer steps for the same tokens); short outputs
     samples = [sample(10, 0, 0, 0), sample(50, 6000, 7000, 80), sample(25, 3500, 7000, 80), sample(50, 400, 320, 80)]
-    fitted = fit_serving_path(samples)
+    fitted = fit_serving_path(samples, output_interval_ms=40)
+    assert fitted.output_interval_ms == 40.0  # how the measured deployment sent its messages
     for part in ("ms_per_token", "ms_per_step", "ms_per_request", "idle_cores"):
         assert getattr(fitted, part) == pytest.approx(getattr(truth, part), rel=1e-6)
         assert type(getattr(fitted, part)) is float  # it is written to profile.yaml

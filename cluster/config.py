@@ -13,7 +13,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from duet.cluster.yaml_config import read_yaml, validate_mapping
-from duet.decode_worker.output_coalescing import DEFAULT_OUTPUT_INTERVAL_MS
 
 BUILTIN_MODEL = "builtin"
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
@@ -86,11 +85,12 @@ class PoolConfig(_Strict):
     # a `duet profile` output.
     simulated_profile: str = "distserve:opt-13b"
     # The shortest time between two output messages of a worker's engine to the router, in ms;
-    # outputs produced meanwhile travel together (decode_worker/output_coalescing.py). Each
-    # message costs the router about 2 ms of CPU on a small host whatever it carries, so a
+    # outputs produced meanwhile travel together (cluster/engine_output.py). The default is the
+    # tight TPOT target of `duet bench serve`, so a token waits at most what that target allows
+    # for one token. Each message costs the router about 2 ms of CPU on a small host whatever it carries, so a
     # decode engine stepping every 10 ms cost it about 1.6 ms per token alone. A request's
     # first and last tokens never wait; the others arrive in twos or threes. 0: every step.
-    output_interval_ms: float = Field(default=DEFAULT_OUTPUT_INTERVAL_MS, ge=0)
+    output_interval_ms: float = Field(default=40.0, ge=0)
 
     @model_validator(mode="after")
     def _one_entry_per_replica(self) -> "PoolConfig":

@@ -3,8 +3,8 @@
 vLLM loads every ``vllm.general_plugins`` entry point in each process it starts (front end,
 engine core, workers), which is the only place to adjust code that runs inside the engine's own
 worker process. The plugin does nothing unless a duet worker asked for it through environment
-variables (see :func:`duet.kv_transfer.config.engine_environment`), so plain vLLM use in the same
-environment is unaffected.
+variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinning, the engine
+host for the output interval), so plain vLLM use in the same environment is unaffected.
 
 Three adjustments, all measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
 ../shared/ENVIRONMENT.md):
@@ -17,15 +17,15 @@ Three adjustments, all measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
 - With NixlConnector, vLLM pins each worker's forward-pass thread to the last core of each NUMA
   node, so two engines on one host fight over the same core. duet gives each worker its own.
 - The engine core sends its outputs to the router at most once per interval, merged
-  (decode_worker/output_coalescing.py): each message costs the router about 2 ms of CPU.
+  (cluster/engine_output.py): each message costs the router about 2 ms of CPU.
 """
 
 from __future__ import annotations
 
 import os
 
-from duet.decode_worker.output_coalescing import ENV_OUTPUT_INTERVAL_MS
-from duet.decode_worker.output_coalescing import install as install_output_coalescing
+from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
+from duet.cluster.engine_output import install as install_output_coalescing
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
 
 # The progress thread's poll() timeout in "wait" mode. UCX wakes it through event descriptors

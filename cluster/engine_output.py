@@ -16,8 +16,10 @@ are unchanged: the front end already takes several new tokens per request in one
 (speculative decoding sends them so). Messages that carry anything not safely merged (utility
 calls, logprobs, pooling, per-step counters) are sent as they are, in order.
 
-It lives with the decode worker, whose engines it matters for, and applies to every duet
-engine core whose pool sets an interval (``PoolConfig.output_interval_ms``).
+It applies to every duet engine core whose pool sets an interval
+(``PoolConfig.output_interval_ms``, which the engine host passes in ``DUET_OUTPUT_INTERVAL_MS``),
+and duet's vLLM plugin installs it in the engine core's process (kv_transfer/vllm_plugin.py).
+Decode engines are where it matters: theirs are the frequent messages.
 """
 
 from __future__ import annotations
@@ -28,9 +30,6 @@ from typing import Any
 
 # Set by duet for each worker's engine core; read by duet's vLLM plugin in that process.
 ENV_OUTPUT_INTERVAL_MS = "DUET_OUTPUT_INTERVAL_MS"
-# The interval unless a pool sets its own: the tight TPOT target of ``duet bench serve``, so
-# what a token may wait is at most what that target allows for one token.
-DEFAULT_OUTPUT_INTERVAL_MS = 40.0
 # Per-step counters a message's scheduler statistics may carry (besides the prefix caches'); a
 # message with any of them is not merged into, so vLLM's counters lose nothing.
 _DELTA_STATS = ("spec_decoding_stats", "kv_connector_stats", "ec_connector_stats")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from duet.cluster.config import BUILTIN_MODEL, ModelConfig
+from duet.cluster.gloo_device import ENV_SHARED_GLOO_DEVICE
 
 _GIB = 1 << 30
 
@@ -71,13 +72,16 @@ def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None, one_proces
     runs its engine core in a process of its own, so the actor's event loop never waits on a
     forward pass. Multi-rank engines need vLLM's multiprocess executor and keep it. An offline
     ``vllm.LLM`` must not get it (``one_process_executor=False``): there the variable would run the
-    whole engine inside the calling process.
+    whole engine inside the calling process. ``DUET_SHARED_GLOO_DEVICE`` has vLLM's
+    single-rank gloo groups share one device, whose loop thread wakes 100 times a second
+    (cluster/gloo_device.py).
     """
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
     if one_process_executor:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cpu_core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+    env[ENV_SHARED_GLOO_DEVICE] = "1"
     return env
 
 

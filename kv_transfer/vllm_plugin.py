@@ -6,7 +6,7 @@ worker process. The plugin does nothing unless a duet worker asked for it throug
 variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinning, the engine
 host for the output interval), so plain vLLM use in the same environment is unaffected.
 
-Three adjustments, all measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
+Four adjustments, all measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
 ../shared/ENVIRONMENT.md):
 - NIXL's UCX progress thread. NIXL's Python API always asks for a poll timeout of 0, so the
   thread busy-polls a whole core per engine even when idle (a 1,500-token request took 639 ms
@@ -18,6 +18,8 @@ Three adjustments, all measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
   node, so two engines on one host fight over the same core. duet gives each worker its own.
 - The engine core sends its outputs to the router at most once per interval, merged
   (cluster/engine_output.py): each message costs the router about 2 ms of CPU.
+- The engine's single-rank gloo groups share one transport device (cluster/gloo_device.py):
+  each device's loop thread wakes 100 times a second, and vLLM makes 13 groups per engine.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 
 from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.cluster.engine_output import install as install_output_coalescing
+from duet.cluster.gloo_device import ENV_SHARED_GLOO_DEVICE, share_single_rank_device
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
 
 # The progress thread's poll() timeout in "wait" mode. UCX wakes it through event descriptors
@@ -90,3 +93,5 @@ def register() -> None:
     interval_ms = float(os.environ.get(ENV_OUTPUT_INTERVAL_MS) or 0)
     if interval_ms > 0:
         install_output_coalescing(interval_ms / 1000.0)
+    if os.environ.get(ENV_SHARED_GLOO_DEVICE) == "1":
+        share_single_rank_device()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -129,10 +130,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def deployed_sim_config() -> SimConfig:
-    """The simulator's per-step budgets: the deployed engines' (duet's config defaults)."""
+    """The simulator's per-step budgets: the deployed engines' (duet's config defaults), with
+    prompts chunked to fill each step's budget, as vLLM's v1 scheduler does."""
     deployed = load_config()
     return SimConfig(
-        prefill_max_batch_tokens=deployed.prefill.max_num_batched_tokens, max_num_seqs=deployed.decode.max_num_seqs
+        prefill_max_batch_tokens=deployed.prefill.max_num_batched_tokens,
+        max_num_seqs=deployed.decode.max_num_seqs,
+        chunked_prefill=True,
     )
 
 
@@ -227,7 +231,7 @@ def main() -> None:
                 "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
                 "profile": with_host.to_dict(),
                 "plan": result.plan.summary(),
-                "sim_config": {"prefill_max_batch_tokens": sim.prefill_max_batch_tokens, "max_num_seqs": sim.max_num_seqs},
+                "sim_config": dataclasses.asdict(sim),
                 "rows": rows,
             },
             indent=1,

@@ -69,10 +69,15 @@ class Slo:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Engine scheduler limits (vLLM's ``max_num_batched_tokens`` and ``max_num_seqs``)."""
+    """Engine scheduler limits (vLLM's ``max_num_batched_tokens`` and ``max_num_seqs``), and
+    whether a prefill engine chunks prompts (vLLM's v1 scheduler does, always): each step then
+    fills its token budget in arrival order, the last prompt possibly only in part, and the rest
+    of that prompt runs first in the next step. Without it, a step takes whole prompts while the
+    next one fits (DistServe's batching)."""
 
     prefill_max_batch_tokens: int = 16384
     max_num_seqs: int = 256
+    chunked_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -323,9 +328,12 @@ class _PrefillServer:
     def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig, done: Callable[[int], None]):
         self.run, self.perf, self.done = run, perf, done
         self.max_tokens = min(cfg.prefill_max_batch_tokens, perf.kv_capacity_tokens)
+        self.chunked = cfg.chunked_prefill
         self.queue: deque[int] = deque()
         self.queued_tokens = 0
         self.busy = False
+        # Prompt tokens already computed of the prompt at the head of the queue (chunked only).
+        self._head_done = 0
 
     def submit(self, i: int) -> None:
         self.queue.append(i)
@@ -333,31 +341,59 @@ class _PrefillServer:
         if not self.busy:
             self._start()
 
+    def _next_step(self) -> list[tuple[int, int, int]]:
+        """The next step's chunks, ``(request, offset, tokens)``, in arrival order."""
+        run, budget, chunks = self.run, self.max_tokens, []
+        for i in self.queue:
+            offset = self._head_done if not chunks else 0
+            left = run.inp[i] - offset
+            if chunks and not self.chunked and left > budget:
+                break
+            tokens = min(left, budget) if self.chunked else left
+            chunks.append((i, offset, tokens))
+            budget -= tokens
+            if budget <= 0:
+                break
+        return chunks
+
     def _start(self) -> None:
-        run, queue = self.run, self.queue
-        batch, total, sq = [], 0, 0
-        while queue and (not batch or total + run.inp[queue[0]] <= self.max_tokens):
-            n = run.inp[queue[0]]
-            batch.append(queue.popleft())
-            total += n
-            sq += n * n
-        if not batch:
+        run = self.run
+        chunks = self._next_step()
+        if not chunks:
             self.busy = False
             run.engine_idle(self)
             return
         self.busy = True
+        # A chunk of t tokens after o computed ones attends to o + t: its share of a whole
+        # prompt's quadratic term is 2*o*t + t*t (the chunks of one prompt sum to its len^2).
+        total = sum(t for _, _, t in chunks)
+        sq = sum(2 * o * t + t * t for _, o, t in chunks)
         latency = self.perf.prefill_latency_s(total, sq)
+        finishing = sum(1 for i, o, t in chunks if o + t == run.inp[i])
         # One step's message, a first token and a request's admission and hand-over per prompt.
-        run.engine_busy(self, run.serving_path.step_cores(len(batch), len(batch), latency))
-        run.after_work(latency / self.perf.pp, self._start)
-        run.after_work(latency, self._finish, batch, total)
+        run.engine_busy(self, run.serving_path.step_cores(finishing, finishing, latency))
+        if self.chunked:  # the next step may continue this one's last prompt: no overlap
+            run.after_work(latency, self._finish, chunks, total)
+        else:
+            for _ in chunks:
+                self.queue.popleft()
+            run.after_work(latency / self.perf.pp, self._start)
+            run.after_work(latency, self._finish, chunks, total)
 
-    def _finish(self, batch: list[int], total: int) -> None:
+    def _finish(self, chunks: list[tuple[int, int, int]], total: int) -> None:
         self.queued_tokens -= total
-        for i in batch:
+        for i, offset, tokens in chunks:
+            if self.chunked:
+                if offset + tokens < self.run.inp[i]:
+                    self._head_done = offset + tokens
+                    continue
+                self.queue.popleft()
+                self._head_done = 0
             self.run.first_token_at(i)
             if self.run.out[i] > 1:
                 self.done(i)
+        if self.chunked:
+            self._start()
 
 
 class _KvPuller:

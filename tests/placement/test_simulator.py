@@ -157,3 +157,30 @@ def test_conditional_prefill_pool_alone_computes_only_long_prompts(linear_model)
     short = t.input_len < 512
     assert np.all(r.ttft_s[short] == 0) and np.all(r.tpot_s == 0)
     assert np.all(r.ttft_s[~short] >= (10 + 0.1 * 900) / 1000 - 1e-12)
+
+
+def test_chunked_prefill_fills_each_step_and_finishes_the_split_prompt_next(linear_model):
+    from duet.cluster.placement.simulator import SimConfig
+
+    e = linear_model(prefill=(10.0, 0.1, 1e-4), decode=(5.0, 0.0, 0.0)).engine(1, 1)
+
+    def ms(tokens: int, square: int) -> float:
+        return 10 + 0.1 * tokens + 1e-4 * square
+
+    # A 100-token prompt runs while a 1,800- and a 1,000-token prompt arrive (at 1 ms).
+    trace = _trace([0.0, 0.001, 0.001], [100, 1800, 1000], [2, 2, 2])
+    busy = ms(100, 100**2)
+    chunked = SimConfig(prefill_max_batch_tokens=2048, chunked_prefill=True)
+    r = simulate_disaggregated(trace, [e], [e], kv_bytes_per_token=1000, cfg=chunked)
+    # Next step: all of the 1,800 and 248 tokens of the 1,000; the step after: its other
+    # 752, which attend to the 248 computed before them (2*248*752 + 752^2).
+    both = ms(2048, 1800**2 + 248**2)
+    assert r.ttft_s[1] == pytest.approx((busy + both) / 1000 - 0.001)
+    assert r.ttft_s[2] == pytest.approx((busy + both + ms(752, 2 * 248 * 752 + 752**2)) / 1000 - 0.001)
+    # Whole prompts (DistServe's batching): the 1,000 does not fit beside the 1,800.
+    whole = simulate_disaggregated(trace, [e], [e], kv_bytes_per_token=1000, cfg=SimConfig(prefill_max_batch_tokens=2048))
+    assert whole.ttft_s[1] == pytest.approx((busy + ms(1800, 1800**2)) / 1000 - 0.001)
+    assert whole.ttft_s[2] == pytest.approx((busy + ms(1800, 1800**2) + ms(1000, 1000**2)) / 1000 - 0.001)
+    # A prompt longer than the budget takes two steps, the second attending to the first.
+    long = simulate_disaggregated(_trace([0.0], [3000], [2]), [e], [e], kv_bytes_per_token=1000, cfg=chunked)
+    assert long.ttft_s[0] == pytest.approx((ms(2048, 2048**2) + ms(952, 2 * 2048 * 952 + 952**2)) / 1000)

@@ -22,6 +22,8 @@ request and second) on requests outside every slice. Each replay uses new prompt
 prefix cache never serves one run from another.
 
     python benchmarks/placement_crossval.py [--held-out 1] [--requests 240] [--seed 0]
+    # the same measurements, predicted again by the simulator as it is now:
+    python benchmarks/placement_crossval.py --repredict REPORT.json --workdir RUN_WORKDIR --out NEW.json
 """
 
 from __future__ import annotations
@@ -240,8 +242,16 @@ def main() -> None:
     parser.add_argument("--max-run-s", type=float, default=300, help="no rate whose replay lasts longer")
     parser.add_argument("--plan-rate", type=float, default=1.5, help="rate to plan for and calibrate at")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--repredict", type=Path, metavar="REPORT", help="predict REPORT's measured points again (needs its --workdir)"
+    )
     add_run_arguments(parser)
     args = parser.parse_args()
+    if args.repredict:
+        if args.workdir is None:
+            parser.error("--repredict needs the --workdir of the run that wrote the report")
+        repredict(args.repredict, args.workdir, args.out)
+        return
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="duet-crossval-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -303,17 +313,65 @@ def main() -> None:
             print(f"{slice_.label} ({'development' if slice_.development else 'held-out'}), from {start} req/s", flush=True)
             points = measure_slice(target, cluster.model, trace, start, slo, seeds, args)
             for point in points:
-                point["predicted"] = predict(cluster_host, plan, trace, slo, point["rate_rps"], sim)
-                point["errors"] = errors(point["measured"], point["predicted"])
-                per_token_prediction = predict(cluster_per_token, plan, trace, slo, point["rate_rps"], sim)
-                point["predicted_per_token_cost"] = per_token_prediction
-                point["errors_per_token_cost"] = errors(point["measured"], per_token_prediction)
+                predict_point(point, trace, (cluster_host, cluster_per_token), plan, slo, sim)
             results.append(
                 {"slice": slice_.label, "role": "development" if slice_.development else "held-out", "points": points}
             )
             write_report(args, slo, with_host, plan, samples, results)  # a stopped run keeps what it measured
     write_report(args, slo, with_host, plan, samples, results, final=True)
     print(f"wrote {args.out} (work files in {workdir})")
+
+
+def predict_point(
+    point: dict, trace: Trace, clusters: tuple[ClusterSpec, ClusterSpec], plan: Plan, slo: Slo, sim: SimConfig
+) -> None:
+    """Add the simulator's predictions of a measured point, and their errors: with the serving
+    path in its parts (``clusters[0]``) and as one number per token (``clusters[1]``)."""
+    parts, per_token = clusters
+    point["predicted"] = predict(parts, plan, trace, slo, point["rate_rps"], sim)
+    point["errors"] = errors(point["measured"], point["predicted"])
+    point["predicted_per_token_cost"] = predict(per_token, plan, trace, slo, point["rate_rps"], sim)
+    point["errors_per_token_cost"] = errors(point["measured"], point["predicted_per_token_cost"])
+
+
+def repredict(report_path: Path, workdir: Path, out: Path) -> None:
+    """Predict a finished run's measured points again with the simulator as it is now, from
+    that run's own profile, serving-path costs and plan (its ``--workdir``): a change to the
+    simulator is then judged on the same measurements, which on this machine do not repeat."""
+    report = json.loads(report_path.read_text())
+    clusters = (ClusterSpec.load(workdir / "cluster-host.yaml"), ClusterSpec.load(workdir / "cluster-pt.yaml"))
+    plan = Plan.load(workdir / "plan.yaml")
+    slo = Slo(report["slo"]["ttft_s"], report["slo"]["tpot_s"], 0.9)
+    sim = deployed_sim_config()
+    requests, caps = report["requests_per_slice"], report["caps"]
+    traces: dict[str, Trace] = {}
+    for entry in report["slices"]:
+        name, index = entry["slice"].split("#")
+        if name not in traces:
+            traces[name] = load_trace(str(traces_dir() / TRACES[name])).capped(caps["input"], caps["output"])
+        trace = traces[name].window(int(index) * requests, requests)
+        for point in entry["points"]:
+            predict_point(point, trace, clusters, plan, slo, sim)
+    results = report["slices"]
+    report["summary"] = summarise(results, "errors")
+    report["summary_per_token_cost"] = summarise(results, "errors_per_token_cost")
+    report["sim_config"] = dataclasses.asdict(sim)
+    report["repredicted_from"] = str(report_path)
+    print(format_table(results))
+    print(format_summary(report["summary"]))
+    print("charging one number per token instead:")
+    print(format_summary(report["summary_per_token_cost"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+def summarise(results: list[dict], errors_key: str) -> dict:
+    """Error summaries of the development and the held-out points."""
+    return {
+        role: error_summary([p for entry in results if entry["role"] == role for p in entry["points"]], errors_key)
+        for role in ("development", "held-out")
+    }
 
 
 def write_report(
@@ -327,13 +385,7 @@ def write_report(
 ) -> None:
     """The JSON report (after every slice), and with ``final`` the tables on stdout."""
 
-    def summarise(errors_key: str) -> dict:
-        return {
-            role: error_summary([p for entry in results if entry["role"] == role for p in entry["points"]], errors_key)
-            for role in ("development", "held-out")
-        }
-
-    summary, summary_per_token = summarise("errors"), summarise("errors_per_token_cost")
+    summary, summary_per_token = summarise(results, "errors"), summarise(results, "errors_per_token_cost")
     if final:
         print(format_table(results))
         print(format_summary(summary))

@@ -47,3 +47,41 @@ def test_errors_are_points_for_attainment_and_relative_for_latency():
     summary = error_summary([{"errors": e}, {"errors": {**e, "attainment_pp": 4.0, "ttft_p50_s": math.nan}}])
     assert summary["attainment_pp"] == {"mean": pytest.approx(7.0), "worst": pytest.approx(10.0)}
     assert summary["ttft_p50_s"]["worst"] == pytest.approx(0.2)  # the undefined error is left out
+
+
+def test_repredict_simulates_a_saved_runs_points_again_from_its_work_files(linear_model, tmp_path):
+    import json
+
+    from duet.benchmarks.placement_crossval import TRACES, repredict
+    from duet.benchmarks.placement_fidelity import deployed_sim_config, predict, write_cluster
+    from duet.cluster.placement.cluster_spec import ClusterSpec, traces_dir
+    from duet.cluster.placement.optimizer import optimize
+    from duet.cluster.placement.simulator import Slo
+    from duet.cluster.placement.trace import load_trace
+
+    if not (traces_dir() / TRACES["azure-conv"]).exists():
+        pytest.skip(f"Azure traces not found in {traces_dir()}")
+    linear_model(prefill=(10.0, 0.1, 1e-4), decode=(5.0, 0.001, 0.1)).save(tmp_path / "profile.yaml")
+    for name in ("cluster-host.yaml", "cluster-pt.yaml"):
+        write_cluster(tmp_path / name, tmp_path / "profile.yaml")
+    cluster, slo, sim = ClusterSpec.load(tmp_path / "cluster-host.yaml"), Slo(1.0, 0.1, 0.9), deployed_sim_config()
+    trace = load_trace(str(traces_dir() / TRACES["azure-conv"])).capped(1800, 96).window(30, 30)  # slice #1 of 30
+    plan = optimize(cluster, trace, slo, rate=1.0, workers=1, sim=sim, modes=["disaggregated"]).plan
+    plan.save(tmp_path / "plan.yaml")
+    # "Measured" here is the simulator's own answer at 2 req/s, so re-predicting the right
+    # requests at the right rate must give errors of zero.
+    measured = predict(cluster, plan, trace, slo, 2.0, sim)
+    report = {
+        "requests_per_slice": 30,
+        "caps": {"input": 1800, "output": 96},
+        "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+        "slices": [{"slice": "azure-conv#1", "role": "held-out", "points": [{"rate_rps": 2.0, "measured": measured}]}],
+    }
+    (tmp_path / "run.json").write_text(json.dumps(report))
+    repredict(tmp_path / "run.json", tmp_path, tmp_path / "again.json")
+
+    again = json.loads((tmp_path / "again.json").read_text())
+    point = again["slices"][0]["points"][0]
+    assert point["predicted"] == pytest.approx(measured)
+    assert again["summary"]["held-out"]["attainment_pp"] == {"mean": 0.0, "worst": 0.0}
+    assert again["sim_config"]["chunked_prefill"] is True

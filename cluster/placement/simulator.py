@@ -26,10 +26,10 @@ batches, decode steps) is therefore scheduled in *engine time*, which runs at a 
 wall time: with ``b`` engines busy, ``P`` processors and the serving path needing ``x`` cores
 for the engines' work at full speed (per output message, token and request of the batches
 running; a decode engine sends one message per step or per output interval, whichever is
-longer) plus its load-independent ``idle_cores``, ``s = min(1, (P - idle) / (b + x))``: an idle engine's
-core absorbs the serving path, and only when every core is wanted do the engines slow. While
-two or more engines are busy, each also runs ``1 + corun_slowdown`` times slower: they share
-the host's caches and memory bandwidth (measured by ``duet profile``). (Not modelled: a
+longer) plus its load-independent ``idle_cores``, ``s = min(1, (P - idle) / (b + x))``: an
+idle engine's core absorbs the serving path, and only when every core is wanted do the engines
+slow. While two or more engines are busy, each also runs ``1 + corun_slowdown`` times slower:
+they share the host's caches and memory bandwidth (measured by ``duet profile``). (Not modelled: a
 serving path that needs more than the one core its event loop can use; with its cost per step
 shared by the whole batch, that takes far more tokens per second than these engines produce.)
 """

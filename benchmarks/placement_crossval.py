@@ -17,8 +17,8 @@ the next, and the rates that matter are those around the knee, where attainment 
 
 Everything runs on one ``duet serve --plan`` deployment (the plan is one prefill and one decode
 engine, one core each, for every slice on this machine), warmed up and calibrated once: the
-serving path's CPU is measured in its parts (``fit_serving_path``: per engine output message, token,
-request and second) on requests outside every slice. Each replay uses new prompts, so the
+serving path's CPU is measured in its parts (``fit_serving_path``: per engine output message,
+token, request and second) on requests outside every slice. Each replay uses new prompts, so the
 prefix cache never serves one run from another.
 
     python benchmarks/placement_crossval.py [--held-out 1] [--requests 240] [--seed 0]
@@ -261,10 +261,7 @@ def main() -> None:
     unknown = [name for name in names if name not in TRACES]
     if unknown:
         parser.error(f"--traces: unknown {', '.join(unknown)} (choose from {', '.join(TRACES)})")
-    traces = {
-        name: load_trace(str(traces_dir() / TRACES[name])).capped(args.max_input, args.max_output)
-        for name in {DEVELOPMENT[0], *names}
-    }
+    traces = {name: capped_trace(name, args.max_input, args.max_output) for name in {DEVELOPMENT[0], *names}}
     slices = choose_slices({name: len(traces[name]) // args.requests for name in names}, args.held_out, args.seed)
 
     def window(slice_: Slice) -> Trace:
@@ -348,7 +345,7 @@ def repredict(report_path: Path, workdir: Path, out: Path) -> None:
     for entry in report["slices"]:
         name, index = entry["slice"].split("#")
         if name not in traces:
-            traces[name] = load_trace(str(traces_dir() / TRACES[name])).capped(caps["input"], caps["output"])
+            traces[name] = capped_trace(name, caps["input"], caps["output"])
         trace = traces[name].window(int(index) * requests, requests)
         for point in entry["points"]:
             predict_point(point, trace, clusters, plan, slo, sim)
@@ -357,13 +354,22 @@ def repredict(report_path: Path, workdir: Path, out: Path) -> None:
     report["summary_per_token_cost"] = summarise(results, "errors_per_token_cost")
     report["sim_config"] = dataclasses.asdict(sim)
     report["repredicted_from"] = str(report_path)
-    print(format_table(results))
-    print(format_summary(report["summary"]))
-    print("charging one number per token instead:")
-    print(format_summary(report["summary_per_token_cost"]))
+    print_tables(results, report["summary"], report["summary_per_token_cost"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
+
+
+def capped_trace(name: str, max_input: int, max_output: int) -> Trace:
+    """One of ``TRACES`` from ../shared/traces, lengths capped as the run caps them."""
+    return load_trace(str(traces_dir() / TRACES[name])).capped(max_input, max_output)
+
+
+def print_tables(results: list[dict], summary: dict, summary_per_token: dict) -> None:
+    print(format_table(results))
+    print(format_summary(summary))
+    print("charging one number per token instead:")
+    print(format_summary(summary_per_token))
 
 
 def summarise(results: list[dict], errors_key: str) -> dict:
@@ -387,10 +393,7 @@ def write_report(
 
     summary, summary_per_token = summarise(results, "errors"), summarise(results, "errors_per_token_cost")
     if final:
-        print(format_table(results))
-        print(format_summary(summary))
-        print("charging one number per token instead:")
-        print(format_summary(summary_per_token))
+        print_tables(results, summary, summary_per_token)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

@@ -24,9 +24,9 @@ from typing import Any, Iterator, Literal
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
+from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.cluster.worker_api import EngineAddresses, SamplingSpec, WorkerStatus
 from duet.cluster.worker_channel import RouterLink
-from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,

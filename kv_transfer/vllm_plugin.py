@@ -3,8 +3,9 @@
 vLLM loads every ``vllm.general_plugins`` entry point in each process it starts (front end,
 engine core, workers), which is the only place to adjust code that runs inside the engine's own
 worker process. The plugin does nothing unless a duet worker asked for it through environment
-variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinning, the engine
-host for the output interval), so plain vLLM use in the same environment is unaffected.
+variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinning,
+:func:`duet.cluster.engine.cpu_engine_environment` for the shared gloo device, the engine host
+for the output interval), so plain vLLM use in the same environment is unaffected.
 
 Four adjustments, all measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
 ../shared/ENVIRONMENT.md):

@@ -79,6 +79,9 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
         "records": [r.to_dict() for r in records],
         "summary": {name: summarize(records, slo) for name, slo in SLOS.items()},
         "cpu_ms_per_token": 1000.0 * sum(spent.values()) / tokens if tokens and pid else None,
+        # The server process alone: duet's router, or vLLM's API server; what the total adds to
+        # it for duet is Ray (its worker actors and daemons).
+        "front_door_ms_per_token": 1000.0 * spent.get(pid, 0.0) / tokens if tokens and pid else None,
         "cpu_s_by_process": {k: round(v, 3) for k, v in sorted(by_process.items(), key=lambda kv: -kv[1]) if v > 0.005},
         "streamed_tokens": tokens,
     }

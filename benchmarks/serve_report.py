@@ -16,6 +16,7 @@ The report the runner writes, and every function here reads::
               "records": [RequestRecord.to_dict(), ...],
               "summary": {slo_name: summarize(records, slo), ...},
               "cpu_ms_per_token": float,          # serving-path CPU per streamed token
+              "front_door_ms_per_token": float,   # of it, the server process alone (optional)
             },
           },
         },
@@ -140,7 +141,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
     """
     slos = list(report["slos"])
     header = ["system", "rate (req/s)", *(f"attainment {s}" for s in slos)]
-    header += ["TTFT p90 (s)", "TPOT p50 (ms)", "CPU ms/token"]
+    header += ["TTFT p90 (s)", "TPOT p50 (ms)", "CPU ms/token", "of it, front door"]
     lines = [_row(header), _row(["---"] * len(header))]
     for system in report["systems"]:
         for rate, run in _by_rate(report, system):
@@ -154,6 +155,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
                         _fmt(summary["ttft_p90_s"], ".3f"),
                         _fmt(1000 * summary["tpot_p50_s"], ".1f"),
                         _fmt(run.get("cpu_ms_per_token"), ".2f"),
+                        _fmt(run.get("front_door_ms_per_token"), ".2f"),
                     ]
                 )
             )
@@ -177,6 +179,27 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
         else:
             cells = ["n/a"] * len(slos)
         lines.append(_row([f"{top} / {bottom}", *cells]))
+    return "\n".join(lines) + "\n" + _cpu_ratio_table(report)
+
+
+def _cpu_ratio_table(report: Mapping[str, Any]) -> str:
+    """Markdown: each system's CPU per streamed token over vLLM's at the same rate, for the whole
+    serving path and for the front door alone (router against API server); empty without vLLM."""
+    if VLLM not in report["systems"]:
+        return ""
+    vllm_runs = dict(_by_rate(report, VLLM))
+    header = ["CPU per token / vllm's", *(f"{rate:g} req/s: total, front door" for rate in vllm_runs)]
+    lines = ["", "CPU per streamed token against vLLM's server at the same rate:", "", _row(header), _row(["---"] * len(header))]
+    for system in report["systems"]:
+        if system == VLLM:
+            continue
+        runs = dict(_by_rate(report, system))
+        cells = []
+        for rate, reference in vllm_runs.items():
+            run = runs.get(rate, {})
+            times = [ratio(run.get(key) or 0.0, reference.get(key) or 0.0) for key in ("cpu_ms_per_token", "front_door_ms_per_token")]
+            cells.append(", ".join(_fmt(t, ".2f") + ("x" if t is not None and math.isfinite(t) else "") for t in times))
+        lines.append(_row([system, *cells]))
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ from duet.cluster.config import DuetConfig
 from duet.cluster.cores import CoreAllocator
 from duet.cluster.engine import is_cpu_only, resolve_model_path
 from duet.cluster.pool_manager import PoolManager, root_cause
+from duet.cluster.ray_runtime import start_ray
 from duet.decode_worker.worker import ColocatedWorker, DecodeWorker
 from duet.kv_transfer.ports import is_bindable
 from duet.prefill_worker.worker import PrefillWorker
@@ -39,8 +40,6 @@ from duet.router.validation import ModelLimits
 
 logger = logging.getLogger(__name__)
 
-RAY_NAMESPACE = "duet"
-
 
 class WorkerStartError(RuntimeError):
     """A worker's engine could not start; the message names the worker and the cause."""
@@ -55,49 +54,6 @@ def _port_in_use(what: str, host: str, port: int, flag: str) -> str:
         f"cannot listen on {host}:{port} for {what}: the address is in use (another duet server?); "
         f"choose another port with {flag} (0 picks a free one)"
     )
-
-
-# Ray's raylet polls for work duet never gives it, several times a second: its memory monitor
-# (every 250 ms), idle task workers to kill (200 ms; duet runs no tasks) and object-store GC
-# (100 ms; duet keeps nothing in it). On a CPU host those wakeups take cores from the engines;
-# slower checks cut the idle raylet's CPU by about a third (docs/benchmarks.md). The memory
-# monitor still runs, once a second.
-_QUIET_HOUSEKEEPING = {
-    "memory_monitor_refresh_ms": 1000,
-    "kill_idle_workers_interval_ms": 5000,
-    "raylet_check_gc_period_milliseconds": 5000,
-}
-
-
-def _stop_log_monitor() -> None:
-    """Stop the local head's log monitor when worker logs do not go to the driver: it only
-    forwards them, and polls every log file ten times a second to do it (about 0.5-0.7 s of CPU
-    a minute, idle). ``ray.init`` has no switch for it; the node object that started it does."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None:
-        node.kill_log_monitor(check_alive=False)
-
-
-def start_ray(config: DuetConfig) -> None:
-    """Join or start Ray as configured (a no-op if this process is already connected)."""
-    if ray.is_initialized():
-        return
-    common = {"namespace": RAY_NAMESPACE, "log_to_driver": config.ray.worker_logs_to_driver}
-    if config.ray.address == "local":
-        # Ray starts worker processes at nice 15, and vLLM's engine processes inherit it from
-        # the actor that spawns them: under load the router and Ray's own daemons (nice 0) then
-        # preempt the engines' forward passes, which is TPOT and TTFT. Engines and serving path
-        # share the cores as equals, as in a plain vLLM server.
-        ray.init(
-            num_cpus=config.ray.num_cpus,
-            include_dashboard=False,
-            _system_config={"worker_niceness": 0, **_QUIET_HOUSEKEEPING},
-            **common,
-        )
-        if not config.ray.worker_logs_to_driver:
-            _stop_log_monitor()
-    else:
-        ray.init(address=config.ray.address, **common)
 
 
 @dataclass

@@ -54,7 +54,7 @@ def ray_session() -> Iterator[None]:
     """
     import ray
 
-    from duet.cluster.deployment import RAY_NAMESPACE
+    from duet.cluster.ray_runtime import RAY_NAMESPACE
 
     actor_modules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kv_transfer")
     pythonpath = os.pathsep.join(filter(None, [actor_modules, os.environ.get("PYTHONPATH")]))

@@ -95,11 +95,13 @@ def test_serve_starts_serves_and_stops_on_sigint(deployment):
             match = re.search(r"serving duet-tiny-llama on 127\.0\.0\.1:(\d+)", line)
             port = match and int(match.group(1))
         assert port, "duet serve did not report that it is serving"
-        # Its own Ray, without the log monitor: worker logs stay local by default, so it would
-        # only poll files (cluster/deployment.py).
+        # Its own Ray, without the daemons duet never uses (cluster/ray_runtime.py): the log
+        # monitor (worker logs stay local by default, so it would only poll files), the
+        # autoscaler monitor and the dashboard head. The generate below shows the actors work.
         ray_processes = _descendant_commands(server.pid)
         assert any("raylet" in command for command in ray_processes), ray_processes
-        assert not any("log_monitor" in command for command in ray_processes), ray_processes
+        for stopped in ("log_monitor.py", "autoscaler/_private/monitor.py", "dashboard/dashboard.py"):
+            assert not any(stopped in command for command in ray_processes), (stopped, ray_processes)
         result = _duet("generate", "from a separate server", "--max-tokens", "5", "--ignore-eos", "--target", f"127.0.0.1:{port}")
         assert result.returncode == 0 and "5 generated tokens" in result.stderr, result.stderr
         server.send_signal(signal.SIGINT)

@@ -99,6 +99,8 @@ SLOS = {"tight": {"ttft_s": 0.5, "tpot_s": 0.05}, "loose": {"ttft_s": 2.0, "tpot
 def _report() -> dict:
     """Three systems at rates 1, 2 and 4 req/s with attainment falling as each saturates."""
     saturation = {DISAGG: 3.0, COLOCATED: 1.5, VLLM: 1.2}
+    # CPU ms per token: the whole serving path, and of it the server process alone.
+    cpu = {DISAGG: (1.5, 0.9), COLOCATED: (2.0, 1.2), VLLM: (1.0, 1.0)}
     systems = {}
     for system, knee in saturation.items():
         rates = {}
@@ -110,7 +112,8 @@ def _report() -> dict:
             rates[str(rate)] = {
                 "records": [r.to_dict() for r in records],
                 "summary": {name: summarize(records, Slo(**slo)) for name, slo in SLOS.items()},
-                "cpu_ms_per_token": 1.5,
+                "cpu_ms_per_token": cpu[system][0],
+                "front_door_ms_per_token": cpu[system][1],
             }
         systems[system] = {"rates": rates}
     # A saved report may key a rate as "2" rather than "2.0".
@@ -121,7 +124,8 @@ def _report() -> dict:
 def test_render_table_has_a_row_per_system_and_rate_then_goodputs_and_ratios():
     report = _report()
     table = render_table(report)
-    rows = [line for line in table.splitlines() if line.startswith("|")]
+    main_tables = table.split("CPU per streamed token against")[0]
+    rows = [line for line in main_tables.splitlines() if line.startswith("|")]
     run_rows = [r for r in rows if r.split("|")[1].strip() in (DISAGG, COLOCATED, VLLM)]
     assert len(run_rows) == 3 * 3 + 3  # the runs, then one goodput row per system
     assert all(r.count("|") == rows[0].count("|") for r in rows[: 2 + 9])
@@ -131,6 +135,18 @@ def test_render_table_has_a_row_per_system_and_rate_then_goodputs_and_ratios():
     good = goodputs(report)
     # 8 of 9 met the SLO below the knee: no rate reaches 90%, so every goodput is 0.
     assert good[DISAGG]["tight"] == 0.0 and "n/a" in ratios[f"{DISAGG} / {VLLM}"]
+
+
+def test_render_table_gives_cpu_per_token_against_vllm_at_each_rate():
+    table = render_table(_report())
+    cpu_table = table.split("CPU per streamed token against vLLM's server at the same rate:")[1]
+    rows = {r.split("|")[1].strip(): r for r in cpu_table.splitlines() if r.startswith("| duet")}
+    assert set(rows) == {DISAGG, COLOCATED}  # vLLM is the reference, not a row
+    # Whole serving path, then front door, at each of the three rates ("2" and "2.0" match).
+    assert rows[DISAGG].count("1.50x, 0.90x") == 3 and rows[COLOCATED].count("2.00x, 1.20x") == 3
+    without_vllm = _report()
+    del without_vllm["systems"][VLLM]
+    assert "CPU per streamed token against" not in render_table(without_vllm)
 
 
 def test_render_table_reports_goodput_ratios_and_lower_bounds():

@@ -178,35 +178,54 @@ def predicted_knee(cluster: ClusterSpec, plan: Plan, trace: Trace, slo: Slo, sim
 def measure_slice(
     target: str, model: str, trace: Trace, first_rate: float, slo: Slo, seeds: Iterator[int], args: argparse.Namespace
 ) -> list[dict]:
-    """Replay ``trace`` on the deployment up and down the ladder; one record per rate."""
+    """Replay ``trace`` on the deployment up and down the ladder; one record per rate.
+
+    Each rate is replayed ``args.repeats`` times, with new prompts each time. The point's
+    measurement pools every repeat's requests, and the repeats' own attainments are kept: on
+    this shared machine one 120-request replay moves by several points from one run to the
+    next, and an error smaller than that spread says nothing about the model.
+    """
     measured: dict[float, float] = {}
     points = []
     rate: float | None = first_rate
     slowest = len(trace) / args.max_run_s  # a slower rate would take longer than a run may
     while rate is not None and rate >= slowest * 0.999 and len(points) < args.max_runs:
-        load_before = wait_for_quiet(args.max_load, args.quiet_timeout)
-        records = asyncio.run(replay(target, trace.at_rate(rate), model=model, seed=next(seeds)))
+        records, repeats, loads = [], [], []
+        for _ in range(args.repeats):
+            load_before = wait_for_quiet(args.max_load, args.quiet_timeout)
+            replayed = asyncio.run(replay(target, trace.at_rate(rate), model=model, seed=next(seeds)))
+            records += replayed
+            repeats.append(replay_result(replayed).summary(slo)["attainment"])
+            loads.append([load_before, os.getloadavg()[0]])
+            time.sleep(5)  # let the engines drain before the next replay
         summary = replay_result(records).summary(slo)
         measured[rate] = summary["attainment"]
         points.append(
             {
                 "rate_rps": rate,
                 "measured": summary,
+                "repeat_attainments": repeats,
                 "failed_requests": sum(bool(r.error) for r in records),
-                "load_average_1m": [load_before, os.getloadavg()[0]],
+                "load_average_1m": loads,
             }
         )
-        print(f"  {rate:6.2f} req/s: measured attainment {summary['attainment']:.1%}", flush=True)
-        time.sleep(5)  # let the engines drain before the next level
+        each = f" (repeats: {', '.join(f'{a:.1%}' for a in repeats)})" if len(repeats) > 1 else ""
+        print(f"  {rate:6.2f} req/s: measured attainment {summary['attainment']:.1%}{each}", flush=True)
         rate = next_rate(measured, args.step)
     return points
 
 
+def repeat_spread_pp(point: dict) -> float:
+    """How far apart the repeats of one measured point fell, in points (0 for a single run)."""
+    attainments = point.get("repeat_attainments") or [point["measured"]["attainment"]]
+    return 100 * (max(attainments) - min(attainments))
+
+
 def format_table(slices: list[dict]) -> str:
     lines = [
-        "| slice | role | rate (req/s) | attainment measured / predicted (pp) | TTFT p50 / p90 measured -> predicted (s) "
-        "| TPOT p50 / p90 measured -> predicted (ms) |",
-        "|---|---|---:|---|---|---|",
+        "| slice | role | rate (req/s) | attainment measured / predicted (pp) | repeats' spread (pp) "
+        "| TTFT p50 / p90 measured -> predicted (s) | TPOT p50 / p90 measured -> predicted (ms) |",
+        "|---|---|---:|---|---:|---|---|",
     ]
     for entry in slices:
         for point in entry["points"]:
@@ -214,6 +233,7 @@ def format_table(slices: list[dict]) -> str:
             lines.append(
                 f"| {entry['slice']} | {entry['role']} | {point['rate_rps']:.2f} "
                 f"| {m['attainment']:.1%} / {p['attainment']:.1%} ({e['attainment_pp']:+.1f}) "
+                f"| {repeat_spread_pp(point):.1f} "
                 f"| {m['ttft_p50_s']:.2f} / {m['ttft_p90_s']:.2f} -> {p['ttft_p50_s']:.2f} / {p['ttft_p90_s']:.2f} "
                 f"| {1000 * m['tpot_p50_s']:.1f} / {1000 * m['tpot_p90_s']:.1f} -> "
                 f"{1000 * p['tpot_p50_s']:.1f} / {1000 * p['tpot_p90_s']:.1f} |"
@@ -228,6 +248,9 @@ def format_summary(summary: dict[str, dict[str, dict[str, float]]]) -> str:
         cells = [f"{metrics['attainment_pp'].get('mean', math.nan):.1f} / {metrics['attainment_pp'].get('worst', math.nan):.1f}"]
         cells += [f"{metrics[k].get('mean', math.nan):.0%} / {metrics[k].get('worst', math.nan):.0%}" for k in PERCENTILES]
         lines.append(f"| {role} | " + " | ".join(cells) + " |")
+    spreads = [f"{role} {m['repeat_spread_pp']['mean']:.1f} / {m['repeat_spread_pp']['worst']:.1f}" for role, m in summary.items() if "repeat_spread_pp" in m]
+    if spreads:
+        lines.append(f"\nrepeats' attainment spread (pp), mean / worst: {'; '.join(spreads)}")
     return "\n".join(lines)
 
 
@@ -240,6 +263,7 @@ def main() -> None:
     parser.add_argument("--step", type=float, default=1.5, help="rate factor between ladder steps")
     parser.add_argument("--max-runs", type=int, default=5, help="measured rates per slice at most")
     parser.add_argument("--max-run-s", type=float, default=300, help="no rate whose replay lasts longer")
+    parser.add_argument("--repeats", type=int, default=1, help="replays per measured rate (new prompts each)")
     parser.add_argument("--plan-rate", type=float, default=1.5, help="rate to plan for and calibrate at")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -374,10 +398,14 @@ def print_tables(results: list[dict], summary: dict, summary_per_token: dict) ->
 
 def summarise(results: list[dict], errors_key: str) -> dict:
     """Error summaries of the development and the held-out points."""
-    return {
-        role: error_summary([p for entry in results if entry["role"] == role for p in entry["points"]], errors_key)
-        for role in ("development", "held-out")
-    }
+    summary = {}
+    for role in ("development", "held-out"):
+        points = [p for entry in results if entry["role"] == role for p in entry["points"]]
+        summary[role] = error_summary(points, errors_key)
+        spreads = [repeat_spread_pp(p) for p in points if len(p.get("repeat_attainments", [])) > 1]
+        if spreads:
+            summary[role]["repeat_spread_pp"] = {"mean": float(np.mean(spreads)), "worst": float(max(spreads))}
+    return summary
 
 
 def write_report(

@@ -7,7 +7,17 @@ import math
 
 import pytest
 
-from duet.benchmarks.placement_crossval import DEVELOPMENT, choose_slices, error_summary, errors, next_rate
+from duet.benchmarks.placement_crossval import (
+    DEVELOPMENT,
+    choose_slices,
+    error_summary,
+    errors,
+    format_summary,
+    format_table,
+    next_rate,
+    repeat_spread_pp,
+    summarise,
+)
 
 SIZES = {"azure-conv": 80, "azure-code": 80, "mooncake-conv": 100}
 
@@ -47,6 +57,31 @@ def test_errors_are_points_for_attainment_and_relative_for_latency():
     summary = error_summary([{"errors": e}, {"errors": {**e, "attainment_pp": 4.0, "ttft_p50_s": math.nan}}])
     assert summary["attainment_pp"] == {"mean": pytest.approx(7.0), "worst": pytest.approx(10.0)}
     assert summary["ttft_p50_s"]["worst"] == pytest.approx(0.2)  # the undefined error is left out
+
+
+def _point(measured: float, predicted: float, repeats: list[float] | None = None) -> dict:
+    latencies = {"ttft_p50_s": 0.5, "ttft_p90_s": 1.0, "tpot_p50_s": 0.01, "tpot_p90_s": 0.02}
+    point = {"rate_rps": 2.0, "measured": {"attainment": measured, **latencies}, "predicted": {"attainment": predicted, **latencies}}
+    point["errors"] = errors(point["measured"], point["predicted"])
+    if repeats is not None:
+        point["repeat_attainments"] = repeats
+    return point
+
+
+def test_repeated_points_report_how_far_their_repeats_fell_apart():
+    single, repeated = _point(0.8, 0.9), _point(0.8, 0.9, repeats=[0.72, 0.88])
+    assert repeat_spread_pp(single) == 0.0
+    assert repeat_spread_pp(repeated) == pytest.approx(16.0)
+    results = [
+        {"slice": "azure-conv#0", "role": "development", "points": [single]},
+        {"slice": "azure-conv#5", "role": "held-out", "points": [repeated, _point(0.5, 0.5, repeats=[0.48, 0.52])]},
+    ]
+    summary = summarise(results, "errors")
+    assert summary["held-out"]["repeat_spread_pp"] == {"mean": pytest.approx(10.0), "worst": pytest.approx(16.0)}
+    assert "repeat_spread_pp" not in summary["development"]  # one run each: no spread to report
+    assert "held-out 10.0 / 16.0" in format_summary(summary)
+    table = format_table(results)
+    assert "| azure-conv#5 | held-out | 2.00 | 80.0% / 90.0% (+10.0) | 16.0 |" in table
 
 
 def test_repredict_simulates_a_saved_runs_points_again_from_its_work_files(linear_model, tmp_path):

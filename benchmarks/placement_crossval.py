@@ -264,6 +264,9 @@ def main() -> None:
     parser.add_argument("--max-runs", type=int, default=5, help="measured rates per slice at most")
     parser.add_argument("--max-run-s", type=float, default=300, help="no rate whose replay lasts longer")
     parser.add_argument("--repeats", type=int, default=1, help="replays per measured rate (new prompts each)")
+    parser.add_argument(
+        "--reprofile", action="store_true", help="profile the engine again after the measurements and predict with both"
+    )
     parser.add_argument("--plan-rate", type=float, default=1.5, help="rate to plan for and calibrate at")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -339,8 +342,26 @@ def main() -> None:
                 {"slice": slice_.label, "role": "development" if slice_.development else "held-out", "points": points}
             )
             write_report(args, slo, with_host, plan, samples, results)  # a stopped run keeps what it measured
+    if args.reprofile:
+        predict_with_profile_after(workdir, with_host, results, [window(slice_) for slice_ in slices], plan, slo, sim)
     write_report(args, slo, with_host, plan, samples, results, final=True)
     print(f"wrote {args.out} (work files in {workdir})")
+
+
+def predict_with_profile_after(
+    workdir: Path, before: LatencyModel, results: list[dict], traces: list[Trace], plan: Plan, slo: Slo, sim: SimConfig
+) -> None:
+    """Profile the engine again, now that the deployment is stopped, and predict every measured
+    point with that profile too (the serving path as measured before): on a shared machine the
+    engine's speed drifts between a profile and the replays an hour later, and the two
+    predictions bracket what that drift alone does to the errors."""
+    after = LatencyModel.load(run_profile(workdir / "profile-after.yaml")).with_serving_path(before.serving_path)
+    after.save(workdir / "profile-host-after.yaml")
+    cluster = ClusterSpec.load(write_cluster(workdir / "cluster-host-after.yaml", workdir / "profile-host-after.yaml"))
+    for trace, entry in zip(traces, results):
+        for point in entry["points"]:
+            point["predicted_profile_after"] = predict(cluster, plan, trace, slo, point["rate_rps"], sim)
+            point["errors_profile_after"] = errors(point["measured"], point["predicted_profile_after"])
 
 
 def predict_point(
@@ -373,12 +394,10 @@ def repredict(report_path: Path, workdir: Path, out: Path) -> None:
         trace = traces[name].window(int(index) * requests, requests)
         for point in entry["points"]:
             predict_point(point, trace, clusters, plan, slo, sim)
-    results = report["slices"]
-    report["summary"] = summarise(results, "errors")
-    report["summary_per_token_cost"] = summarise(results, "errors_per_token_cost")
+    report.update(summaries(report["slices"]))
     report["sim_config"] = dataclasses.asdict(sim)
     report["repredicted_from"] = str(report_path)
-    print_tables(results, report["summary"], report["summary_per_token_cost"])
+    print_tables(report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
@@ -389,11 +408,24 @@ def capped_trace(name: str, max_input: int, max_output: int) -> Trace:
     return load_trace(str(traces_dir() / TRACES[name])).capped(max_input, max_output)
 
 
-def print_tables(results: list[dict], summary: dict, summary_per_token: dict) -> None:
-    print(format_table(results))
-    print(format_summary(summary))
+def print_tables(report: dict) -> None:
+    print(format_table(report["slices"]))
+    print(format_summary(report["summary"]))
     print("charging one number per token instead:")
-    print(format_summary(summary_per_token))
+    print(format_summary(report["summary_per_token_cost"]))
+    if "summary_profile_after" in report:
+        print("predicted with the engine profiled again after the measurements:")
+        print(format_summary(report["summary_profile_after"]))
+
+
+def summaries(results: list[dict]) -> dict[str, dict]:
+    """The report's error summaries: the simulator as shipped, charging one number per token,
+    and (after ``--reprofile``) with the engine profiled again after the measurements."""
+    out = {"summary": summarise(results, "errors"), "summary_per_token_cost": summarise(results, "errors_per_token_cost")}
+    points = [p for entry in results for p in entry["points"]]
+    if points and all("errors_profile_after" in p for p in points):
+        out["summary_profile_after"] = summarise(results, "errors_profile_after")
+    return out
 
 
 def summarise(results: list[dict], errors_key: str) -> dict:
@@ -419,27 +451,21 @@ def write_report(
 ) -> None:
     """The JSON report (after every slice), and with ``final`` the tables on stdout."""
 
-    summary, summary_per_token = summarise(results, "errors"), summarise(results, "errors_per_token_cost")
+    report = {
+        "requests_per_slice": args.requests,
+        "caps": {"input": args.max_input, "output": args.max_output},
+        "seed": args.seed,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "profile": profile.to_dict(),
+        "plan": plan.summary(),
+        "serving_path_samples": [dataclasses.asdict(sample) for sample in samples],
+        "slices": results,
+        **summaries(results),
+    }
     if final:
-        print_tables(results, summary, summary_per_token)
+        print_tables(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "requests_per_slice": args.requests,
-                "caps": {"input": args.max_input, "output": args.max_output},
-                "seed": args.seed,
-                "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-                "profile": profile.to_dict(),
-                "plan": plan.summary(),
-                "serving_path_samples": [dataclasses.asdict(sample) for sample in samples],
-                "slices": results,
-                "summary": summary,
-                "summary_per_token_cost": summary_per_token,
-            },
-            indent=1,
-        )
-    )
+    args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from duet.benchmarks.placement_crossval import (
     next_rate,
     repeat_spread_pp,
     summarise,
+    summaries,
 )
 
 SIZES = {"azure-conv": 80, "azure-code": 80, "mooncake-conv": 100}
@@ -82,6 +83,16 @@ def test_repeated_points_report_how_far_their_repeats_fell_apart():
     assert "held-out 10.0 / 16.0" in format_summary(summary)
     table = format_table(results)
     assert "| azure-conv#5 | held-out | 2.00 | 80.0% / 90.0% (+10.0) | 16.0 |" in table
+
+
+def test_the_profile_made_after_the_measurements_is_summarised_when_every_point_has_it():
+    point = _point(0.8, 0.9)
+    point["errors_per_token_cost"] = point["errors"]
+    results = [{"slice": "azure-conv#5", "role": "held-out", "points": [point]}]
+    assert set(summaries(results)) == {"summary", "summary_per_token_cost"}
+    point["errors_profile_after"] = {**point["errors"], "attainment_pp": -3.0}
+    after = summaries(results)["summary_profile_after"]
+    assert after["held-out"]["attainment_pp"] == {"mean": pytest.approx(3.0), "worst": pytest.approx(3.0)}
 
 
 def test_repredict_simulates_a_saved_runs_points_again_from_its_work_files(linear_model, tmp_path):

@@ -14,6 +14,7 @@ from duet.benchmarks.placement_crossval import (
     errors,
     format_summary,
     format_table,
+    median_profile,
     next_rate,
     repeat_spread_pp,
     summarise,
@@ -93,6 +94,16 @@ def test_the_profile_made_after_the_measurements_is_summarised_when_every_point_
     point["errors_profile_after"] = {**point["errors"], "attainment_pp": -3.0}
     after = summaries(results)["summary_profile_after"]
     assert after["held-out"]["attainment_pp"] == {"mean": pytest.approx(3.0), "worst": pytest.approx(3.0)}
+
+
+def test_the_median_profile_is_the_one_of_median_prefill_speed(linear_model, tmp_path):
+    paths = []
+    for name, per_token_ms in (("slow", 0.2), ("fast", 0.1), ("middle", 0.15)):
+        paths.append(tmp_path / f"{name}.yaml")
+        linear_model(prefill=(10.0, per_token_ms, 1e-4), decode=(5.0, 0.001, 0.1)).save(paths[-1])
+    assert median_profile(paths).name == "middle.yaml"
+    assert median_profile(paths[:1]) == paths[0]
+    assert median_profile(paths[:2]).name == "fast.yaml"  # of two, the faster: never a mix
 
 
 def test_repredict_simulates_a_saved_runs_points_again_from_its_work_files(linear_model, tmp_path):

@@ -22,6 +22,9 @@ token, request and second) on requests outside every slice. Each replay uses new
 prefix cache never serves one run from another.
 
     python benchmarks/placement_crossval.py [--held-out 1] [--requests 240] [--seed 0]
+    # against this machine's drift: each rate replayed twice, the median of three profiles,
+    # and every point predicted again with a profile made after the measurements:
+    python benchmarks/placement_crossval.py --repeats 2 --profiles 3 --reprofile
     # the same measurements, predicted again by the simulator as it is now:
     python benchmarks/placement_crossval.py --repredict REPORT.json --workdir RUN_WORKDIR --out NEW.json
 """

@@ -331,12 +331,10 @@ def main() -> None:
         cost = fit_serving_path(samples, output_interval_ms=load_config(config).decode.output_interval_ms)
         print(f"serving path: {cost} (one number: {host_ms:.3f} ms per streamed token)", flush=True)
         with_host = LatencyModel.load(profile).with_serving_path(cost)
-        with_host.save(workdir / "profile-host.yaml")
-        cluster_host = ClusterSpec.load(write_cluster(workdir / "cluster-host.yaml", workdir / "profile-host.yaml"))
+        cluster_host = saved_cluster(with_host, workdir / "profile-host.yaml", workdir / "cluster-host.yaml")
         # The same simulator charging one number per token: how much the parts matter.
         per_token = with_host.with_serving_path(ServingPathCost(ms_per_token=host_ms))
-        per_token.save(workdir / "profile-per-token.yaml")
-        cluster_per_token = ClusterSpec.load(write_cluster(workdir / "cluster-pt.yaml", workdir / "profile-per-token.yaml"))
+        cluster_per_token = saved_cluster(per_token, workdir / "profile-per-token.yaml", workdir / "cluster-pt.yaml")
         for slice_ in slices:
             trace = window(slice_)
             start = predicted_knee(cluster_host, plan, trace, slo, sim, floor=len(trace) / args.max_run_s)
@@ -352,6 +350,13 @@ def main() -> None:
         predict_with_profile_after(workdir, with_host, results, [window(slice_) for slice_ in slices], plan, slo, sim)
     write_report(args, slo, with_host, plan, samples, results, final=True)
     print(f"wrote {args.out} (work files in {workdir})")
+
+
+def saved_cluster(model: LatencyModel, profile_path: Path, cluster_path: Path) -> ClusterSpec:
+    """This machine as the planner sees it with ``model``; both are saved in the work files,
+    where ``--repredict`` finds them."""
+    model.save(profile_path)
+    return ClusterSpec.load(write_cluster(cluster_path, profile_path))
 
 
 # The prompt whose prefill time ranks profiles: long enough that the per-token terms dominate.
@@ -378,8 +383,7 @@ def predict_with_profile_after(
     engine's speed drifts between a profile and the replays an hour later, and the two
     predictions bracket what that drift alone does to the errors."""
     after = LatencyModel.load(run_profile(workdir / "profile-after.yaml")).with_serving_path(before.serving_path)
-    after.save(workdir / "profile-host-after.yaml")
-    cluster = ClusterSpec.load(write_cluster(workdir / "cluster-host-after.yaml", workdir / "profile-host-after.yaml"))
+    cluster = saved_cluster(after, workdir / "profile-host-after.yaml", workdir / "cluster-host-after.yaml")
     for trace, entry in zip(traces, results):
         for point in entry["points"]:
             point["predicted_profile_after"] = predict(cluster, plan, trace, slo, point["rate_rps"], sim)

@@ -130,6 +130,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return "inf" if value == math.inf else format(value, spec)
 
 
+def _times(value: float | None) -> str:
+    """A ratio as the tables print it: ``1.14x``, or ``inf`` / ``n/a`` without the ``x``."""
+    return _fmt(value, ".2f") + ("x" if value is not None and math.isfinite(value) else "")
+
+
 def _row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -175,7 +180,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
             continue
         if top in good and bottom in good:
             times = [ratio(good[top][s], good[bottom][s]) for s in slos]
-            cells = [_fmt(t, ".2f") + ("x" if t is not None and math.isfinite(t) else "") for t in times]
+            cells = [_times(t) for t in times]
         else:
             cells = ["n/a"] * len(slos)
         lines.append(_row([f"{top} / {bottom}", *cells]))
@@ -198,7 +203,7 @@ def _cpu_ratio_table(report: Mapping[str, Any]) -> str:
         for rate, reference in vllm_runs.items():
             run = runs.get(rate, {})
             times = [ratio(run.get(key) or 0.0, reference.get(key) or 0.0) for key in ("cpu_ms_per_token", "front_door_ms_per_token")]
-            cells.append(", ".join(_fmt(t, ".2f") + ("x" if t is not None and math.isfinite(t) else "") for t in times))
+            cells.append(", ".join(_times(t) for t in times))
         lines.append(_row([system, *cells]))
     return "\n".join(lines) + "\n"
 

@@ -331,17 +331,17 @@ def main() -> None:
         cost = fit_serving_path(samples, output_interval_ms=load_config(config).decode.output_interval_ms)
         print(f"serving path: {cost} (one number: {host_ms:.3f} ms per streamed token)", flush=True)
         with_host = LatencyModel.load(profile).with_serving_path(cost)
-        cluster_host = saved_cluster(with_host, workdir / "profile-host.yaml", workdir / "cluster-host.yaml")
+        cluster_host = saved_cluster(with_host, workdir / "profile-host.yaml", workdir / PREDICTION_CLUSTERS[""])
         # The same simulator charging one number per token: how much the parts matter.
         per_token = with_host.with_serving_path(ServingPathCost(ms_per_token=host_ms))
-        cluster_per_token = saved_cluster(per_token, workdir / "profile-per-token.yaml", workdir / "cluster-pt.yaml")
+        cluster_per_token = saved_cluster(per_token, workdir / "profile-per-token.yaml", workdir / PREDICTION_CLUSTERS["_per_token_cost"])
         for slice_ in slices:
             trace = window(slice_)
             start = predicted_knee(cluster_host, plan, trace, slo, sim, floor=len(trace) / args.max_run_s)
             print(f"{slice_.label} ({'development' if slice_.development else 'held-out'}), from {start} req/s", flush=True)
             points = measure_slice(target, cluster.model, trace, start, slo, seeds, args)
             for point in points:
-                predict_point(point, trace, (cluster_host, cluster_per_token), plan, slo, sim)
+                predict_point(point, trace, {"": cluster_host, "_per_token_cost": cluster_per_token}, plan, slo, sim)
             results.append(
                 {"slice": slice_.label, "role": "development" if slice_.development else "held-out", "points": points}
             )
@@ -383,31 +383,37 @@ def predict_with_profile_after(
     engine's speed drifts between a profile and the replays an hour later, and the two
     predictions bracket what that drift alone does to the errors."""
     after = LatencyModel.load(run_profile(workdir / "profile-after.yaml")).with_serving_path(before.serving_path)
-    cluster = saved_cluster(after, workdir / "profile-host-after.yaml", workdir / "cluster-host-after.yaml")
+    cluster = saved_cluster(after, workdir / "profile-host-after.yaml", workdir / PREDICTION_CLUSTERS["_profile_after"])
     for trace, entry in zip(traces, results):
         for point in entry["points"]:
-            point["predicted_profile_after"] = predict(cluster, plan, trace, slo, point["rate_rps"], sim)
-            point["errors_profile_after"] = errors(point["measured"], point["predicted_profile_after"])
+            predict_point(point, trace, {"_profile_after": cluster}, plan, slo, sim)
 
 
-def predict_point(
-    point: dict, trace: Trace, clusters: tuple[ClusterSpec, ClusterSpec], plan: Plan, slo: Slo, sim: SimConfig
-) -> None:
-    """Add the simulator's predictions of a measured point, and their errors: with the serving
-    path in its parts (``clusters[0]``) and as one number per token (``clusters[1]``)."""
-    parts, per_token = clusters
-    point["predicted"] = predict(parts, plan, trace, slo, point["rate_rps"], sim)
-    point["errors"] = errors(point["measured"], point["predicted"])
-    point["predicted_per_token_cost"] = predict(per_token, plan, trace, slo, point["rate_rps"], sim)
-    point["errors_per_token_cost"] = errors(point["measured"], point["predicted_per_token_cost"])
+# The work files of each prediction a report carries, by the suffix of its keys in the report
+# (``predicted{suffix}``, ``errors{suffix}``): the serving path in its parts, as one number per
+# token, and (``--reprofile``) with the engine profiled again after the measurements.
+PREDICTION_CLUSTERS = {"": "cluster-host.yaml", "_per_token_cost": "cluster-pt.yaml", "_profile_after": "cluster-host-after.yaml"}
+
+
+def predict_point(point: dict, trace: Trace, clusters: dict[str, ClusterSpec], plan: Plan, slo: Slo, sim: SimConfig) -> None:
+    """Add the simulator's predictions of a measured point and their errors, one per cluster,
+    under the report keys its suffix names (``PREDICTION_CLUSTERS``)."""
+    for suffix, cluster in clusters.items():
+        point[f"predicted{suffix}"] = predict(cluster, plan, trace, slo, point["rate_rps"], sim)
+        point[f"errors{suffix}"] = errors(point["measured"], point[f"predicted{suffix}"])
 
 
 def repredict(report_path: Path, workdir: Path, out: Path) -> None:
     """Predict a finished run's measured points again with the simulator as it is now, from
     that run's own profile, serving-path costs and plan (its ``--workdir``): a change to the
-    simulator is then judged on the same measurements, which on this machine do not repeat."""
+    simulator is then judged on the same measurements, which on this machine do not repeat.
+    Every prediction the run made is made again (the after-profile's too, if it has one)."""
     report = json.loads(report_path.read_text())
-    clusters = (ClusterSpec.load(workdir / "cluster-host.yaml"), ClusterSpec.load(workdir / "cluster-pt.yaml"))
+    clusters = {
+        suffix: ClusterSpec.load(workdir / name)
+        for suffix, name in PREDICTION_CLUSTERS.items()
+        if suffix != "_profile_after" or (workdir / name).exists()
+    }
     plan = Plan.load(workdir / "plan.yaml")
     slo = Slo(report["slo"]["ttft_s"], report["slo"]["tpot_s"], 0.9)
     sim = deployed_sim_config()

@@ -142,3 +142,11 @@ def test_repredict_simulates_a_saved_runs_points_again_from_its_work_files(linea
     assert point["predicted"] == pytest.approx(measured)
     assert again["summary"]["held-out"]["attainment_pp"] == {"mean": 0.0, "worst": 0.0}
     assert again["sim_config"]["chunked_prefill"] is True
+    assert "predicted_profile_after" not in point and "summary_profile_after" not in again
+
+    # A run made with --reprofile left the after-profile's cluster: it is predicted again too.
+    write_cluster(tmp_path / "cluster-host-after.yaml", tmp_path / "profile.yaml")
+    repredict(tmp_path / "run.json", tmp_path, tmp_path / "again.json")
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["slices"][0]["points"][0]["predicted_profile_after"] == pytest.approx(measured)
+    assert again["summary_profile_after"]["held-out"]["attainment_pp"] == {"mean": 0.0, "worst": 0.0}

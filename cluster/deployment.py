@@ -23,9 +23,9 @@ from duet.cluster.cores import CoreAllocator
 from duet.cluster.engine import is_cpu_only, resolve_model_path
 from duet.cluster.pool_manager import PoolManager, root_cause
 from duet.cluster.ray_runtime import start_ray
-from duet.decode_worker.worker import ColocatedWorker, DecodeWorker
+from duet.decode_worker.worker import ColocatedWorker, DecodeWorker, SimulatedColocatedWorker, SimulatedDecodeWorker
 from duet.kv_transfer.ports import is_bindable
-from duet.prefill_worker.worker import PrefillWorker
+from duet.prefill_worker.worker import PrefillWorker, SimulatedPrefillWorker
 from duet.kv_transfer.config import TRANSPORTS
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.metrics import start_metrics_server
@@ -39,6 +39,12 @@ from duet.router.status import ClusterView
 from duet.router.validation import ModelLimits
 
 logger = logging.getLogger(__name__)
+
+# Each role's worker actor: one that hosts a vLLM engine core, or one that runs a SIMULATED engine.
+_VLLM_WORKERS: dict[str, type] = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
+_SIMULATED_WORKERS: dict[str, type] = {
+    "prefill": SimulatedPrefillWorker, "decode": SimulatedDecodeWorker, "colocated": SimulatedColocatedWorker,
+}
 
 
 class WorkerStartError(RuntimeError):
@@ -110,11 +116,11 @@ class Deployment:
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
         cores = CoreAllocator() if is_cpu_only() else None
         if colocated:
-            self.managers = {"colocated": self._manager(ColocatedWorker, self.decode, self.config.colocated, cores)}
+            self.managers = {"colocated": self._manager("colocated", self.decode, self.config.colocated, cores)}
         else:
             self.managers = {
-                "prefill": self._manager(PrefillWorker, self.prefill, self.config.prefill, cores),
-                "decode": self._manager(DecodeWorker, self.decode, self.config.decode, cores),
+                "prefill": self._manager("prefill", self.prefill, self.config.prefill, cores),
+                "decode": self._manager("decode", self.decode, self.config.decode, cores),
             }
         for manager in self.managers.values():
             manager.create(manager.pool_config.replicas)
@@ -173,9 +179,10 @@ class Deployment:
             f"prefill {policy.prefill.min}-{policy.prefill.max}, decode {policy.decode.min}-{policy.decode.max} workers)"
         )
 
-    def _manager(self, worker_class: type, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None) -> PoolManager:
+    def _manager(self, role: str, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None) -> PoolManager:
+        workers = _SIMULATED_WORKERS if pool_config.engine == "simulated" else _VLLM_WORKERS
         return PoolManager(
-            pool, worker_class, pool_config, self.config, _router_host(self.config), cores,
+            pool, workers[role], pool_config, self.config, _router_host(self.config), cores,
             plan_nodes=_plan_node_ids(pool.role, pool_config.nodes),
         )
 
@@ -226,8 +233,7 @@ class Deployment:
             self.health.stop()
         if self.autoscaler is not None:
             self.autoscaler.stop()
-        for manager in self.managers.values():
-            await manager.stop()
+        await asyncio.gather(*(manager.stop() for manager in self.managers.values()))
 
 
 def _chat_template(config: DuetConfig) -> str | None:

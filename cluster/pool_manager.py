@@ -69,11 +69,16 @@ class PoolManager:
         if node_id is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         pool = self.pool_config
+        # A SIMULATED worker serves many requests at once in its actor. A vLLM worker's actor
+        # takes one call at a time on its main thread, which its watch holds while the engine
+        # core runs (cluster/engine_host.py): a threaded actor would leave Ray's 10 ms timer free
+        # to run there.
+        max_concurrency = 1000 if self.simulated else 1
         # Task events feed Ray's dashboard and state API, which duet does not use; recording one
         # per actor call (each health ping, when pings went through the actors) cost each actor
         # and the GCS about a tenth of their idle CPU.
         return ray.remote(self.worker_class).options(
-            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=1000,
+            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=max_concurrency,
             enable_task_events=False, **options,
         ).remote(name, self.config, core)
 
@@ -224,8 +229,9 @@ class PoolManager:
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for member in list(self.pool.members):
-            await self.remove(member)
+        # Together: a vLLM worker's actor takes its shutdown call once its current watch call
+        # returns (up to a couple of seconds each).
+        await asyncio.gather(*(self.remove(member) for member in list(self.pool.members)))
 
     @staticmethod
     def _close_engine(member: PoolMember) -> None:

@@ -144,7 +144,7 @@ class RouterLink:
     ``handler`` is the worker actor: its ``prefill`` returns a
     :class:`~duet.cluster.worker_api.PrefillResult`, its ``decode`` puts each step's
     ``[id, "tokens", ...]`` message on this link, and its ``abort`` frees a request's engine
-    state (prefill_worker/worker.py, decode_worker/worker.py, cluster/engine_host.py).
+    state (prefill_worker/worker.py, decode_worker/worker.py, cluster/simulated_host.py).
     """
 
     def __init__(self, handler: Any) -> None:

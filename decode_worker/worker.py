@@ -10,8 +10,9 @@ every token is streamed, the first included, or the fallback when a KV hand-off 
 :func:`decode_updates` is the one implementation. For vLLM workers the router runs it against
 the engine's front end in its own process, so tokens go from the engine core straight to the
 client's stream (router/engine_front_end.py). :class:`DecodeWorker` is the Ray actor that hosts
-the engine core; it runs decode itself only for SIMULATED engines, whose engine lives in the
-actor, and sends their tokens to the router in per-step batches (cluster/worker_channel.py).
+the engine core. :class:`SimulatedDecodeWorker` hosts a SIMULATED engine, which lives in the
+actor; it runs decode there and sends the tokens to the router in per-step batches
+(cluster/worker_channel.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncIterator
 
-from duet.cluster.engine_host import EngineHost
+from duet.cluster.engine_host import EngineCoreHost
+from duet.cluster.simulated_host import SimulatedHost
 from duet.cluster.worker_api import FinishReason, SamplingSpec
 from duet.prefill_worker.worker import ParamsFactory
 
@@ -58,7 +60,19 @@ async def decode_updates(
             yield list(token_ids), text, finish
 
 
-class DecodeWorker(EngineHost):
+class DecodeWorker(EngineCoreHost):
+    """Hosts a decode pool's vLLM engine core (a KV consumer)."""
+
+    role = "decode"
+
+
+class ColocatedWorker(EngineCoreHost):
+    """Hosts a colocated deployment's vLLM engine core: no KV transfer, every request whole."""
+
+    role = "colocated"
+
+
+class SimulatedDecodeWorker(SimulatedHost):
     role = "decode"
 
     async def decode(
@@ -70,8 +84,8 @@ class DecodeWorker(EngineHost):
         first_token_id: int | None = None,
         first_text: str = "",
     ) -> None:
-        """SIMULATED engines only: generate into the worker's channel; returns when finished."""
-        assert self.link is not None, "only SIMULATED workers are sent requests over the channel"
+        """Generate into the worker's channel; returns when finished."""
+        assert self.link is not None, "a worker is sent requests only once started"
         put = self.link.put
         with self._tracked(request_id):
             async for token_ids, text, finish in decode_updates(
@@ -81,7 +95,7 @@ class DecodeWorker(EngineHost):
                 put([request_id, "tokens", token_ids, text, finish])
 
 
-class ColocatedWorker(DecodeWorker):
-    """A worker of a colocated deployment: no KV transfer, every request computed whole."""
+class SimulatedColocatedWorker(SimulatedDecodeWorker):
+    """A SIMULATED worker of a colocated deployment: every request computed whole."""
 
     role = "colocated"

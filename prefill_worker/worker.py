@@ -7,8 +7,8 @@ decode side does everything after.
 
 :func:`run_prefill` is the one implementation. For vLLM workers the router runs it against the
 engine's front end in its own process (router/engine_front_end.py); :class:`PrefillWorker` is
-the Ray actor that hosts the engine core, and runs it itself only for SIMULATED engines, whose
-engine lives in the actor.
+the Ray actor that hosts the engine core. :class:`SimulatedPrefillWorker` hosts a SIMULATED
+engine, which lives in the actor, and runs it there.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from duet.cluster.config import KVTransferConfig
-from duet.cluster.engine_host import EngineHost
+from duet.cluster.engine_host import EngineCoreHost
+from duet.cluster.simulated_host import SimulatedHost
 from duet.cluster.worker_api import EngineAborted, PrefillResult, SamplingSpec
 from duet.kv_transfer.config import prefill_request_params
 
@@ -63,7 +64,13 @@ async def run_prefill(
     )
 
 
-class PrefillWorker(EngineHost):
+class PrefillWorker(EngineCoreHost):
+    """Hosts a prefill pool's vLLM engine core (a KV producer)."""
+
+    role = "prefill"
+
+
+class SimulatedPrefillWorker(SimulatedHost):
     role = "prefill"
 
     async def prefill(
@@ -73,7 +80,7 @@ class PrefillWorker(EngineHost):
         sampling: SamplingSpec,
         decode_endpoint: str | None = None,
     ) -> PrefillResult:
-        """SIMULATED engines only: prefill inside the actor (see :func:`run_prefill`)."""
+        """Prefill inside the actor (see :func:`run_prefill`)."""
         with self._tracked(request_id):
             return await run_prefill(
                 self.engine, self._params, self.config.kv_transfer, self.name,

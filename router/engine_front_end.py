@@ -10,8 +10,9 @@ router), which cost duet several times plain vLLM's CPU per token (docs/benchmar
 
 The engine core connects to this front end's ZeroMQ sockets (tcp, so workers on other hosts can
 reach the router). vLLM's front end does not watch an engine core it did not start; the health
-watcher does (it pings through both the actor and this front end), and :meth:`EngineFrontEnd.lost`
-ends the requests of a worker found dead.
+watcher does (it pings the engine core through this front end, and keeps a watch pending on its
+actor: :meth:`EngineFrontEnd.watch`), and :meth:`EngineFrontEnd.lost` ends the requests of a
+worker found dead.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from duet.cluster.config import KVTransferConfig
+from duet.cluster.engine_host import WATCH_HOLD_S
 from duet.cluster.worker_api import DecodeChunk, EngineAborted, EngineAddresses, PrefillResult, SamplingSpec, WorkerStatus
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
@@ -33,10 +36,14 @@ from duet.router.worker_engines import EngineLost, EngineRejected
 
 logger = logging.getLogger(__name__)
 
-# How long an engine's unexplained abort waits for its actor to say it is alive.
-_LIVENESS_TIMEOUT_S = 5.0
+# How long an engine's unexplained abort waits for its actor to say it is alive: a live actor
+# answers once its current watch call returns.
+_LIVENESS_TIMEOUT_S = WATCH_HOLD_S + 3.0
 # The gauges a health ping reports as the worker's load.
 _LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
+# A health ping makes no round trip to an engine core that delivered a request's output this
+# recently: it has just shown that it steps and answers.
+_RECENT_OUTPUT_S = 1.0
 
 
 @dataclass
@@ -78,6 +85,7 @@ class EngineFrontEnd:
         self._requests: set[str] = set()
         self._served = 0
         self._lost: BaseException | None = None
+        self._output_at = 0.0  # when the engine core last delivered a request's output (monotonic)
 
     @classmethod
     async def connect(
@@ -108,9 +116,11 @@ class EngineFrontEnd:
         self._check_alive()
         self._requests.add(request_id)
         try:
-            return await run_prefill(
+            result = await run_prefill(
                 self.engine, _vllm_params, self.transfer, self.name, request_id, prompt_token_ids, sampling, decode_endpoint
             )
+            self._output_at = time.monotonic()
+            return result
         except EngineAborted as error:
             if self._lost is None and await self._worker_gone():
                 raise EngineLost(f"worker {self.name} is gone (its engine ended the request as it shut down)") from error
@@ -136,6 +146,7 @@ class EngineFrontEnd:
         )
         try:
             async for token_ids, text, finish in updates:
+                self._output_at = time.monotonic()
                 if finish == "abort" and (self._lost is not None or await self._worker_gone()):
                     raise EngineLost(f"worker {self.name} is gone ({self._lost or 'its engine ended the request as it shut down'})")
                 yield DecodeChunk(token_ids, text, finish)
@@ -187,14 +198,22 @@ class EngineFrontEnd:
 
     async def ping(self) -> tuple[float, int]:
         """The engine core answers: a round trip over the front end's sockets, which a hung
-        engine never makes. (The actor and the engine core process are watched, not pinged:
-        :meth:`watch`.)"""
-        await self.engine.is_sleeping()
+        engine never makes, unless it delivered a request's output in the last
+        ``_RECENT_OUTPUT_S`` (under load, always): each round trip costs the router about 2 ms
+        of CPU and wakes the engine core. (The actor and the engine core process are watched,
+        not pinged: :meth:`watch`.)"""
+        if time.monotonic() - self._output_at > _RECENT_OUTPUT_S:
+            await self.engine.is_sleeping()
         metrics = read_engine_metrics(self.registry, _LOAD_METRICS)
         return metrics.get("vllm:kv_cache_usage_perc", 0.0), int(metrics.get("vllm:num_requests_running", 0))
 
     async def watch(self) -> str:
-        return await self.actor.watch.remote()
+        """Why the worker's engine core exited, once it has (raises if its actor dies). Each
+        actor call waits at most ``WATCH_HOLD_S`` (cluster/engine_host.py); the next follows at
+        once."""
+        while (reason := await self.actor.watch.remote(WATCH_HOLD_S)) is None:
+            pass
+        return reason
 
     async def status(self) -> WorkerStatus:
         status: WorkerStatus = await self.actor.status.remote()

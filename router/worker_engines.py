@@ -52,7 +52,8 @@ class WorkerEngine(Protocol):
         ...
 
     async def ping(self) -> tuple[float, int]:
-        """A round trip to the engine (raises if gone; never returns if hung): (KV usage, running)."""
+        """Proof the engine steps, by a round trip (raises if gone; never returns if hung) or by
+        output it just delivered: (KV usage, running)."""
         ...
 
     async def watch(self) -> str:

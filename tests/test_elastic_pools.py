@@ -152,6 +152,28 @@ def test_an_exited_engine_core_is_replaced_at_once_without_any_request(deploymen
     assert len(ids) == 4
 
 
+def test_a_serving_workers_actor_leaves_its_main_thread_asleep(deployment, client):
+    """While its engine core runs, a vLLM worker's actor holds its main thread in its watch
+    (cluster/engine_host.py), so Ray's 10 ms signal check cannot run there: a few wakeups per
+    watch call (one call every WATCH_HOLD_S), where the timer would make about 400 in 4 s.
+    The worker still answers its actor calls, and still serves."""
+    _wait_settled(client)
+    member = deployment.decode.members[0]
+    pid = ray.get(member.actor.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+
+    def main_thread_wakeups() -> int:
+        with open(f"/proc/{pid}/task/{pid}/status") as status:
+            return int(status.read().split("voluntary_ctxt_switches:")[1].split()[0])
+
+    before = main_thread_wakeups()
+    time.sleep(4)
+    wakeups = main_thread_wakeups() - before
+    assert wakeups < 100, f"{wakeups} wakeups of the actor's main thread in 4 s: Ray's signal timer is running"
+    assert ray.get(member.actor.status.remote(), timeout=30).state == "ready"
+    ids, _ = client.generate_ids(build_request("still serving", max_tokens=4, ignore_eos=True), timeout=120)
+    assert len(ids) == 4
+
+
 @pytest.mark.parametrize(
     "call, code, field",
     [

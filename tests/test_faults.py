@@ -6,7 +6,11 @@ and engine), so the tests that follow still have a full deployment.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
+import threading
 import time
 from dataclasses import replace
 
@@ -73,6 +77,51 @@ def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment,
     received = stream_killing_worker(client, request, decode)
     expected = reference.greedy([prompt], max_tokens=24, ignore_eos=True)[0]
     assert received == expected, "the resumed stream differs from an uninterrupted one"
+    assert decode.restarts == restarts + 1 and decode.state == "ready"
+
+
+def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, deployment, reference):
+    """A stream spares its decode engine the health ping's round trip (its outputs show that it
+    steps). An engine core that stops stepping while alive (SIGSTOP: hung, not exited) stops
+    delivering; the pings resume, time out, and the worker is replaced; the stream resumes on
+    the replacement, token-exact."""
+    prompt = _prompt(300, seed=5)
+    decode = deployment.decode.members[0]
+    restarts = decode.restarts
+    engine_pid = ray.get(decode.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+    request = build_request(prompt_token_ids=prompt, max_tokens=160, ignore_eos=True)
+    received: list[int] = []
+    streaming = threading.Event()
+
+    def consume() -> None:
+        for message in client.generate(request, timeout=600):
+            received.extend(message.token_ids)
+            if len(received) >= 16:
+                streaming.set()
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        assert streaming.wait(120), "the stream never got going"
+        os.kill(engine_pid, signal.SIGSTOP)
+        hung_at = time.monotonic()
+        while decode.state == "ready" and time.monotonic() - hung_at < 30:
+            time.sleep(0.05)
+        noticed_s = time.monotonic() - hung_at
+        error = decode.error
+        consumer.join(600)
+    finally:
+        # No stopped engine core is left behind, whatever happened (its removal kills it).
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine_pid, signal.SIGKILL)
+    assert "WorkerUnresponsive" in error, error
+    # Output older than 1 s, the next 1 s ping, its 5 s timeout.
+    assert noticed_s < 10, f"the hung engine was noticed after {noticed_s:.1f} s"
+    assert not consumer.is_alive(), "the stream did not finish after its engine hung"
+    assert received == reference.greedy([prompt], max_tokens=160, ignore_eos=True)[0]
+    deadline = time.monotonic() + 300
+    while decode.state != "ready" and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert decode.restarts == restarts + 1 and decode.state == "ready"
 
 

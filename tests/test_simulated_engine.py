@@ -61,7 +61,7 @@ def test_simulated_engine_queues_what_its_kv_cannot_hold():
 
 def test_a_stopped_simulated_scheduler_fails_the_health_check():
     """A scheduler loop that died leaves its requests waiting while the actor still answers:
-    the health ping (EngineHost.ping calls check_scheduler) must fail so the worker is replaced."""
+    the health ping (SimulatedHost.ping calls check_scheduler) must fail so the worker is replaced."""
 
     async def run() -> str:
         engine = SimulatedEngine(_perf(), max_model_len=4096, vocab_size=1000)

@@ -58,6 +58,7 @@ class WorkerHost:
     """What every worker actor has: its name, role, pool configuration and reported state."""
 
     role: Role | Literal["colocated"]
+    max_concurrency: int  # the actor's Ray ``max_concurrency``: each kind of host says why
 
     def __init__(self, name: str, config: DuetConfig, cpu_core: int | None) -> None:
         """``cpu_core`` is the core its forward pass is pinned to on a CPU host (the
@@ -91,6 +92,10 @@ class EngineCoreHost(WorkerHost):
     on the actor's main thread, which :meth:`watch` holds (see the module's docstring).
     """
 
+    # Calls the actor takes at once (its Ray ``max_concurrency``): one, on the main thread. A
+    # threaded actor would leave Ray's 10 ms timer free to run there.
+    max_concurrency = 1
+
     def __init__(self, name: str, config: DuetConfig, cpu_core: int | None) -> None:
         super().__init__(name, config, cpu_core)
         self.vllm_config: Any = None
@@ -101,8 +106,6 @@ class EngineCoreHost(WorkerHost):
         """Launch the engine core, connected to its front end in the router at ``front_end``;
         returns once the engine is loaded and its KV cache allocated, or raises why it failed."""
         try:
-            if not isinstance(front_end, EngineAddresses):
-                raise ValueError("a vLLM worker needs the addresses of its front end in the router")
             self._launch_engine_core(front_end)
             self._state = "ready"
         except Exception as error:

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.cores import CoreAllocator
+from duet.cluster.engine_host import WorkerHost
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.pools import PoolMember, ScaleError, WorkerPool
 from duet.router.actor_channel import ActorChannel
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PoolManager:
     pool: WorkerPool
-    worker_class: type
+    worker_class: type[WorkerHost]
     pool_config: PoolConfig
     config: DuetConfig
     # Where workers reach the router: vLLM engine cores their front ends, SIMULATED engines
@@ -69,17 +70,12 @@ class PoolManager:
         if node_id is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         pool = self.pool_config
-        # A SIMULATED worker serves many requests at once in its actor. A vLLM worker's actor
-        # takes one call at a time on its main thread, which its watch holds while the engine
-        # core runs (cluster/engine_host.py): a threaded actor would leave Ray's 10 ms timer free
-        # to run there.
-        max_concurrency = 1000 if self.simulated else 1
         # Task events feed Ray's dashboard and state API, which duet does not use; recording one
         # per actor call (each health ping, when pings went through the actors) cost each actor
         # and the GCS about a tenth of their idle CPU.
         return ray.remote(self.worker_class).options(
-            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources, max_concurrency=max_concurrency,
-            enable_task_events=False, **options,
+            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
+            max_concurrency=self.worker_class.max_concurrency, enable_task_events=False, **options,
         ).remote(name, self.config, core)
 
     @property

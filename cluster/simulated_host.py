@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 class SimulatedHost(WorkerHost):
     """Base of the SIMULATED worker actors: hosts one whole SIMULATED engine."""
 
+    # Calls the actor takes at once (its Ray ``max_concurrency``): a SIMULATED engine serves
+    # many requests at once in its actor.
+    max_concurrency = 1000
+
     def __init__(self, name: str, config: DuetConfig, cpu_core: int | None) -> None:
         super().__init__(name, config, cpu_core)
         self.engine: Any = None

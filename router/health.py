@@ -22,6 +22,7 @@ import logging
 import time
 
 from duet.router.pools import PoolMember, WorkerPool
+from duet.router.worker_engines import WorkerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -58,19 +59,21 @@ class HealthWatcher:
         while True:
             for pool in self.pools:
                 for member in pool.members:
-                    if member.state not in ("ready", "draining"):
+                    # A member being removed has had its engine closed already (its actor is
+                    # shutting down): nothing is left to watch or ping.
+                    engine = member.engine
+                    if member.state not in ("ready", "draining") or engine is None:
                         continue
                     watched = self._watches.get(member.name)
-                    if watched is None or watched[0] is not member.engine:
-                        self._watches[member.name] = (member.engine, loop.create_task(self._watch(pool, member)))
+                    if watched is None or watched[0] is not engine:
+                        self._watches[member.name] = (engine, loop.create_task(self._watch(pool, member, engine)))
                     # One ping in flight per worker: a slow one is judged by its own timeout.
                     if member.name not in self._checking:
                         self._checking.add(member.name)
-                        loop.create_task(self._check(pool, member))
+                        loop.create_task(self._check(pool, member, engine))
             await asyncio.sleep(self.interval_s)
 
-    async def _check(self, pool: WorkerPool, member: PoolMember) -> None:
-        engine = member.engine
+    async def _check(self, pool: WorkerPool, member: PoolMember, engine: WorkerEngine) -> None:
         try:
             member.kv_usage, member.running = await asyncio.wait_for(engine.ping(), self.timeout_s)
             member.reported_at = time.monotonic()
@@ -81,10 +84,10 @@ class HealthWatcher:
         finally:
             self._checking.discard(member.name)
 
-    async def _watch(self, pool: WorkerPool, member: PoolMember) -> None:
-        """Wait on ``member``'s watch; when it ends, the worker is gone unless it was replaced or
-        removed meanwhile (a removed worker's actor is killed on purpose, which ends it too)."""
-        engine = member.engine
+    async def _watch(self, pool: WorkerPool, member: PoolMember, engine: WorkerEngine) -> None:
+        """Wait on the watch of ``member``'s ``engine``; when it ends, the worker is gone unless
+        it was replaced or removed meanwhile (a removed worker's actor is killed on purpose,
+        which ends it too)."""
         try:
             error: BaseException = WorkerExited(await engine.watch())
         except Exception as failure:  # RayActorError: the actor died

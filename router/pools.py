@@ -119,10 +119,11 @@ class WorkerPool:
         start its replacement (once per failure).
 
         ``engine`` is the engine that failed: a failure reported after ``member`` was replaced
-        (a late ping, watch or request of the old engine) leaves the replacement alone. A
-        draining member is not replaced: it was leaving anyway.
+        (a late ping, watch or request of the old engine) leaves the replacement alone, and one
+        reported after its removal closed its engine (``member.engine`` is None) leaves it to
+        that removal. A draining member is not replaced: it was leaving anyway.
         """
-        if member.engine is not engine:
+        if engine is None or member.engine is not engine:
             return
         if member.engine is not None and member.state in ("ready", "draining"):
             member.engine.lost(error)

@@ -34,7 +34,7 @@ def _wait_settled(client: DuetClient, timeout_s: float = 600) -> dict[str, list[
         status = client.list_workers()
         states = [w.state for pool in status.pools for w in pool.workers]
         if not {"starting", "draining", "restarting"} & set(states):
-            assert set(states) == {"ready"}, status
+            assert set(states) == {"ready"}, [f"{w.name}: {w.state} {w.error}" for pool in status.pools for w in pool.workers]
             return {pool.role: [w.name for w in pool.workers] for pool in status.pools}
         assert time.monotonic() < deadline, f"pools did not settle: {status}"
         time.sleep(0.5)

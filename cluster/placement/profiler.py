@@ -8,12 +8,18 @@ prefix caching is off, so nothing is served from cache.
 
 What is timed is the engine alone, as a deployment runs it:
 
+* The engine is vLLM's ``AsyncLLM`` with the environment a worker gives its engine
+  (cluster/engine.py): the engine core in a process of its own with the model inside it (the
+  one-process executor). vLLM's offline ``LLM`` on a CPU host instead runs the model in a
+  separate worker process that the engine core messages every step, which made its decode steps
+  2-6 ms slower than a deployment's (paired runs in docs/placement.md): the simulator then
+  predicted TPOT 20-40% late.
 * The times are the engine core's own timestamps (vLLM's per-request stats: scheduled, first
   and last token), not the caller's clock around ``generate``. Timing a decode as the difference
   of two end-to-end runs (T tokens minus 1) subtracts two prefills of the whole batch, and their
   noise was larger than the decode it meant to measure: the batch-16 step ranged 11-35 ms over
   five repeats on this machine, against 13-21 ms from the engine's timestamps.
-* The engine core gets the profiled cores, and ``LLM``'s own front end (output processing after
+* The engine core gets the profiled cores, and the engine's front end (output processing after
   every step) is moved to the other cores once the engine has started. In a deployment that
   per-step work runs in duet's router and worker actors, and the simulator charges it separately
   (``ServingPathCost``), so it must not be in the profile as well.
@@ -34,6 +40,8 @@ cache vLLM is given (``VLLM_CPU_KVCACHE_SPACE``) over the KV bytes per token of 
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import math
 import os
@@ -46,9 +54,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from duet.cluster.engine import apply_environment, cpu_engine_environment, is_cpu_only
 from duet.cluster.placement.latency_model import (
     LatencyModel,
     ServingPathCost,
@@ -102,7 +112,7 @@ def _model_facts(path: Path) -> tuple[int, int]:
 
 
 def _move_this_process(cpus: set[int]) -> None:
-    """Pin every thread of this process (``LLM``'s front end) to ``cpus``.
+    """Pin every thread of this process (the engine's front end) to ``cpus``.
 
     ``os.sched_setaffinity(0, ...)`` moves only the calling thread; the engine client's threads
     started with the engine would stay on the engine's core.
@@ -199,17 +209,23 @@ def profile_engine(
     neighbour_core = min(other_cores) if grid.corun and other_cores else None
     if cpus:
         os.sched_setaffinity(0, cpus)  # inherited by the engine's processes
+    if is_cpu_only():  # a worker's engine environment: the model in the engine core's process
+        apply_environment(cpu_engine_environment(kv_cache_gib, None))
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
     if cpus:  # as a deployment binds its engines (cluster/engine.py), not vLLM's own choice
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(cpus))
-    from vllm import LLM, SamplingParams
+    from prometheus_client import CollectorRegistry
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from duet.router.engine_front_end import new_front_end, shut_down
 
     batch_tokens = max(
         max(grid.prefill_batches) * max(grid.prefill_lengths),
         max(grid.decode_batches) * (max(grid.decode_contexts) + grid.decode_steps),
     )
     start = time.perf_counter()
-    llm = LLM(
+    vllm_config = AsyncEngineArgs(
         model=str(path),
         dtype="float32",
         enforce_eager=True,
@@ -219,42 +235,60 @@ def profile_engine(
         max_num_seqs=max(max(grid.prefill_batches), max(grid.decode_batches)),
         seed=0,
         disable_log_stats=False,  # the per-request timestamps that the timing below reads
-    )
+    ).create_engine_config()
+    engine = new_front_end(vllm_config, CollectorRegistry())
     startup_s = time.perf_counter() - start
+    executor = vllm_config.parallel_config.distributed_executor_backend
     if other_cores:
         _move_this_process(other_cores)
     rng = np.random.default_rng(0)
-    vocab = llm.get_tokenizer().vocab_size
+    vocab = engine.get_tokenizer().vocab_size
+    loop = asyncio.new_event_loop()
+    request_ids = itertools.count()
+
+    async def run(prompt: list[int], params: Any) -> Any:
+        """The request's timing stats, once it has finished."""
+        async for output in engine.generate({"prompt_token_ids": prompt}, params, f"profile-{next(request_ids)}"):
+            final = output
+        return final.metrics
+
+    async def run_together(prompts: list[list[int]], params: Any) -> list[Any]:
+        return await asyncio.gather(*(run(prompt, params) for prompt in prompts))
 
     def timed(batch: int, length: int, tokens: int) -> tuple[float, float]:
         """(prefill ms of the batch, median decode step ms) by the engine core's clock."""
-        prompts = [{"prompt_token_ids": rng.integers(3, vocab, length).tolist()} for _ in range(batch)]
-        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
-        stats = [out.metrics for out in llm.generate(prompts, params, use_tqdm=False)]
+        prompts = [rng.integers(3, vocab, length).tolist() for _ in range(batch)]
+        params = SamplingParams(
+            max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        stats = loop.run_until_complete(run_together(prompts, params))
         prefill_ms = (max(s.first_token_ts for s in stats) - min(s.scheduled_ts for s in stats)) * 1000.0
         if tokens == 1:
             return prefill_ms, math.nan
         step_ms = statistics.median((s.last_token_ts - s.first_token_ts) / (tokens - 1) for s in stats) * 1000.0
         return prefill_ms, step_ms
 
-    timed(2, 64, 4)  # warm-up
     steps = grid.decode_steps
     prefill_points = [(b, n) for b in grid.prefill_batches for n in grid.prefill_lengths]
     decode_points = [(b, n) for b in grid.decode_batches for n in grid.decode_contexts]
     prefill_runs: dict[tuple[int, int], list[float]] = {p: [] for p in prefill_points}
     decode_runs: dict[tuple[int, int], list[float]] = {p: [] for p in decode_points}
-    for _ in range(grid.repeats):
-        for b, n in prefill_points:
-            prefill_runs[b, n].append(timed(b, n, 1)[0])
-        for b, n in decode_points:
-            decode_runs[b, n].append(timed(b, n, steps)[1])
+    try:
+        timed(2, 64, 4)  # warm-up
+        for _ in range(grid.repeats):
+            for b, n in prefill_points:
+                prefill_runs[b, n].append(timed(b, n, 1)[0])
+            for b, n in decode_points:
+                decode_runs[b, n].append(timed(b, n, steps)[1])
+        corun = 0.0 if neighbour_core is None else _corun_slowdown(timed, grid, str(path), neighbour_core, kv_cache_gib)
+    finally:
+        shut_down(engine)
+        loop.close()
     prefill = [([n] * b, statistics.median(prefill_runs[b, n])) for b, n in prefill_points]
     decode = [
         (b, float(b * (n + steps / 2)), max(statistics.median(decode_runs[b, n]), 1e-3))
         for b, n in decode_points
     ]
-
-    corun = 0.0 if neighbour_core is None else _corun_slowdown(timed, grid, str(path), neighbour_core, kv_cache_gib)
 
     prefill_fit = fit_prefill(prefill)
     small, large, threshold = fit_decode(decode)
@@ -286,6 +320,7 @@ def profile_engine(
             f"profiled {name} on {fitted.hardware}: engine start {startup_s:.0f} s, "
             f"{len(prefill)} prefill and {len(decode)} decode points",
             f"parallelism measured: tp=1 pp=1 only ({fitted.note})",
+            f"engine: vLLM AsyncLLM, executor {executor!r} (a worker's engine: 'uni', the model in its engine core's process)",
             f"prefill ms = {prefill_fit[0]:.3g} + {prefill_fit[1]:.3g}*sum(len) + "
             f"{prefill_fit[2]:.3g}*sum(len^2)   (mean relative error {prefill_err:.1%})",
             f"decode step ms = {small[0]:.3g} + {small[1]:.3g}*sum(ctx) + {small[2]:.3g}*batch"

@@ -34,6 +34,8 @@ def test_profile_real_engine_small_grid(tmp_path):
     assert 1 < engine.prefill.batch_ms(64, 64**2) < engine.prefill.batch_ms(2048, 4 * 512**2) < 5000
     assert 0.1 < engine.decode.step_ms(1, 64) <= engine.decode.step_ms(32, 32 * 64) < 1000
     assert "tp=1 pp=1 only" in done.stdout
+    # The engine ran as a worker runs it: the model in the engine core's process.
+    assert "executor 'uni'" in done.stdout
     # The neighbour engine ran (and was measured), and nothing of it is left running.
     assert "beside a busy engine on core 1" in done.stdout
     assert 0.0 <= loaded.serving_path.corun_slowdown < 1.0

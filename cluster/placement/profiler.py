@@ -124,6 +124,16 @@ def _move_this_process(cpus: set[int]) -> None:
             pass
 
 
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close ``loop`` once the engine's tasks on it (its output handler) have ended; closing it
+    with them pending logs an error for each."""
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
 # The points timed alone and beside a busy engine: prefill of one prompt, a decode step.
 CORUN_PREFILL_LENGTHS = (256, 1024)
 CORUN_DECODE = (16, 512)
@@ -283,7 +293,7 @@ def profile_engine(
         corun = 0.0 if neighbour_core is None else _corun_slowdown(timed, grid, str(path), neighbour_core, kv_cache_gib)
     finally:
         shut_down(engine)
-        loop.close()
+        _close_loop(loop)
     prefill = [([n] * b, statistics.median(prefill_runs[b, n])) for b, n in prefill_points]
     decode = [
         (b, float(b * (n + steps / 2)), max(statistics.median(decode_runs[b, n]), 1e-3))

@@ -36,6 +36,7 @@ def test_profile_real_engine_small_grid(tmp_path):
     assert "tp=1 pp=1 only" in done.stdout
     # The engine ran as a worker runs it: the model in the engine core's process.
     assert "executor 'uni'" in done.stdout
+    assert "Task was destroyed but it is pending" not in done.stderr  # the engine shut down cleanly
     # The neighbour engine ran (and was measured), and nothing of it is left running.
     assert "beside a busy engine on core 1" in done.stdout
     assert 0.0 <= loaded.serving_path.corun_slowdown < 1.0

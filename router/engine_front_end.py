@@ -189,9 +189,15 @@ class EngineFrontEnd:
 
     def lost(self, error: BaseException) -> None:
         """End every request of this worker now: vLLM finishes them as aborted, which
-        :meth:`prefill` and :meth:`decode` turn into :class:`EngineLost`."""
+        :meth:`prefill` and :meth:`decode` turn into :class:`EngineLost`.
+
+        A request can be between duet's liveness check and vLLM's registration of it (its
+        inputs are processed in a thread), where no abort reaches it; it would be sent to the
+        dead engine core and wait for an answer that never comes. Marking vLLM's client dead
+        makes that send fail instead (vLLM's own engine monitor does the same)."""
         if self._lost is None:
             self._lost = error
+        self.engine.engine_core.resources.engine_dead = True
         self.engine.output_processor.abort_requests(list(self._requests), internal=False)
 
     # ---- state ------------------------------------------------------------------------------
@@ -235,7 +241,10 @@ class EngineFrontEnd:
         await self.engine.reset_prefix_cache()
 
     def close(self) -> None:
-        """Close the sockets (the engine core itself goes with its actor)."""
+        """Close the sockets (the engine core itself goes with its actor). A request still on
+        this worker ends as lost and resumes elsewhere: vLLM's shutdown leaves its waiting
+        requests waiting."""
+        self.lost(RuntimeError("its engine front end was closed"))
         shut_down(self.engine)
 
 

@@ -218,6 +218,9 @@ class RequestLifecycle:
                 "request %s: KV hand-off to %s exceeded %.1f s; recomputing the prompt on the decode side",
                 round_.request_id, decode_worker.name, self.policy.transfer_timeout_s,
             )
+            if decode_worker.state != "ready":  # the hand-off hung because the worker died
+                decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt)
+                round_.decode_worker = decode_worker.name
             round_.request_id += "-recompute"
             chunks = self._decode(decode_worker, round_, result, kv_transfer_params=None)
             first = await anext(chunks)
@@ -230,9 +233,9 @@ class RequestLifecycle:
 
     async def _prefill(self, worker: PoolMember, round_: _Round, decode_endpoint: str | None) -> PrefillResult:
         assert self.prefill_pool is not None
+        engine = _engine_of(self.prefill_pool, worker)
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
-        engine = worker.engine
         try:
             return await engine.prefill(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
         except (EngineLost, EngineRejected) as error:
@@ -249,12 +252,12 @@ class RequestLifecycle:
         kv_transfer_params: dict[str, Any] | None,
     ) -> AsyncIterator[DecodeChunk]:
         """Start the request on ``worker`` and relay its tokens as they arrive from it."""
+        engine = _engine_of(self.decode_pool, worker)
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
         # Without transfer parameters the worker computes the prompt itself, until its first token.
         prefilling = len(round_.prompt_token_ids) if kv_transfer_params is None else 0
         worker.local_prefill_tokens += prefilling
-        engine = worker.engine
         chunks = engine.decode(
             round_.request_id,
             round_.prompt_token_ids,
@@ -287,3 +290,11 @@ class RequestLifecycle:
             return RequestFailed(f"{pool.role} worker {worker.name}: {error}")
         pool.mark_failed(worker, error, engine)
         return WorkerFailed(f"{pool.role} worker {worker.name} failed ({error})")
+
+
+def _engine_of(pool: WorkerPool, worker: PoolMember) -> Any:
+    """What ``worker``'s requests go through; a worker whose engine was closed after it was
+    chosen (removed, or replaced after a failure) fails the round, which resumes elsewhere."""
+    if worker.engine is None:
+        raise WorkerFailed(f"{pool.role} worker {worker.name} left rotation before the request reached it")
+    return worker.engine

@@ -221,7 +221,6 @@ def profile_engine(
         os.sched_setaffinity(0, cpus)  # inherited by the engine's processes
     if is_cpu_only():  # a worker's engine environment: the model in the engine core's process
         apply_environment(cpu_engine_environment(kv_cache_gib, None))
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
     if cpus:  # as a deployment binds its engines (cluster/engine.py), not vLLM's own choice
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(cpus))
     from prometheus_client import CollectorRegistry
@@ -244,6 +243,7 @@ def profile_engine(
         max_num_batched_tokens=max(batch_tokens, max_len),
         max_num_seqs=max(max(grid.prefill_batches), max(grid.decode_batches)),
         seed=0,
+        kv_cache_memory_bytes=int(kv_cache_gib * 2**30),  # exactly, as a worker's (cluster/engine.py)
         disable_log_stats=False,  # the per-request timestamps that the timing below reads
     ).create_engine_config()
     engine = new_front_end(vllm_config, CollectorRegistry())

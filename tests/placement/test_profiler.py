@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 def test_profile_real_engine_small_grid(tmp_path):
     out = tmp_path / "profile.yaml"
     done = subprocess.run(
-        [sys.executable, "-m", "duet.cli", "profile", "--model", "tiny", "--grid", "small", "--cpus", "0", "--out", str(out)],
+        [sys.executable, "-m", "duet.cli", "profile", "--model", "tiny", "--grid", "small", "--cpus", "0", "--kv-cache-gib", "0.5", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -34,6 +34,8 @@ def test_profile_real_engine_small_grid(tmp_path):
     assert 1 < engine.prefill.batch_ms(64, 64**2) < engine.prefill.batch_ms(2048, 4 * 512**2) < 5000
     assert 0.1 < engine.decode.step_ms(1, 64) <= engine.decode.step_ms(32, 32 * 64) < 1000
     assert "tp=1 pp=1 only" in done.stdout
+    # A fractional KV cache size is the engine's, exactly (vLLM's CPU variable takes whole GiB only).
+    assert f"KV capacity: {2**29 // 4096} tokens (0.5 GiB)" in done.stdout
     # The engine ran as a worker runs it: the model in the engine core's process.
     assert "executor 'uni'" in done.stdout
     assert "Task was destroyed but it is pending" not in done.stderr  # the engine shut down cleanly

@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +81,14 @@ class ProfileGrid:
     corun: bool = False
 
 
-# About two and a half minutes on 2 cores, engine starts included (tiny model, co-run measured).
+# About three minutes on 2 cores, engine starts included (tiny model, co-run measured). Prompts
+# up to 2,048 tokens: a trace's long prompts do most of its prefill work (half the Azure
+# conversation prompts are longer than 1,024 tokens, and 87% of the quadratic term), and a fit
+# that stops at 1,024 under-predicted 1,500-token prompts by 13-30% (docs/placement.md).
+# Lengths beyond a model's context are left out.
 DEFAULT_GRID = ProfileGrid(
     prefill_batches=(1, 2, 4, 8),
-    prefill_lengths=(32, 128, 512, 1024),
+    prefill_lengths=(32, 128, 512, 1024, 2048),
     decode_batches=(1, 4, 16, 32, 64),
     decode_contexts=(64, 512),
     decode_steps=16,
@@ -196,6 +200,16 @@ def _corun_slowdown(
     return max(0.0, statistics.median(ratios) - 1.0)
 
 
+def grid_within(grid: ProfileGrid, max_len: int, model_name: str) -> ProfileGrid:
+    """``grid`` without the prompt lengths a ``max_len``-token context cannot hold (the default
+    grid reaches 2,048 tokens for the models that take them); raises if its shortest prompt or
+    its decode contexts do not fit either."""
+    longest = max(min(grid.prefill_lengths), max(grid.decode_contexts) + grid.decode_steps)
+    if longest > max_len:
+        raise ValueError(f"profile grid needs {longest}-token contexts; {model_name} supports {max_len}")
+    return replace(grid, prefill_lengths=tuple(n for n in grid.prefill_lengths if n <= max_len))
+
+
 def profile_engine(
     model: str, grid: ProfileGrid = DEFAULT_GRID, kv_cache_gib: float = 1.0, cpus: set[int] | None = None
 ) -> tuple[LatencyModel, str]:
@@ -210,9 +224,7 @@ def profile_engine(
             raise ValueError(f"--model {model}: not 'tiny' and not a checkpoint directory with config.json")
         name = path.name
     kv_bytes, max_len = _model_facts(path)
-    longest = max(max(grid.prefill_lengths), max(grid.decode_contexts) + grid.decode_steps)
-    if longest > max_len:
-        raise ValueError(f"profile grid needs {longest}-token contexts; {name} supports {max_len}")
+    grid = grid_within(grid, max_len, name)
 
     # The cores left to the front end, and the one a neighbour engine runs on for ``grid.corun``.
     other_cores = os.sched_getaffinity(0) - cpus if cpus else set()

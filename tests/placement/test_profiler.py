@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from duet.cluster.placement.latency_model import LatencyModel
+from duet.cluster.placement.profiler import DEFAULT_GRID, grid_within
 
 pytest.importorskip("vllm")
 
@@ -44,3 +45,10 @@ def test_profile_real_engine_small_grid(tmp_path):
     assert 0.0 <= loaded.serving_path.corun_slowdown < 1.0
     leftover = subprocess.run(["pgrep", "-f", "duet.cluster.placement.neighbour_load"], capture_output=True)
     assert leftover.returncode == 1, f"neighbour engine still running: {leftover.stdout!r}"
+
+
+def test_the_default_grid_covers_long_prompts_and_drops_what_a_short_context_cannot_hold():
+    assert max(grid_within(DEFAULT_GRID, 4096, "tiny").prefill_lengths) == 2048
+    assert grid_within(DEFAULT_GRID, 1024, "short").prefill_lengths == (32, 128, 512, 1024)
+    with pytest.raises(ValueError, match="needs 528-token contexts; short supports 256"):
+        grid_within(DEFAULT_GRID, 256, "short")

@@ -206,9 +206,7 @@ class RequestLifecycle:
         yield DecodeChunk([result.first_token_id], result.first_text, result.finish_reason)
         if result.finish_reason is not None:
             return
-        if decode_worker.state != "ready":  # it failed or began draining while the prompt ran
-            decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt)
-        round_.decode_worker = decode_worker.name
+        decode_worker = await self._still_ready(decode_worker, round_)  # the prompt took a while
         chunks = self._decode(decode_worker, round_, result, result.kv_transfer_params)
         try:
             first = await asyncio.wait_for(anext(chunks), self.policy.transfer_timeout_s)
@@ -218,9 +216,7 @@ class RequestLifecycle:
                 "request %s: KV hand-off to %s exceeded %.1f s; recomputing the prompt on the decode side",
                 round_.request_id, decode_worker.name, self.policy.transfer_timeout_s,
             )
-            if decode_worker.state != "ready":  # the hand-off hung because the worker died
-                decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt)
-                round_.decode_worker = decode_worker.name
+            decode_worker = await self._still_ready(decode_worker, round_)  # it may have hung by dying
             round_.request_id += "-recompute"
             chunks = self._decode(decode_worker, round_, result, kv_transfer_params=None)
             first = await anext(chunks)
@@ -230,6 +226,14 @@ class RequestLifecycle:
                 yield chunk
         finally:
             await chunks.aclose()
+
+    async def _still_ready(self, decode_worker: PoolMember, round_: _Round) -> PoolMember:
+        """``decode_worker``, or another ready one if it failed or began draining meanwhile;
+        recorded as the round's decode worker."""
+        if decode_worker.state != "ready":
+            decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, round_.prompt_token_ids)
+        round_.decode_worker = decode_worker.name
+        return decode_worker
 
     async def _prefill(self, worker: PoolMember, round_: _Round, decode_endpoint: str | None) -> PrefillResult:
         assert self.prefill_pool is not None

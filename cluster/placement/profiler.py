@@ -35,7 +35,8 @@ of many points instead of every sample of one point.
 
 Only what the hardware here can run is measured: on CPU that is tensor_parallel=1,
 pipeline_parallel=1, and the profile says so (``max_pp: 1``, one TP fit). The KV capacity is the
-cache vLLM is given (``VLLM_CPU_KVCACHE_SPACE``) over the KV bytes per token of the model.
+cache vLLM is given (``kv_cache_memory_bytes``, as a worker's) over the KV bytes per token of the
+model.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (NIXL connector as kv_consumer, duet's output plugin env), alternating fresh engines.
 Engine pinned to core 1, this process (front end) on core 0."""
 import asyncio, os, statistics, sys, time, json
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 
 def run(kind: str, samples: int = 12) -> list[float]:
     from duet.cluster.config import ModelConfig, KVTransferConfig

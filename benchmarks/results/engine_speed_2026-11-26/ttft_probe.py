@@ -1,21 +1,12 @@
 """TTFT at low load inside a running deployment: client clock vs the prefill engine's own prefill
 time (vllm:request_prefill_time_seconds) and queue time, one request at a time."""
-import statistics, subprocess, sys, time, random, urllib.request
-sys.path.insert(0, "/work/main")
-sys.path.insert(0, "/tmp/y")
-from duet.router.client import DuetClient, build_request
-from deploy_itl import metric
+import statistics, sys, time, random
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from deploy_itl import build_request, metric, serving
 
 if __name__ == "__main__":
-    cfg = open("/work/main/configs/local.yaml").read().replace("port: 50051", "port: 50071").replace("http_port: 8000", "http_port: null").replace("metrics_port: 9400", "metrics_port: 9471").replace("local_prefill_queue_tokens: 1024", "local_prefill_queue_tokens: 0")
-    open("/tmp/y/probe2.yaml", "w").write(cfg)
-    server = subprocess.Popen(["/work/main/.venv/bin/duet", "serve", "--config", "/tmp/y/probe2.yaml"], stdout=open("/tmp/y/serve2.log", "w"), stderr=subprocess.STDOUT)
-    try:
-        with DuetClient("127.0.0.1:50071") as c:
-            t0 = time.time()
-            while not c.is_serving():
-                time.sleep(1)
-                assert time.time() - t0 < 300
+    with serving([("local_prefill_queue_tokens: 1024", "local_prefill_queue_tokens: 0")]) as c:
             rng = random.Random(int(time.time()))
             def one(n, out):
                 req = build_request(prompt_token_ids=[rng.randrange(10, 700) for _ in range(n)], max_tokens=out, ignore_eos=True)
@@ -26,7 +17,7 @@ if __name__ == "__main__":
                 return first
             one(64, 8)
             names = ["vllm:request_prefill_time_seconds", "vllm:request_queue_time_seconds", "vllm:e2e_request_latency_seconds"]
-            for n in (700, 1500):
+            for n in (700, 1500, 1800):  # the first run (results.txt) had 700 and 1500 only
                 for rnd in range(2):
                     before = {k: metric(k, "prefill") for k in names}
                     ttfts = [one(n, 8) * 1e3 for _ in range(8)]
@@ -34,6 +25,3 @@ if __name__ == "__main__":
                     after = {k: metric(k, "prefill") for k in names}
                     parts = {k.split(":")[1].replace("_seconds", ""): 1e3 * (after[k][k + "_sum"] - before[k][k + "_sum"]) / max(1, after[k][k + "_count"] - before[k][k + "_count"]) for k in names}
                     print(f"RESULT prompt {n}: client TTFT median {statistics.median(ttfts):.1f} ms; prefill engine means " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), [round(x) for x in ttfts], flush=True)
-    finally:
-        server.send_signal(2)
-        server.wait(60)

@@ -15,6 +15,12 @@ the next, and the rates that matter are those around the knee, where attainment 
    and reports the error of attainment (points) and of TTFT and TPOT p50/p90 (relative), per
    point and as mean and worst over the held-out points.
 
+Around every measured point (before its first replay and after its last) a speed probe
+(``speed_probe.py``) times fixed prefill and decode work on the deployment with nothing else in
+flight, against the profile's prediction of the same work. Each point is predicted once more with
+the profile scaled to the speed probed around it (``predicted_speed_tracked``): what remains of
+the error then is the model's, not the machine's drift between the profile and the replay.
+
 Everything runs on one ``duet serve --plan`` deployment (the plan is one prefill and one decode
 engine, one core each, for every slice on this machine), warmed up and calibrated once: the
 serving path's CPU is measured in its parts (``fit_serving_path``: per engine output message,
@@ -25,6 +31,8 @@ prefix cache never serves one run from another.
     # against this machine's drift: each rate replayed twice, the median of three profiles,
     # and every point predicted again with a profile made after the measurements:
     python benchmarks/placement_crossval.py --repeats 2 --profiles 3 --reprofile
+    # without the speed probes around each point (see below):
+    python benchmarks/placement_crossval.py --no-speed-probe
     # the same measurements, predicted again by the simulator as it is now:
     python benchmarks/placement_crossval.py --repredict REPORT.json --workdir RUN_WORKDIR --out NEW.json
 """
@@ -41,7 +49,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +72,7 @@ from duet.benchmarks.placement_fidelity import (
     write_cluster,
     write_deploy_config,
 )
+from duet.benchmarks.speed_probe import SpeedFactors, probe_speed
 from duet.cluster.config import load_config
 from duet.cluster.placement.cluster_spec import ClusterSpec, traces_dir
 from duet.cluster.placement.commands import parse_slo
@@ -179,9 +188,19 @@ def predicted_knee(cluster: ClusterSpec, plan: Plan, trace: Trace, slo: Slo, sim
 
 
 def measure_slice(
-    target: str, model: str, trace: Trace, first_rate: float, slo: Slo, seeds: Iterator[int], args: argparse.Namespace
+    target: str,
+    model: str,
+    trace: Trace,
+    first_rate: float,
+    slo: Slo,
+    seeds: Iterator[int],
+    args: argparse.Namespace,
+    probe: Callable[[], SpeedFactors] | None = None,
 ) -> list[dict]:
     """Replay ``trace`` on the deployment up and down the ladder; one record per rate.
+
+    With ``probe``, the engines' speed is probed before each rate's first replay and after its
+    last (``speed_probe`` in the record).
 
     Each rate is replayed ``args.repeats`` times, with new prompts each time. The point's
     measurement pools every repeat's requests, and the repeats' own attainments are kept: on
@@ -194,6 +213,8 @@ def measure_slice(
     slowest = len(trace) / args.max_run_s  # a slower rate would take longer than a run may
     while rate is not None and rate >= slowest * 0.999 and len(points) < args.max_runs:
         records, repeats, loads = [], [], []
+        wait_for_quiet(args.max_load, args.quiet_timeout)
+        before = probe() if probe else None
         for _ in range(args.repeats):
             load_before = wait_for_quiet(args.max_load, args.quiet_timeout)
             replayed = asyncio.run(replay(target, trace.at_rate(rate), model=model, seed=next(seeds)))
@@ -212,6 +233,11 @@ def measure_slice(
                 "load_average_1m": loads,
             }
         )
+        if probe and before:
+            after = probe()
+            points[-1]["speed_probe"] = {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after)}
+            print(f"           engines' speed around it (measured / profiled): prefill {before.prefill:.2f} -> "
+                  f"{after.prefill:.2f}, decode {before.decode:.2f} -> {after.decode:.2f}", flush=True)
         each = f" (repeats: {', '.join(f'{a:.1%}' for a in repeats)})" if len(repeats) > 1 else ""
         print(f"  {rate:6.2f} req/s: measured attainment {summary['attainment']:.1%}{each}", flush=True)
         rate = next_rate(measured, args.step)
@@ -272,6 +298,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--reprofile", action="store_true", help="profile the engine again after the measurements and predict with both"
+    )
+    parser.add_argument(
+        "--speed-probe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="probe the engines' speed around every point and predict it with the profile scaled to it",
     )
     parser.add_argument("--plan-rate", type=float, default=1.5, help="rate to plan for and calibrate at")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -335,13 +367,18 @@ def main() -> None:
         # The same simulator charging one number per token: how much the parts matter.
         per_token = with_host.with_serving_path(ServingPathCost(ms_per_token=host_ms))
         cluster_per_token = saved_cluster(per_token, workdir / "profile-per-token.yaml", workdir / PREDICTION_CLUSTERS["_per_token_cost"])
+
+        def probe() -> SpeedFactors:
+            return probe_speed(target, cluster.model, cluster_host, plan, sim, seed=next(seeds))
+
         for slice_ in slices:
             trace = window(slice_)
             start = predicted_knee(cluster_host, plan, trace, slo, sim, floor=len(trace) / args.max_run_s)
             print(f"{slice_.label} ({'development' if slice_.development else 'held-out'}), from {start} req/s", flush=True)
-            points = measure_slice(target, cluster.model, trace, start, slo, seeds, args)
+            points = measure_slice(target, cluster.model, trace, start, slo, seeds, args, probe if args.speed_probe else None)
             for point in points:
                 predict_point(point, trace, {"": cluster_host, "_per_token_cost": cluster_per_token}, plan, slo, sim)
+                predict_speed_tracked(point, trace, with_host, workdir, slice_.label, plan, slo, sim)
             results.append(
                 {"slice": slice_.label, "role": "development" if slice_.development else "held-out", "points": points}
             )
@@ -403,6 +440,25 @@ def predict_point(point: dict, trace: Trace, clusters: dict[str, ClusterSpec], p
         point[f"errors{suffix}"] = errors(point["measured"], point[f"predicted{suffix}"])
 
 
+def predict_speed_tracked(
+    point: dict, trace: Trace, model: LatencyModel, workdir: Path, label: str, plan: Plan, slo: Slo, sim: SimConfig
+) -> None:
+    """Predict a probed point once more with ``model`` scaled to the engines' speed around it
+    (``predicted_speed_tracked``); the scaled profile is kept in the work files. A point without
+    probes is left as it is."""
+    if "speed_probe" not in point:
+        return
+    probed = point["speed_probe"]
+    factors = SpeedFactors.between(SpeedFactors(**probed["before"]), SpeedFactors(**probed["after"]))
+    name = f"{label.replace('#', '-')}-{point['rate_rps']:.3f}"
+    folder = workdir / "speed-tracked"
+    folder.mkdir(exist_ok=True)
+    cluster = saved_cluster(
+        model.scaled(factors.prefill, factors.decode), folder / f"profile-{name}.yaml", folder / f"cluster-{name}.yaml"
+    )
+    predict_point(point, trace, {"_speed_tracked": cluster}, plan, slo, sim)
+
+
 def repredict(report_path: Path, workdir: Path, out: Path) -> None:
     """Predict a finished run's measured points again with the simulator as it is now, from
     that run's own profile, serving-path costs and plan (its ``--workdir``): a change to the
@@ -415,6 +471,8 @@ def repredict(report_path: Path, workdir: Path, out: Path) -> None:
         if suffix != "_profile_after" or (workdir / name).exists()
     }
     plan = Plan.load(workdir / "plan.yaml")
+    # The run's profile and serving path, which its speed probes (if it made any) scale.
+    host_model = LatencyModel.from_dict(report["profile"]) if "profile" in report else None
     slo = Slo(report["slo"]["ttft_s"], report["slo"]["tpot_s"], 0.9)
     sim = deployed_sim_config()
     requests, caps = report["requests_per_slice"], report["caps"]
@@ -426,6 +484,8 @@ def repredict(report_path: Path, workdir: Path, out: Path) -> None:
         trace = traces[name].window(int(index) * requests, requests)
         for point in entry["points"]:
             predict_point(point, trace, clusters, plan, slo, sim)
+            if host_model:
+                predict_speed_tracked(point, trace, host_model, workdir, entry["slice"], plan, slo, sim)
     report.update(summaries(report["slices"]))
     report["sim_config"] = dataclasses.asdict(sim)
     report["repredicted_from"] = str(report_path)
@@ -440,23 +500,32 @@ def capped_trace(name: str, max_input: int, max_output: int) -> Trace:
     return load_trace(str(traces_dir() / TRACES[name])).capped(max_input, max_output)
 
 
+# The report's other predictions, by key suffix: what each summary's table is headed with.
+OTHER_PREDICTIONS = {
+    "_per_token_cost": "charging one number per token instead:",
+    "_profile_after": "predicted with the engine profiled again after the measurements:",
+    "_speed_tracked": "predicted with the profile scaled to the engines' speed probed around each point:",
+}
+
+
 def print_tables(report: dict) -> None:
     print(format_table(report["slices"]))
     print(format_summary(report["summary"]))
-    print("charging one number per token instead:")
-    print(format_summary(report["summary_per_token_cost"]))
-    if "summary_profile_after" in report:
-        print("predicted with the engine profiled again after the measurements:")
-        print(format_summary(report["summary_profile_after"]))
+    for suffix, heading in OTHER_PREDICTIONS.items():
+        if f"summary{suffix}" in report:
+            print(heading)
+            print(format_summary(report[f"summary{suffix}"]))
 
 
 def summaries(results: list[dict]) -> dict[str, dict]:
-    """The report's error summaries: the simulator as shipped, charging one number per token,
-    and (after ``--reprofile``) with the engine profiled again after the measurements."""
-    out = {"summary": summarise(results, "errors"), "summary_per_token_cost": summarise(results, "errors_per_token_cost")}
+    """The report's error summaries: the simulator as shipped, and each other prediction that
+    every point has (one number per token; after ``--reprofile``, the profile made after the
+    measurements; with the speed probes, the profile scaled to the speed around each point)."""
+    out = {"summary": summarise(results, "errors")}
     points = [p for entry in results for p in entry["points"]]
-    if points and all("errors_profile_after" in p for p in points):
-        out["summary_profile_after"] = summarise(results, "errors_profile_after")
+    for suffix in OTHER_PREDICTIONS:
+        if points and all(f"errors{suffix}" in p for p in points):
+            out[f"summary{suffix}"] = summarise(results, f"errors{suffix}")
     return out
 
 

@@ -193,6 +193,29 @@ class LatencyModel:
             if (max_gpus is None or tp * pp <= max_gpus) and self.kv_capacity_tokens(tp, pp) > 0
         ]
 
+    def scaled(self, prefill: float, decode: float) -> LatencyModel:
+        """This model with every prefill batch ``prefill`` times and every decode step ``decode``
+        times as long: the same engine on a machine that now runs slower (or faster) than when it
+        was profiled. ``benchmarks/speed_probe.py`` measures the factors on a running deployment;
+        on a shared CPU host they drift by a quarter within minutes."""
+        if prefill <= 0 or decode <= 0:
+            raise LatencyModelError(f"speed factors must be > 0, got prefill={prefill}, decode={decode}")
+
+        def times(coeffs: Coeffs, factor: float) -> Coeffs:
+            a, b, c = coeffs
+            return (a * factor, b * factor, c * factor)
+
+        fits = {
+            tp: replace(
+                fit,
+                prefill=times(fit.prefill, prefill),
+                decode_small=times(fit.decode_small, decode),
+                decode_large=times(fit.decode_large, decode),
+            )
+            for tp, fit in self.fits.items()
+        }
+        return replace(self, fits=fits)
+
     def with_serving_path(self, cost: ServingPathCost) -> LatencyModel:
         """This model with a measured serving path; the profile's ``corun_slowdown`` is kept
         (the serving-path measurement cannot see it)."""

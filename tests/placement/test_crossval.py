@@ -150,3 +150,40 @@ def test_repredict_simulates_a_saved_runs_points_again_from_its_work_files(linea
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["slices"][0]["points"][0]["predicted_profile_after"] == pytest.approx(measured)
     assert again["summary_profile_after"]["held-out"]["attainment_pp"] == {"mean": 0.0, "worst": 0.0}
+
+
+def test_a_probed_point_is_predicted_again_at_the_speed_around_it(linear_model, tmp_path):
+    from duet.benchmarks.placement_crossval import predict_speed_tracked
+    from duet.benchmarks.placement_fidelity import deployed_sim_config, predict, write_cluster
+    from duet.cluster.placement.cluster_spec import ClusterSpec
+    from duet.cluster.placement.optimizer import optimize
+    from duet.cluster.placement.simulator import Slo
+    from duet.cluster.placement.trace import synthetic
+
+    model = linear_model(prefill=(10.0, 0.1, 1e-4), decode=(5.0, 0.001, 0.1))
+    model.save(tmp_path / "profile.yaml")
+    cluster = ClusterSpec.load(write_cluster(tmp_path / "cluster.yaml", tmp_path / "profile.yaml"))
+    slo, sim = Slo(1.0, 0.1, 0.9), deployed_sim_config()
+    trace = synthetic(40, rate=2.0, lengths="uniform:600:20", seed=3)
+    plan = optimize(cluster, trace, slo, rate=1.0, workers=2, sim=sim, modes=["disaggregated"]).plan
+    as_profiled = predict(cluster, plan, trace, slo, 4.0, sim)
+
+    unprobed = {"rate_rps": 4.0, "measured": as_profiled}
+    predict_speed_tracked(unprobed, trace, model, tmp_path, "synthetic#0", plan, slo, sim)
+    assert "predicted_speed_tracked" not in unprobed
+
+    probes = {"before": {"prefill": 0.5, "decode": 2.0}, "after": {"prefill": 2.0, "decode": 0.5}}
+    same_speed = {**unprobed, "speed_probe": probes}
+    predict_speed_tracked(same_speed, trace, model, tmp_path, "synthetic#0", plan, slo, sim)
+    assert same_speed["predicted_speed_tracked"]["ttft_p90_s"] == pytest.approx(as_profiled["ttft_p90_s"])
+    assert same_speed["errors_speed_tracked"]["attainment_pp"] == pytest.approx(0.0)
+
+    probes = {"before": {"prefill": 1.5, "decode": 1.0}, "after": {"prefill": 1.5, "decode": 1.0}}
+    slower = {**unprobed, "speed_probe": probes}
+    predict_speed_tracked(slower, trace, model, tmp_path, "synthetic#0", plan, slo, sim)
+    assert slower["predicted_speed_tracked"]["ttft_p50_s"] > 1.4 * as_profiled["ttft_p50_s"]
+    assert (tmp_path / "speed-tracked" / "profile-synthetic-0-4.000.yaml").exists()
+
+    point = {**slower, "errors": slower["errors_speed_tracked"]}
+    results = [{"slice": "synthetic#0", "role": "held-out", "points": [point]}]
+    assert "summary_speed_tracked" in summaries(results)

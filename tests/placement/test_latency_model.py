@@ -99,3 +99,14 @@ def test_unknown_model_names_the_closest():
     with pytest.raises(UnknownModelError, match="opt-13b"):
         get_model("facebook/opt-13")
     assert get_model("OPT-66B").name == "facebook/opt-66b"
+
+
+def test_scaled_model_times_each_phase_by_its_factor(linear_model):
+    model = linear_model(prefill=(10.0, 0.1, 1e-4), decode=(5.0, 0.001, 0.2))
+    slower = model.scaled(prefill=1.25, decode=0.8).engine(1, 1)
+    engine = model.engine(1, 1)
+    assert slower.prefill_latency_s(1000, 1000**2) == pytest.approx(1.25 * engine.prefill_latency_s(1000, 1000**2))
+    assert slower.decode_step_s(8, 4000) == pytest.approx(0.8 * engine.decode_step_s(8, 4000))
+    assert slower.kv_capacity_tokens == engine.kv_capacity_tokens
+    with pytest.raises(LatencyModelError, match="speed factors must be > 0"):
+        model.scaled(prefill=0.0, decode=1.0)

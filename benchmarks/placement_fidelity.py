@@ -65,11 +65,15 @@ def run_profile(out: Path) -> Path:
 
 
 def write_cluster(path: Path, profile: Path) -> Path:
-    """This machine as the planner sees it: one node whose two "GPUs" are the two cores."""
+    """This machine as the planner sees it: one node whose two "GPUs" are the two cores.
+
+    The profile is named relative to the cluster file, so a run's work files still predict
+    after the folder is copied or moved (``placement_crossval.py --repredict``)."""
+    relative = os.path.relpath(profile.resolve(), path.resolve().parent)
     spec = {
         "model": "duet-tiny-llama",
         "network_gbs": KV_LINK_GBS,
-        "gpu_types": {"cpu-core": {"nvlink_gbs": KV_LINK_GBS, "profile": str(profile.resolve())}},
+        "gpu_types": {"cpu-core": {"nvlink_gbs": KV_LINK_GBS, "profile": relative}},
         "nodes": [{"gpu_type": "cpu-core", "count": 1, "gpus_per_node": 2}],
     }
     path.write_text(yaml.safe_dump(spec, sort_keys=False))

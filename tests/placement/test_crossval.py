@@ -151,6 +151,15 @@ def test_repredict_simulates_a_saved_runs_points_again_from_its_work_files(linea
     assert again["slices"][0]["points"][0]["predicted_profile_after"] == pytest.approx(measured)
     assert again["summary_profile_after"]["held-out"]["attainment_pp"] == {"mean": 0.0, "worst": 0.0}
 
+    # Work files name their profiles relative to themselves: a copied run predicts again.
+    import shutil
+
+    moved = tmp_path.parent / f"{tmp_path.name}-moved"
+    shutil.copytree(tmp_path, moved)
+    (tmp_path / "profile.yaml").unlink()
+    repredict(moved / "run.json", moved, moved / "again.json")
+    assert json.loads((moved / "again.json").read_text())["slices"][0]["points"][0]["predicted"] == pytest.approx(measured)
+
 
 def test_a_probed_point_is_predicted_again_at_the_speed_around_it(linear_model, tmp_path):
     from duet.benchmarks.placement_crossval import predict_speed_tracked

@@ -8,6 +8,13 @@ vLLM's engine processes, whose work is the model itself; the load generator is n
 Each system is warmed up first (a fresh engine's first minute is slower: first kernels per
 shape). Results go to JSON, a markdown table and PNG plots (docs/benchmarks.md).
 
+``--rounds N`` starts every system at once and measures them in turn, N times over, each round
+with prompts of its own and the systems' order reversed every other round: this machine's speed
+changes by about 1.4x within minutes, so systems measured one after the other are measured at
+different speeds, and a per-token CPU ratio between them moves by more than the differences it
+is meant to show. The report pools each system's rounds and keeps every round's own figures, and
+the table gives the ratio to vLLM's server round by round (the same prompts, a minute apart).
+
 ``--endpoint`` benchmarks an already running server instead (``grpc://host:port`` for duet,
 ``http://host:port`` for an OpenAI-compatible one); pass ``--pid`` to measure its CPU too.
 """
@@ -20,7 +27,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +58,7 @@ class Plan:
     seed: int
     endpoint: str = ""
     pid: int | None = None
+    rounds: int = 1
 
 
 async def _replay(system: RunningSystem, model: str, trace: Trace, seed: int, on_done: Any) -> list[RequestRecord]:
@@ -62,47 +71,99 @@ def _serving_cpu(pid: int | None) -> dict[int, float]:
     return host_cpu_seconds(pid, include_self=False) if pid is not None else {}
 
 
-def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, seed: int) -> dict[str, Any]:
-    """Replay ``trace`` at ``rate``; records, summaries per SLO and serving-path CPU per token."""
+@dataclass
+class Measurement:
+    """One replay at one rate: its records and the CPU seconds each process of the system spent."""
+
+    records: list[RequestRecord]
+    cpu_s_by_process: dict[str, float] = field(default_factory=dict)
+    front_door_s: float = 0.0  # of it, the server process alone: duet's router, vLLM's API server
+    measured_cpu: bool = False
+
+    @property
+    def streamed_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.records)
+
+
+def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, seed: int) -> Measurement:
+    """Replay ``trace`` at ``rate`` with prompts from ``seed``, reading the system's CPU around it."""
     pid = system.pid or None
     before = _serving_cpu(pid)
     with progress_callback(len(trace), f"{system.name} @ {rate:g} req/s") as on_done:
         records = asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done))
     after = _serving_cpu(pid)
     spent = {p: seconds - before.get(p, 0.0) for p, seconds in after.items()}
-    tokens = sum(r.completion_tokens for r in records)
     by_process: dict[str, float] = {}
     for p, seconds in spent.items():
         name = process_name(p)
         by_process[name] = by_process.get(name, 0.0) + seconds
-    return {
+    return Measurement(records, by_process, spent.get(pid, 0.0) if pid else 0.0, pid is not None)
+
+
+def rate_entry(measurements: list[Measurement]) -> dict[str, Any]:
+    """The report's entry for one system at one rate: its replays pooled (one, or one per round),
+    and with several, each round's own CPU per token and attainment."""
+    records = [r for m in measurements for r in m.records]
+    tokens = sum(m.streamed_tokens for m in measurements)
+    by_process: dict[str, float] = {}
+    for m in measurements:
+        for name, seconds in m.cpu_s_by_process.items():
+            by_process[name] = by_process.get(name, 0.0) + seconds
+    measured = all(m.measured_cpu for m in measurements)
+    entry: dict[str, Any] = {
         "records": [r.to_dict() for r in records],
         "summary": {name: summarize(records, slo) for name, slo in SLOS.items()},
-        "cpu_ms_per_token": 1000.0 * sum(spent.values()) / tokens if tokens and pid else None,
+        "cpu_ms_per_token": 1000.0 * sum(by_process.values()) / tokens if tokens and measured else None,
         # The server process alone: duet's router, or vLLM's API server; what the total adds to
         # it for duet is Ray (its worker actors and daemons).
-        "front_door_ms_per_token": 1000.0 * spent.get(pid, 0.0) / tokens if tokens and pid else None,
+        "front_door_ms_per_token": 1000.0 * sum(m.front_door_s for m in measurements) / tokens if tokens and measured else None,
         "cpu_s_by_process": {k: round(v, 3) for k, v in sorted(by_process.items(), key=lambda kv: -kv[1]) if v > 0.005},
         "streamed_tokens": tokens,
     }
+    if len(measurements) > 1:
+        entry["rounds"] = [{k: v for k, v in rate_entry([m]).items() if k != "records"} for m in measurements]
+    return entry
 
 
-def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any]:
-    """Warm up for a minute, then measure every rate, each with prompts of its own.
-
-    The engines cache prompt prefixes, so a rate that re-sent an earlier rate's prompts would
-    skip most of its prefill work; every replay (the warm-up too) therefore draws fresh random
-    prompts from its own seed, the same seeds for every system. The warm-up exists because a
-    fresh engine's first minute is slower (first kernels per shape)."""
+def warm_up(system: RunningSystem, plan: Plan, model: str) -> None:
+    """A minute of the trace, with prompts of its own: a fresh engine's first minute is slower
+    (first kernels per shape)."""
     warmup = plan.trace.at_rate(len(plan.trace) / WARMUP_S)
     with progress_callback(len(warmup), f"{system.name} warm-up") as on_done:
         asyncio.run(_replay(system, model, warmup, plan.seed, on_done))
+
+
+def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any]:
+    """Warm up, then measure every rate, each with prompts of its own.
+
+    The engines cache prompt prefixes, so a rate that re-sent an earlier rate's prompts would
+    skip most of its prefill work; every replay (the warm-up too) therefore draws fresh random
+    prompts from its own seed, the same seeds for every system."""
+    warm_up(system, plan, model)
     return {
         "rates": {
-            str(rate): measure_rate(system, model, plan.trace, rate, plan.seed + 1 + index)
+            str(rate): rate_entry([measure_rate(system, model, plan.trace, rate, plan.seed + 1 + index)])
             for index, rate in enumerate(plan.rates)
         }
     }
+
+
+def bench_interleaved(plan: Plan, config: DuetConfig) -> dict[str, Any]:
+    """Every system started at once, then measured in turn at each rate, ``plan.rounds`` times:
+    round ``r`` replays rate ``i`` with prompts from seed ``SEED + 1 + r * len(rates) + i`` on
+    every system, in the systems' order, reversed in odd rounds (so neither always goes first)."""
+    model = config.model.name
+    with ExitStack() as stack:
+        systems = [stack.enter_context(started(name, config, plan.out / "logs")) for name in plan.systems]
+        for system in systems:
+            warm_up(system, plan, model)
+        runs: dict[str, dict[str, list[Measurement]]] = {s.name: {str(rate): [] for rate in plan.rates} for s in systems}
+        for round_ in range(plan.rounds):
+            for index, rate in enumerate(plan.rates):
+                seed = plan.seed + 1 + round_ * len(plan.rates) + index
+                for system in systems if round_ % 2 == 0 else reversed(systems):
+                    runs[system.name][str(rate)].append(measure_rate(system, model, plan.trace, rate, seed))
+    return {name: {"rates": {rate: rate_entry(ms) for rate, ms in by_rate.items()}} for name, by_rate in runs.items()}
 
 
 def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:
@@ -119,9 +180,13 @@ def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:
         grpc_target = plan.endpoint.removeprefix("grpc://") if plan.endpoint.startswith("grpc://") else ""
         system = RunningSystem("endpoint", plan.pid or 0, grpc_target=grpc_target, http_url="" if grpc_target else plan.endpoint)
         report["systems"]["endpoint"] = bench_system(system, plan, config.model.name)
-    for name in plan.systems:
-        with started(name, config, plan.out / "logs") as system:
-            report["systems"][name] = bench_system(system, plan, config.model.name)
+    if plan.rounds > 1:
+        report["rounds"] = plan.rounds
+        report["systems"].update(bench_interleaved(plan, config))
+    else:
+        for name in plan.systems:
+            with started(name, config, plan.out / "logs") as system:
+                report["systems"][name] = bench_system(system, plan, config.model.name)
     report["machine"]["loadavg_after"] = os.getloadavg()
     return report
 
@@ -141,6 +206,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pid", type=int, help="with --endpoint: the server's process id, to measure its CPU")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, default=0, help="prompts: the warm-up uses SEED, rate i SEED+1+i")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="start the systems together and measure them in turn this many times"
+    )
     parser.set_defaults(handler=_bench_serve)
 
 
@@ -165,9 +233,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--endpoint {args.endpoint!r}: must start with grpc:// or http://")
     if args.requests < 1:
         raise ValueError(f"--requests {args.requests}: must be at least 1")
+    if args.rounds < 1 or (args.rounds > 1 and (args.endpoint or len(systems) < 2)):
+        raise ValueError(f"--rounds {args.rounds}: must be at least 1, and above 1 only with two or more --systems")
     trace = load_trace(args.trace).head(args.requests).capped(args.max_input, args.max_output)
     label = f"{Path(args.trace).name}, first {len(trace)} requests, input <= {args.max_input}, output <= {args.max_output}"
-    return Plan(trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid)
+    return Plan(trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid, args.rounds)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ The report the runner writes, and every function here reads::
               "summary": {slo_name: summarize(records, slo), ...},
               "cpu_ms_per_token": float,          # serving-path CPU per streamed token
               "front_door_ms_per_token": float,   # of it, the server process alone (optional)
+              "rounds": [{...}, ...],             # --rounds: each round's own entry, no records
             },
           },
         },
@@ -205,7 +206,27 @@ def _cpu_ratio_table(report: Mapping[str, Any]) -> str:
             times = [ratio(run.get(key) or 0.0, reference.get(key) or 0.0) for key in ("cpu_ms_per_token", "front_door_ms_per_token")]
             cells.append(", ".join(_times(t) for t in times))
         lines.append(_row([system, *cells]))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _rounds_table(report, vllm_runs)
+
+
+def _rounds_table(report: Mapping[str, Any], vllm_runs: Mapping[float, Mapping[str, Any]]) -> str:
+    """Markdown, for a run of several rounds: each round's total CPU per token over vLLM's in the
+    same round (the same prompts, minutes apart at most), and their median."""
+    lines = []
+    for system in report["systems"]:
+        if system == VLLM:
+            continue
+        for rate, run in _by_rate(report, system):
+            reference = vllm_runs.get(rate, {})
+            pairs = zip(run.get("rounds", []), reference.get("rounds", []))
+            times = [ratio(ours.get("cpu_ms_per_token") or 0.0, theirs.get("cpu_ms_per_token") or 0.0) for ours, theirs in pairs]
+            finite = [t for t in times if t is not None and math.isfinite(t)]
+            if finite:
+                lines.append(_row([system, f"{rate:g}", ", ".join(_times(t) for t in times), _times(float(np.median(finite)))]))
+    if not lines:
+        return ""
+    header = ["CPU per token / vllm's, by round", "rate (req/s)", "rounds", "median"]
+    return "\n".join(["", "Round by round (the systems measured in turn, each round with its own prompts):", "", _row(header), _row(["---"] * len(header)), *lines]) + "\n"
 
 
 def _cdf(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:

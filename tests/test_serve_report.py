@@ -149,6 +149,31 @@ def test_render_table_gives_cpu_per_token_against_vllm_at_each_rate():
     assert "CPU per streamed token against" not in render_table(without_vllm)
 
 
+def test_rounds_are_pooled_and_each_is_kept_for_a_ratio_round_by_round():
+    from duet.benchmarks.serve_bench import Measurement, rate_entry
+
+    def replayed(cpu_s: float, router_s: float) -> Measurement:
+        records = [_record(i, 0.3, 0.03, tokens=100) for i in range(10)]  # 1,000 tokens
+        return Measurement(records, {"duet serve": router_s, "raylet": cpu_s - router_s}, router_s, True)
+
+    single = rate_entry([replayed(0.4, 0.3)])
+    assert "rounds" not in single and single["cpu_ms_per_token"] == pytest.approx(0.4)
+    pooled = rate_entry([replayed(0.4, 0.3), replayed(0.6, 0.5)])
+    assert pooled["cpu_ms_per_token"] == pytest.approx(0.5) and pooled["front_door_ms_per_token"] == pytest.approx(0.4)
+    assert len(pooled["records"]) == 20 and pooled["streamed_tokens"] == 2000
+    assert [r["cpu_ms_per_token"] for r in pooled["rounds"]] == [pytest.approx(0.4), pytest.approx(0.6)]
+    assert all("records" not in r for r in pooled["rounds"])
+
+    report = _report()
+    report["systems"][DISAGG]["rates"]["1.0"]["rounds"] = pooled["rounds"]
+    theirs = rate_entry([replayed(0.5, 0.5), replayed(0.4, 0.4)])["rounds"]
+    report["systems"][VLLM]["rates"]["1.0"]["rounds"] = theirs
+    table = render_table(report)
+    rows = [r for r in table.split("Round by round")[1].splitlines() if r.startswith(f"| {DISAGG}")]
+    assert rows == [f"| {DISAGG} | 1 | 0.80x, 1.50x | 1.15x |"]
+    assert "Round by round" not in render_table(_report())
+
+
 def test_render_table_reports_goodput_ratios_and_lower_bounds():
     report = _report()
     for system in report["systems"].values():
@@ -288,6 +313,8 @@ def test_openai_replay_records_http_errors_and_short_outputs():
         (["--systems", "duet-disagg,sglang"], "--systems"),
         (["--endpoint", "127.0.0.1:50051"], "--endpoint"),
         (["--requests", "0"], "--requests"),
+        (["--rounds", "0"], "--rounds"),
+        (["--rounds", "3", "--systems", "vllm"], "--rounds"),
         (["--trace", "/nonexistent.csv"], "does not exist"),
     ],
 )

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,11 +94,10 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
         records = asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done))
     after = _serving_cpu(pid)
     spent = {p: seconds - before.get(p, 0.0) for p, seconds in after.items()}
-    by_process: dict[str, float] = {}
+    by_process: Counter[str] = Counter()
     for p, seconds in spent.items():
-        name = process_name(p)
-        by_process[name] = by_process.get(name, 0.0) + seconds
-    return Measurement(records, by_process, spent.get(pid, 0.0) if pid else 0.0, pid is not None)
+        by_process[process_name(p)] += seconds
+    return Measurement(records, dict(by_process), spent.get(pid, 0.0) if pid else 0.0, pid is not None)
 
 
 def rate_entry(measurements: list[Measurement]) -> dict[str, Any]:
@@ -105,10 +105,9 @@ def rate_entry(measurements: list[Measurement]) -> dict[str, Any]:
     and with several, each round's own CPU per token and attainment."""
     records = [r for m in measurements for r in m.records]
     tokens = sum(m.streamed_tokens for m in measurements)
-    by_process: dict[str, float] = {}
+    by_process: Counter[str] = Counter()
     for m in measurements:
-        for name, seconds in m.cpu_s_by_process.items():
-            by_process[name] = by_process.get(name, 0.0) + seconds
+        by_process.update(m.cpu_s_by_process)
     measured = all(m.measured_cpu for m in measurements)
     entry: dict[str, Any] = {
         "records": [r.to_dict() for r in records],

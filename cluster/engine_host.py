@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
+from duet.cluster.engine_clients import ENV_CLIENT_RECONNECT
 from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.cluster.worker_api import EngineAddresses, WorkerStatus
 from duet.kv_transfer.config import (
@@ -102,18 +103,20 @@ class EngineCoreHost(WorkerHost):
         self._engine_processes: Any = None  # vLLM's CoreEngineProcManager
         self._ports: PortReservation | None = None
 
-    def start(self, front_end: EngineAddresses) -> WorkerStatus:
-        """Launch the engine core, connected to its front end in the router at ``front_end``;
-        returns once the engine is loaded and its KV cache allocated, or raises why it failed."""
+    def start(self, front_ends: list[EngineAddresses]) -> WorkerStatus:
+        """Launch the engine core, connected to one front end per front door at ``front_ends``
+        (client ``i`` of the engine core is ``front_ends[i]``); returns once the engine is
+        loaded and its KV cache allocated, or raises why it failed. A front door need not listen
+        yet: the engine core connects when it does (cluster/engine_clients.py)."""
         try:
-            self._launch_engine_core(front_end)
+            self._launch_engine_core(front_ends)
             self._state = "ready"
         except Exception as error:
             self._failed(error)
             raise
         return self.status()
 
-    def _launch_engine_core(self, front_end: EngineAddresses) -> None:
+    def _launch_engine_core(self, front_ends: list[EngineAddresses]) -> None:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
         from vllm.v1.executor import Executor
@@ -134,6 +137,7 @@ class EngineCoreHost(WorkerHost):
         if on_cpu:
             env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
         env[ENV_OUTPUT_INTERVAL_MS] = str(self.pool.output_interval_ms)
+        env[ENV_CLIENT_RECONNECT] = "1"
         apply_environment(env)
         kwargs = engine_kwargs(
             self.config.model,
@@ -145,7 +149,9 @@ class EngineCoreHost(WorkerHost):
             kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint) if transfers_kv else None,
         )
         self.vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
-        addresses = EngineZmqAddresses(inputs=[front_end.input], outputs=[front_end.output])
+        addresses = EngineZmqAddresses(
+            inputs=[front_end.input for front_end in front_ends], outputs=[front_end.output for front_end in front_ends]
+        )
         # The same launch vLLM's own front end performs for a local engine, pointed at the
         # router's sockets; it returns when the engine core reports ready.
         with launch_core_engines(self.vllm_config, Executor.get_class(self.vllm_config), True, addresses) as launch:
@@ -186,7 +192,7 @@ class EngineCoreHost(WorkerHost):
 
     def shutdown(self) -> None:
         if self._engine_processes is not None:
-            self._engine_processes.close()
+            self._engine_processes.shutdown()
             self._engine_processes = None
         if self._ports is not None:
             self._ports.release()

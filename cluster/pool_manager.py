@@ -98,7 +98,7 @@ class PoolManager:
         else:
             listeners = FrontEndListeners.bind(self.router_host)
             try:
-                status = await asyncio.wait_for(member.actor.start.remote(listeners.addresses), timeout)
+                status = await asyncio.wait_for(member.actor.start.remote([listeners.addresses]), timeout)
                 vllm_config = await member.actor.engine_config.remote()
             except BaseException:
                 listeners.close()

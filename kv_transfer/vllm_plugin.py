@@ -7,7 +7,7 @@ variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinni
 :func:`duet.cluster.engine.cpu_engine_environment` for the shared gloo device, the engine host
 for the output interval), so plain vLLM use in the same environment is unaffected.
 
-Four adjustments, all measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
+Five adjustments, the first four measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
 ../shared/ENVIRONMENT.md):
 - NIXL's UCX progress thread. NIXL's Python API always asks for a poll timeout of 0, so the
   thread busy-polls a whole core per engine even when idle (a 1,500-token request took 639 ms
@@ -21,12 +21,16 @@ Four adjustments, all measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
   (cluster/engine_output.py): each message costs the router about 2 ms of CPU.
 - The engine's single-rank gloo groups share one transport device (cluster/gloo_device.py):
   each device's loop thread wakes 100 times a second, and vLLM makes 13 groups per engine.
+- The engine core serves front doors that die and are replaced while it runs: it aborts a
+  dropped front door's requests and greets a reconnected one (cluster/engine_clients.py).
 """
 
 from __future__ import annotations
 
 import os
 
+from duet.cluster.engine_clients import ENV_CLIENT_RECONNECT
+from duet.cluster.engine_clients import install as install_client_reconnect
 from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.cluster.engine_output import install as install_output_coalescing
 from duet.cluster.gloo_device import ENV_SHARED_GLOO_DEVICE, share_single_rank_device
@@ -96,3 +100,5 @@ def register() -> None:
         install_output_coalescing(interval_ms / 1000.0)
     if os.environ.get(ENV_SHARED_GLOO_DEVICE) == "1":
         share_single_rank_device()
+    if os.environ.get(ENV_CLIENT_RECONNECT) == "1":
+        install_client_reconnect()

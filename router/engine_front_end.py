@@ -59,18 +59,48 @@ class FrontEndListeners:
     @classmethod
     def bind(cls, host: str) -> "FrontEndListeners":
         """Listen on two free ports of ``host`` (engine cores on other hosts connect over TCP)."""
-        import zmq
-        from vllm.utils.network_utils import make_zmq_listener
-
         address = f"[{host}]" if ":" in host else host
-        requests = make_zmq_listener(f"tcp://{address}:0", zmq.ROUTER)
-        outputs = make_zmq_listener(f"tcp://{address}:0", zmq.PULL)
-        return cls(EngineAddresses(input=requests.address, output=outputs.address), requests.socket, outputs.socket)
+        return cls.rebind(EngineAddresses(input=f"tcp://{address}:0", output=f"tcp://{address}:0"))
+
+    @classmethod
+    def rebind(cls, addresses: EngineAddresses) -> "FrontEndListeners":
+        """Listen on ``addresses`` exactly: a replacement front door takes over its
+        predecessor's, to which the running engine core reconnects (cluster/engine_clients.py)."""
+        input_address, requests = _listen(addresses.input)
+        try:
+            output_address, outputs = _listen(addresses.output)
+        except BaseException:
+            requests.close()
+            raise
+        return cls(EngineAddresses(input=input_address, output=output_address), requests, outputs)
 
     def close(self) -> None:
         """Release the ports of a front end that was never connected (its engine failed to start)."""
         for listener in (self.input, self.output):
             listener.close()
+
+
+def _listen(address: str) -> tuple[str, socket.socket]:
+    """A listening TCP socket at ``address`` (``tcp://host:port``, port 0 for a free one) for
+    ZeroMQ to adopt, and its resolved address. As vLLM's ``make_zmq_listener``, plus
+    ``SO_REUSEADDR``: the connections of a killed front door linger in TIME_WAIT on its ports
+    for a minute, and its replacement must listen there at once."""
+    from vllm.utils.network_utils import _get_zmq_socket_buffer_size, get_tcp_uri, split_zmq_path
+
+    _, host, port = split_zmq_path(address)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        buffer_size = _get_zmq_socket_buffer_size()
+        if buffer_size >= 0:  # accepted connections inherit the listener's buffers
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_size)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_size)
+        listener.bind((host, int(port)))
+        listener.listen()
+    except BaseException:
+        listener.close()
+        raise
+    return get_tcp_uri(host, listener.getsockname()[1]), listener
 
 
 class EngineFrontEnd:
@@ -89,9 +119,16 @@ class EngineFrontEnd:
 
     @classmethod
     async def connect(
-        cls, name: str, actor: Any, vllm_config: Any, listeners: FrontEndListeners, transfer: KVTransferConfig
+        cls,
+        name: str,
+        actor: Any,
+        vllm_config: Any,
+        listeners: FrontEndListeners,
+        transfer: KVTransferConfig,
+        client: tuple[int, int] = (0, 1),
     ) -> "EngineFrontEnd":
-        """The front end of an engine core that was launched to connect to ``listeners``."""
+        """The front end of an engine core that was launched to connect to ``listeners``, as
+        its client ``client[0]`` of ``client[1]`` (one per front door)."""
         registry = CollectorRegistry()
         # The constructor binds the sockets and waits (blocking) for the engine core's hello,
         # which is already queued: a few milliseconds, but not on the event loop.
@@ -105,6 +142,7 @@ class EngineFrontEnd:
                 "input_listener": listeners.input,
                 "output_listener": listeners.output,
             },
+            client=client,
         )
         return cls(name, actor, engine, registry, transfer)
 
@@ -248,10 +286,16 @@ class EngineFrontEnd:
         shut_down(self.engine)
 
 
-def new_front_end(vllm_config: Any, registry: CollectorRegistry, client_addresses: dict[str, Any] | None = None) -> Any:
+def new_front_end(
+    vllm_config: Any,
+    registry: CollectorRegistry,
+    client_addresses: dict[str, Any] | None = None,
+    client: tuple[int, int] = (0, 1),
+) -> Any:
     """An ``AsyncLLM`` as duet runs one per worker: vLLM's metrics in ``registry``, no request
     logging. With ``client_addresses`` it connects to an engine core launched elsewhere (a
-    worker's); without, it starts its own (``duet bench front-end``)."""
+    worker's) as its client ``client[0]`` of ``client[1]``; without, it starts its own
+    (``duet bench front-end``)."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.executor import Executor
 
@@ -262,6 +306,8 @@ def new_front_end(vllm_config: Any, registry: CollectorRegistry, client_addresse
         log_requests=False,
         stat_loggers=[registry_bound_stat_logger(registry)],
         client_addresses=client_addresses,
+        client_index=client[0],
+        client_count=client[1],
     )
 
 

@@ -1,0 +1,179 @@
+"""An engine core whose front ends may die and be replaced while it keeps running.
+
+vLLM's engine core serves several front ends (its ``--api-server-count`` mode): it is launched
+with one pair of ZeroMQ addresses per front end ("client"), connects a DEALER socket to each
+client's request socket and a PUSH socket to its output socket, greets each client once with a
+ready message, and sends every request's outputs to the client that sent it
+(``client_index``). That suffices for front ends that live as long as the engine. duet's front
+doors do not: a front door can be killed (an OOM kill, a crash, a rolling restart) while the
+engine cores, which belong to the worker actors, run on. Two things then go wrong in vLLM's own
+input loop, and this module's replacement of it fixes both:
+
+- **Requests orphaned.** The engine core does not notice that a client went away, so the dead
+  front door's requests keep decoding, and hold their KV blocks, until they reach their
+  ``max_tokens``. Here the engine watches each client's connection (a ZeroMQ socket monitor;
+  TCP heartbeats find a peer whose host vanished without closing it) and, when one drops,
+  aborts every request that client sent, on the engine's own thread, as a client's abort would.
+- **No second greeting.** A replacement front door binds the same addresses and its
+  ``AsyncLLM`` waits for the engine's ready message, which vLLM sends only once, at start-up.
+  ZeroMQ reconnects the engine's sockets by itself; here the engine greets again on each
+  reconnection, so the replacement attaches without the engine restarting.
+
+Messages are decoded and queued exactly as vLLM's loop does (text requests; the data-parallel
+coordinator, which duet does not use, keeps vLLM's own loop). duet's vLLM plugin installs this
+in each duet engine core's process (kv_transfer/vllm_plugin.py) when the engine host asks for it
+(:data:`ENV_CLIENT_RECONNECT`). It is written against vLLM 0.32.0's ``EngineCoreProc`` (pinned
+in pyproject.toml); tests/test_engine_clients.py fails if vLLM moves it.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Set by duet's engine host for each worker's engine core; read by duet's vLLM plugin there.
+ENV_CLIENT_RECONNECT = "DUET_CLIENT_RECONNECT"
+# The request type, on the engine core's input queue, that aborts one client's requests. Not a
+# vLLM request type: only the dispatch installed below knows it.
+ABORT_CLIENT = "duet-abort-client"
+# ZeroMQ heartbeats on each client connection: a front door whose host vanished (no FIN, no
+# RST) is taken for gone after the timeout, as one whose process died is at once.
+HEARTBEAT_IVL_MS = 1_000
+HEARTBEAT_TIMEOUT_MS = 5_000
+
+
+class ClientConnections:
+    """The connection state of each client socket: when to greet again, when to abort."""
+
+    def __init__(self, count: int) -> None:
+        self._dropped = [False] * count
+
+    def on_event(self, client_index: int, event: int) -> str | None:
+        """What the input loop must do for a monitor ``event`` on client ``client_index``'s
+        socket: ``"abort"`` (its connection dropped), ``"greet"`` (it reconnected after a
+        drop), or None. The first handshake needs no greeting: vLLM's, queued at start-up,
+        goes out on it."""
+        import zmq
+
+        if event == zmq.EVENT_DISCONNECTED and not self._dropped[client_index]:
+            self._dropped[client_index] = True
+            return "abort"
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._dropped[client_index]:
+            self._dropped[client_index] = False
+            return "greet"
+        return None
+
+
+def install() -> None:
+    """Replace ``EngineCoreProc``'s input loop and extend its dispatch (see the module's
+    docstring); idempotent, as the plugin loads in every process vLLM starts."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if getattr(EngineCoreProc.process_input_sockets, "_duet_original", None) is not None:
+        return
+    vllm_input_loop = EngineCoreProc.process_input_sockets
+    vllm_dispatch = EngineCoreProc._handle_client_request
+
+    def process_input_sockets(self: Any, input_addresses: list[str], coord_input_address: str | None,
+                              identity: bytes, ready_event: Any) -> None:
+        if coord_input_address is not None:  # data parallel with a coordinator: vLLM's own
+            return vllm_input_loop(self, input_addresses, coord_input_address, identity, ready_event)
+        return _serve_clients(self, input_addresses, identity, ready_event)
+
+    def handle_client_request(self: Any, request_type: Any, request: Any) -> None:
+        if request_type == ABORT_CLIENT:
+            _abort_client_requests(self, request)
+            return
+        vllm_dispatch(self, request_type, request)
+
+    def duet_requests_by_client(self: Any) -> dict[int, int]:
+        """A utility call: how many requests the engine holds for each client (front door)."""
+        counts: dict[int, int] = {}
+        for request in self.scheduler.requests.values():
+            counts[request.client_index] = counts.get(request.client_index, 0) + 1
+        return counts
+
+    process_input_sockets._duet_original = vllm_input_loop  # type: ignore[attr-defined]
+    EngineCoreProc.process_input_sockets = process_input_sockets  # type: ignore[method-assign]
+    EngineCoreProc._handle_client_request = handle_client_request  # type: ignore[method-assign]
+    EngineCoreProc.duet_requests_by_client = duet_requests_by_client  # type: ignore[attr-defined]
+
+
+def _abort_client_requests(engine: Any, client_index: int) -> None:
+    """Abort every request of client ``client_index`` (on the engine core's busy-loop thread,
+    which owns the scheduler). Nothing is sent back: nobody listens on that client's socket."""
+    request_ids = [rid for rid, request in engine.scheduler.requests.items() if request.client_index == client_index]
+    if request_ids:
+        logger.warning("front end %d disconnected: aborting its %d request(s)", client_index, len(request_ids))
+        engine.abort_requests(request_ids)
+
+
+def _serve_clients(engine: Any, input_addresses: list[str], identity: bytes, ready_event: Any) -> None:
+    """vLLM's input loop (``EngineCoreProc.process_input_sockets``) without a coordinator,
+    plus a monitor per client socket that greets a reconnected client and aborts the requests
+    of a dropped one."""
+    import msgspec
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+    from vllm.utils.network_utils import make_zmq_socket
+    from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    add_request_decoder = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=engine.tensor_ipc_receiver)
+    generic_decoder = MsgpackDecoder(oob_tensor_provider=engine.tensor_ipc_receiver)
+    connections = ClientConnections(len(input_addresses))
+    with ExitStack() as stack, zmq.Context() as ctx:
+        # Defaults for every socket made in this context from here on.
+        ctx.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        ctx.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sockets = [
+            stack.enter_context(make_zmq_socket(ctx, address, zmq.DEALER, identity=identity, bind=False))
+            for address in input_addresses
+        ]
+        monitors = {
+            stack.enter_context(
+                sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            ): index
+            for index, sock in enumerate(sockets)
+        }
+        poller = zmq.Poller()
+        ready_payload = msgspec.msgpack.encode(engine._make_ready_response())
+        for sock in sockets:
+            # Queued until the client's router accepts the connection; it must hear from the
+            # engine before it can send to it.
+            sock.send(ready_payload)
+            poller.register(sock, zmq.POLLIN)
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
+        ready_event.set()
+        del ready_event
+        while True:
+            for sock, _ in poller.poll():
+                if sock in monitors:
+                    client_index = monitors[sock]
+                    action = connections.on_event(client_index, recv_monitor_message(sock)["event"])
+                    if action == "greet":
+                        logger.info("front end %d reconnected: greeting it", client_index)
+                        sockets[client_index].send(ready_payload)
+                    elif action == "abort":
+                        engine.input_queue.put_nowait((ABORT_CLIENT, client_index))
+                    continue
+                type_frame, *data_frames = sock.recv_multipart(copy=False)
+                request_type = EngineCoreRequestType(bytes(type_frame.buffer))
+                request: Any
+                if request_type == EngineCoreRequestType.ADD:
+                    added = add_request_decoder.decode(data_frames)
+                    try:
+                        request = engine.preprocess_add_request(added)
+                    except Exception:
+                        engine._handle_request_preproc_error(added)
+                        continue
+                else:
+                    request = generic_decoder.decode(data_frames)
+                    if request_type == EngineCoreRequestType.ABORT:
+                        # Eager abort, and in order with the inputs (as vLLM does).
+                        engine.aborts_queue.put_nowait(request)
+                engine.input_queue.put_nowait((request_type, request))

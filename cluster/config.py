@@ -201,6 +201,12 @@ class ServerConfig(_Strict):
     # 0 picks a free port; null disables it.
     metrics_port: int | None = Field(default=9400, ge=0, le=65535)
     worker_start_timeout_s: float = Field(default=600.0, gt=0)
+    # Front doors: processes that each serve both APIs on the same ports (SO_REUSEPORT: the
+    # kernel spreads connections among them) with their own front end to every engine core.
+    # The first is the control plane's own process; each other one is a Ray actor on this host
+    # whose death loses only its own requests and which is replaced without restarting any
+    # engine (router/front_door.py). More use more cores for the APIs' CPU.
+    front_ends: int = Field(default=1, ge=1, le=64)
 
 
 class RouterConfig(_Strict):
@@ -262,6 +268,16 @@ class DuetConfig(_Strict):
     def _autoscale_disaggregated(self) -> "DuetConfig":
         if self.autoscale is not None and self.mode == "colocated":
             raise ValueError("autoscale: the autoscaler sizes prefill and decode pools; a colocated deployment has neither")
+        return self
+
+    @model_validator(mode="after")
+    def _front_doors_need_engine_clients(self) -> "DuetConfig":
+        simulated = any(pool.engine == "simulated" for pool in (self.prefill, self.decode, self.colocated))
+        if simulated and self.server.front_ends > 1:
+            raise ValueError(
+                "server.front_ends: SIMULATED engines answer one router over their channel; "
+                "several front doors need vLLM engines (engine: vllm)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -21,19 +23,19 @@ from duet.cluster.autoscaler.policy import load_policy
 from duet.cluster.config import DuetConfig
 from duet.cluster.cores import CoreAllocator
 from duet.cluster.engine import is_cpu_only, resolve_model_path
+from duet.cluster.front_doors import FrontDoorSet
 from duet.cluster.pool_manager import PoolManager, root_cause
 from duet.cluster.ray_runtime import start_ray
 from duet.decode_worker.worker import ColocatedWorker, DecodeWorker, SimulatedColocatedWorker, SimulatedDecodeWorker
 from duet.kv_transfer.ports import is_bindable
 from duet.prefill_worker.worker import PrefillWorker, SimulatedPrefillWorker
-from duet.kv_transfer.config import TRANSPORTS
-from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.metrics import start_metrics_server
 from duet.router.health import HealthWatcher
-from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import ScaleError, WorkerPool
+from duet.router.admin import AdminServicer
+from duet.router.assembly import chat_template, request_service, router_host, set_policies
 from duet.router.auth import Gatekeeper
-from duet.router.front_ends import FrontEnds, check_exposure
+from duet.router.front_ends import FrontEnds, check_exposure, start_control_server
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
 from duet.router.validation import ModelLimits
@@ -79,6 +81,11 @@ class Deployment:
     managers: dict[str, PoolManager] = field(default_factory=dict)
     health: HealthWatcher | None = None
     autoscaler: LiveAutoscaler | None = None
+    # The front doors besides this process's own (server.front_ends > 1), and the private
+    # socket (in a directory of its own) on which they reach this control plane.
+    other_front_doors: FrontDoorSet | None = None
+    _control_dir: str | None = None
+    _control_server: Any = None
     _metrics_server: Any = None
 
     async def start(self, port: int | None = None, http_port: int | None = -1) -> "Deployment":
@@ -114,6 +121,13 @@ class Deployment:
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         start_ray(self.config)
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
+        if server_config.front_ends > 1:
+            self._control_dir = tempfile.mkdtemp(prefix="duet-control-")  # 0700: this user's only
+            self.other_front_doors = FrontDoorSet(
+                self.config, router_host(self.config), os.path.join(self._control_dir, "control.sock"), pools
+            )
+            self.other_front_doors.create()  # they come up (a few seconds) while the engines do
+            self.cluster.other_front_doors = self.other_front_doors.status
         cores = CoreAllocator() if is_cpu_only() else None
         if colocated:
             self.managers = {"colocated": self._manager("colocated", self.decode, self.config.colocated, cores)}
@@ -128,33 +142,26 @@ class Deployment:
         first_worker = (self.prefill.members + self.decode.members)[0]
         max_model_len, vocab_size, block_size = await first_worker.engine.model_limits()
         limits = ModelLimits(self.config.model.name, max_model_len, vocab_size)
-        self._set_policies(block_size)
+        set_policies(self.config, self.prefill, self.decode, block_size)
         self.health = HealthWatcher(
             [self.prefill, self.decode] if not colocated else [self.decode],
             self.config.router.health_interval_s,
             self.config.router.health_timeout_s,
         )
         self.health.start()
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(self.config.model)))
-        transfer = self.config.kv_transfer
-        lifecycle = RequestLifecycle(
-            None if colocated else self.prefill,
-            self.decode,
-            RetryPolicy(worker_wait_s=server_config.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
-            prefill_pushes_kv=TRANSPORTS[transfer.transport].pushes_to_decode,
-            local_prefill_max_tokens=self.config.router.local_prefill_max_tokens,
-            local_prefill_queue_tokens=self.config.router.local_prefill_queue_tokens,
-        )
-        self.service = RequestService(
-            lifecycle, limits, tokenizer, self.cluster, gatekeeper, server_config.max_inflight_requests
+        self.service = request_service(
+            self.config, None if colocated else self.prefill, self.decode, limits, self.cluster, gatekeeper
         )
         self.cluster.routing_notes.extend(_conditional_disaggregation_notes(self.config))
         self.front_ends = await FrontEnds.start(
-            self.service, server_config, bind_port, bind_http, _chat_template(self.config), operator=self
+            self.service, server_config, bind_port, bind_http, chat_template(self.config), AdminServicer(self.service, self)
         )
         self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
+        if self.other_front_doors is not None:
+            self._control_server = await start_control_server(
+                self.other_front_doors.control_socket, AdminServicer(self.service, self, trusted=True)
+            )
+            await self.other_front_doors.start(self.port, self.http_port, (max_model_len, vocab_size, block_size))
         if self.config.autoscale is not None:
             self._start_autoscaler(self.config.autoscale)
         # The router holds vLLM, torch and the tokenizers: millions of long-lived objects that
@@ -182,19 +189,9 @@ class Deployment:
     def _manager(self, role: str, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None) -> PoolManager:
         workers = _SIMULATED_WORKERS if pool_config.engine == "simulated" else _VLLM_WORKERS
         return PoolManager(
-            pool, workers[role], pool_config, self.config, _router_host(self.config), cores,
-            plan_nodes=_plan_node_ids(pool.role, pool_config.nodes),
+            pool, workers[role], pool_config, self.config, router_host(self.config), cores,
+            plan_nodes=_plan_node_ids(pool.role, pool_config.nodes), front_doors=self.other_front_doors,
         )
-
-    def _set_policies(self, engine_block_size: int) -> None:
-        router = self.config.router
-        prefill_policies = {
-            "least_requests": LeastRequests,
-            "least_prompt_tokens": LeastPromptTokens,
-            "prefix_affinity": lambda: PrefixAffinity(router.prefix_block_size or engine_block_size, router.load_factor),
-        }
-        self.prefill.policy = prefill_policies[router.prefill_policy]()
-        self.decode.policy = {"least_requests": LeastRequests, "least_kv_load": LeastKvLoad}[router.decode_policy]()
 
     def scale(self, role: str, replicas: int) -> list[str]:
         """Grow or shrink pool ``role`` to ``replicas`` workers (the Admin service's ScalePool)."""
@@ -225,6 +222,12 @@ class Deployment:
             raise WorkerStartError("workers failed to start:\n  " + "\n  ".join(failures))
 
     async def stop(self) -> None:
+        if self.other_front_doors is not None:
+            await self.other_front_doors.stop()
+        if self._control_server is not None:
+            await self._control_server.stop(grace=None)
+        if self._control_dir is not None:
+            shutil.rmtree(self._control_dir, ignore_errors=True)
         if self.front_ends is not None:
             await self.front_ends.stop()
         if self._metrics_server is not None:
@@ -234,20 +237,6 @@ class Deployment:
         if self.autoscaler is not None:
             self.autoscaler.stop()
         await asyncio.gather(*(manager.stop() for manager in self.managers.values()))
-
-
-def _chat_template(config: DuetConfig) -> str | None:
-    """The configured chat template's text (None: the tokenizer's own)."""
-    path = config.model.chat_template
-    return Path(path).expanduser().read_text() if path else None
-
-
-def _router_host(config: DuetConfig) -> str:
-    """The address workers reach the router at (engine cores their front ends, SIMULATED
-    engines their channels): loopback on a private local Ray, else this node's."""
-    if config.ray.address == "local":
-        return "127.0.0.1"
-    return ray.util.get_node_ip_address()
 
 
 def _plan_node_ids(role: str, nodes: list[int] | None) -> list[str] | None:

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.cores import CoreAllocator
 from duet.cluster.engine_host import WorkerHost
+from duet.cluster.front_doors import FrontDoorSet
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.pools import PoolMember, ScaleError, WorkerPool
 from duet.router.actor_channel import ActorChannel
@@ -41,6 +42,9 @@ class PoolManager:
     cores: CoreAllocator | None
     # Ray node ids for the first replicas, as a placement plan assigned them.
     plan_nodes: list[str] | None = None
+    # The deployment's other front doors (server.front_ends > 1): every engine core is also
+    # their client, and they hear of every change to the pool.
+    front_doors: FrontDoorSet | None = None
     _next_index: int = 0
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -98,15 +102,23 @@ class PoolManager:
         else:
             listeners = FrontEndListeners.bind(self.router_host)
             try:
-                status = await asyncio.wait_for(member.actor.start.remote([listeners.addresses]), timeout)
-                vllm_config = await member.actor.engine_config.remote()
+                others = await self.front_doors.listen(member.name) if self.front_doors is not None else []
+                member.client_addresses = [listeners.addresses, *others]
+                status = await asyncio.wait_for(member.actor.start.remote(member.client_addresses), timeout)
+                member.engine_config = await member.actor.engine_config.remote()
             except BaseException:
                 listeners.close()
                 raise
             member.engine = await asyncio.wait_for(
-                EngineFrontEnd.connect(member.name, member.actor, vllm_config, listeners, self.config.kv_transfer), timeout
+                EngineFrontEnd.connect(
+                    member.name, member.actor, member.engine_config, listeners, self.config.kv_transfer,
+                    (0, len(member.client_addresses)),
+                ),
+                timeout,
             )
         member.kv_endpoint = status.kv_endpoint
+        if self.front_doors is not None:
+            await self.front_doors.connect(member, self.pool)
 
     async def start(self, member: PoolMember) -> None:
         """Start ``member``'s engine; it joins rotation when ready. Raises if it cannot start."""
@@ -121,6 +133,8 @@ class PoolManager:
 
     async def restart(self, member: PoolMember) -> None:
         """Replace a dead worker with a fresh actor and engine under the same name and core."""
+        if self.front_doors is not None:
+            self.front_doors.tell("lost", member.name, member.error)
         self._close_engine(member)
         ray.kill(member.actor, no_restart=True)
         member.actor = self._actor(member.name, member.cpu_core, None)
@@ -189,13 +203,15 @@ class PoolManager:
         if member.state in ("ready", "restarting", "starting") and len(self.active()) <= 1:
             raise ScaleError(f"worker: {name} is the last active {self.pool.role} worker; scale up before draining it")
         member.state = "draining"
+        if self.front_doors is not None:
+            self.front_doors.tell("set_state", name, "draining")
         timeout = self.config.router.drain_timeout_s if timeout_s is None else timeout_s
         self._background(self._drain(member, timeout))
         return f"{name}: draining"
 
     async def _drain(self, member: PoolMember, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while member.inflight > 0 and time.monotonic() < deadline:
+        while await self._busy(member) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if member.inflight > 0:
             logger.warning(
@@ -204,12 +220,26 @@ class PoolManager:
             )
         await self.remove(member)
 
+    async def _busy(self, member: PoolMember) -> bool:
+        """Whether ``member`` still has requests: this process's, and with other front doors
+        theirs too, as its engine core counts them."""
+        if member.inflight > 0:
+            return True
+        if self.front_doors is None or member.engine is None:
+            return False
+        try:
+            return sum((await member.engine.requests_by_client()).values()) > 0
+        except Exception:  # its engine is gone: nothing left to wait for
+            return False
+
     async def remove(self, member: PoolMember) -> None:
         """Shut ``member``'s engine down, kill its actor, release its core and ports.
 
         Requests still on it (past a drain timeout) end now and resume on the other workers."""
         if member.engine is not None:
             member.engine.lost(WorkerRemoved(f"{member.name} was removed"))
+        if self.front_doors is not None:
+            self.front_doors.tell("remove", member.name)
         self._close_engine(member)
         try:
             await asyncio.wait_for(member.actor.shutdown.remote(), 30)

@@ -78,6 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
             data["server"]["http_port"] = None if args.http_port < 0 else args.http_port
         if args.host is not None:
             data["server"]["host"] = args.host
+        if args.front_ends is not None:
+            data["server"]["front_ends"] = args.front_ends
         if args.autoscale is not None:
             data["autoscale"] = args.autoscale
         if args.api_keys_file is not None:
@@ -231,6 +233,14 @@ def _print_status(status: pb.ClusterStatus) -> None:
         f"requests: {status.requests_served} served, {status.requests_inflight} in flight, "
         f"{status.requests_failed} failed"
     )
+    if len(status.front_ends) > 1:
+        for door in status.front_ends:
+            console.print(
+                f"front door {door.index}: {door.state}, pid {door.pid or '-'} on {door.host or '-'}"
+                + (f", replaced {door.restarts}x" if door.restarts else "")
+                + f"; {door.requests_served} served, {door.requests_inflight} in flight, {door.requests_failed} failed"
+                + (f" ({door.error})" if door.error else "")
+            )
 
 
 def _transfer_cell(worker: pb.WorkerState) -> str:
@@ -319,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (default: from the config, 9400; 0 picks one)")
     serve.add_argument("--http-port", type=int, help="OpenAI HTTP API port (default: from the config, 8000; 0 picks one; -1 disables)")
     serve.add_argument("--host", help="address both APIs listen on (default: from the config, 127.0.0.1)")
+    serve.add_argument(
+        "--front-ends", type=int, metavar="N",
+        help="front doors serving both APIs on the same ports, each a process of its own (default: from the config, 1)",
+    )
     serve.add_argument("--api-keys-file", help="YAML file of API keys and their quotas (docs/security.md)")
     serve.add_argument(
         "--allow-unauthenticated", action="store_true", help="serve a non-loopback --host without API keys"

@@ -7,12 +7,13 @@ only keys marked ``admin: true`` may call it (PERMISSION_DENIED otherwise).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
 
 from duet.router.pools import ScaleError
 from duet.router.proto import duet_api_pb2 as pb
+from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.server import authenticated_caller
 from duet.router.serving import RequestService
 
@@ -26,11 +27,16 @@ class PoolOperator(Protocol):
 
 
 class AdminServicer:
-    def __init__(self, service: RequestService, operator: PoolOperator) -> None:
+    def __init__(self, service: RequestService, operator: PoolOperator, trusted: bool = False) -> None:
+        """``trusted``: served on the control plane's private socket, whose only callers are
+        the deployment's front doors, which authorized the caller already (:class:`ForwardingAdmin`)."""
         self.service = service
         self.operator = operator
+        self.trusted = trusted
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.trusted:
+            return
         caller = await authenticated_caller(self.service, context)
         if not caller.admin:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"API key {caller.name!r} is not an admin key")
@@ -60,3 +66,37 @@ class AdminServicer:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if error.out_of_resources else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, str(error))
             raise  # unreachable: abort raises
+
+
+class ForwardingAdmin(AdminServicer):
+    """The Admin service of a front door other than the control plane's own: it authorizes the
+    caller as every front door does, then carries the call to the control plane over its
+    private socket (the pools are changed there). Errors come back with the control plane's
+    status code and message."""
+
+    def __init__(self, service: RequestService, control: "pb_grpc.AdminStub") -> None:
+        super().__init__(service, operator=None)  # type: ignore[arg-type]
+        self.control = control
+
+    async def ScalePool(self, request: pb.ScalePoolRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(context)
+        return await _forward(context, self.control.ScalePool(request))
+
+    async def DrainWorker(self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(context)
+        return await _forward(context, self.control.DrainWorker(request))
+
+    async def ListWorkers(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
+        await self._authorize(context)
+        return await _forward(context, self.control.ListWorkers(request))
+
+
+async def _forward(context: grpc.aio.ServicerContext, call: Awaitable[Any]) -> Any:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        code = error.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            await context.abort(code, f"the control plane cannot be reached: {error.details()}")
+        await context.abort(code, error.details() or str(code))
+        raise  # unreachable: abort raises

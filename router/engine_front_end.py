@@ -198,6 +198,11 @@ class EngineFrontEnd:
             await updates.aclose()
             self._finished(request_id)
 
+    async def requests_by_client(self) -> dict[int, int]:
+        """The requests the engine core holds, by client (front door) index: every front
+        door's, not only this front end's (cluster/engine_clients.py)."""
+        return await self.engine.engine_core.call_utility_async("duet_requests_by_client")
+
     async def _worker_gone(self) -> bool:
         """Asked when the engine aborts a request the router did not abort. An engine core
         ends its requests that way when its worker dies (it watches its parent), often before

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duet.cluster.config import ConfigError, ServerConfig
-from duet.router.admin import AdminServicer, PoolOperator
+from duet.router.admin import AdminServicer
 from duet.router.auth import Gatekeeper
 from duet.router.http_server import OpenAIFrontEnd, start_http_server
 from duet.router.server import DuetServicer, report_readiness, start_server
@@ -71,13 +71,14 @@ class FrontEnds:
         grpc_port: int,
         http_port: int | None,
         chat_template: str | None,
-        operator: PoolOperator | None = None,
+        admin: AdminServicer | None = None,
     ) -> "FrontEnds":
         """Start gRPC on ``grpc_port`` and HTTP on ``http_port`` (None: no HTTP; 0: any port);
-        with an ``operator`` the gRPC server also serves the Admin service."""
-        admin = AdminServicer(service, operator) if operator is not None else None
+        with ``admin`` the gRPC server also serves the Admin service. With several front doors
+        (``server.front_ends``) every one listens on the same ports."""
+        reuse_port = server.front_ends > 1
         grpc_server, bound_grpc, health_service = await start_server(
-            DuetServicer(service), server.host, grpc_port, server.tls, admin
+            DuetServicer(service), server.host, grpc_port, server.tls, admin, reuse_port
         )
         readiness = asyncio.get_running_loop().create_task(report_readiness(health_service, service.is_ready))
         http_runner, bound_http = None, None
@@ -85,7 +86,9 @@ class FrontEnds:
             front_end = OpenAIFrontEnd(service, server.http_max_body_bytes, chat_template)
             ssl_context = http_ssl_context(server.tls) if server.tls else None
             try:
-                http_runner, bound_http = await start_http_server(front_end, server.host, http_port, ssl_context)
+                http_runner, bound_http = await start_http_server(
+                    front_end, server.host, http_port, ssl_context, reuse_port
+                )
             except OSError:
                 readiness.cancel()
                 await grpc_server.stop(grace=None)
@@ -97,3 +100,18 @@ class FrontEnds:
         await self.grpc_server.stop(grace=2)
         if self.http_runner is not None:
             await self.http_runner.cleanup()
+
+
+async def start_control_server(socket_path: str, admin: AdminServicer) -> Any:
+    """The control plane's private gRPC server, on a Unix socket only its own user can reach:
+    the other front doors carry Admin calls and status there, after authorizing the caller
+    themselves (router/front_door.py)."""
+    import grpc
+
+    from duet.router.proto import duet_api_pb2_grpc as pb_grpc
+
+    server = grpc.aio.server()
+    pb_grpc.add_AdminServicer_to_server(admin, server)
+    server.add_insecure_port(f"unix:{socket_path}")
+    await server.start()
+    return server

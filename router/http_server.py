@@ -282,14 +282,15 @@ async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamRespo
 
 
 async def start_http_server(
-    front_end: OpenAIFrontEnd, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    front_end: OpenAIFrontEnd, host: str, port: int, ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False
 ) -> tuple[web.AppRunner, int]:
-    """Serve the API on ``host:port`` (0 picks a free port); returns the runner and the port."""
+    """Serve the API on ``host:port`` (0 picks a free port); returns the runner and the port.
+    ``reuse_port`` shares the port with the deployment's other front doors (SO_REUSEPORT)."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # request on the workers instead of generating tokens nobody will read.
     runner = web.AppRunner(front_end.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=False)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port)
     try:
         await site.start()
     except OSError:

@@ -146,16 +146,22 @@ def _generic_handler(servicer: DuetServicer) -> grpc.GenericRpcHandler:
 
 
 async def start_server(
-    servicer: DuetServicer, host: str, port: int, tls: TlsConfig | None = None, admin: "AdminServicer | None" = None
+    servicer: DuetServicer,
+    host: str,
+    port: int,
+    tls: TlsConfig | None = None,
+    admin: "AdminServicer | None" = None,
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start serving; returns the server, the bound port (``port=0`` picks a free one) and the
     health service (see :func:`report_readiness`).
 
     Health checking and reflection need no API key (probes and tooling); with ``tls`` every
-    service is served over TLS only.
+    service is served over TLS only. ``reuse_port`` shares the port with the deployment's other
+    front doors (SO_REUSEPORT: the kernel spreads new connections among them); without it a
+    second server on a taken port fails instead of sharing it silently.
     """
-    # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", int(reuse_port))])
     server.add_generic_rpc_handlers((_generic_handler(servicer),))
     services = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     if admin is not None:

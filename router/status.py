@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from duet.cluster.worker_api import WorkerStatus
 from duet.kv_transfer.metrics import transfer_totals
@@ -31,6 +34,8 @@ class ClusterView:
         self.metrics_endpoint = ""
         # Routing facts beyond each pool's policy (conditional disaggregation's threshold).
         self.routing_notes: list[str] = []
+        # The deployment's other front doors as status shows them (cluster/front_doors.py).
+        self.other_front_doors: Callable[[], Awaitable[list[pb.FrontEnd]]] | None = None
 
     def admit(self) -> None:
         self.inflight += 1
@@ -59,16 +64,31 @@ class ClusterView:
                     self.metrics.tpot.observe(usage.tpot_s)
 
     async def status(self) -> pb.ClusterStatus:
+        """The cluster as ``duet status`` shows it; request counts are every front door's."""
         pools = await asyncio.gather(*(self._pool_status(pool) for pool in self.pools))
+        front_ends = [self.front_door(0)] + (await self.other_front_doors() if self.other_front_doors else [])
         return pb.ClusterStatus(
             model=self.model,
             pools=pools,
-            requests_served=self.outcomes["served"],
-            requests_inflight=self.inflight,
-            requests_failed=self.outcomes["failed"],
+            requests_served=sum(front_end.requests_served for front_end in front_ends),
+            requests_inflight=sum(front_end.requests_inflight for front_end in front_ends),
+            requests_failed=sum(front_end.requests_failed for front_end in front_ends),
             kv_transport=self.transport,
             metrics_endpoint=self.metrics_endpoint,
             routing=[f"{pool.role}: {pool.policy.describe()}" for pool in self.pools] + self.routing_notes,
+            front_ends=front_ends,
+        )
+
+    def front_door(self, index: int) -> pb.FrontEnd:
+        """This process as a front door: its requests, by what became of them."""
+        return pb.FrontEnd(
+            index=index,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            state="ready",
+            requests_served=self.outcomes["served"],
+            requests_inflight=self.inflight,
+            requests_failed=self.outcomes["failed"],
         )
 
     async def _pool_status(self, pool: WorkerPool) -> pb.Pool:

@@ -9,7 +9,6 @@ default interval, and checks the merged stream is the reference engine's, token 
 from __future__ import annotations
 
 import queue
-import threading
 import time
 
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
@@ -18,7 +17,9 @@ from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
 from duet.cluster.engine_output import CoalescingOutputQueue
 from duet.router.client import build_request
 
-INTERVAL_S = 0.2
+# Long, so that "sent at once" can be told from "held for the interval" with a bound (half of
+# it) that no scheduling delay of a loaded machine reaches.
+INTERVAL_S = 2.0
 
 
 def _step(*outputs: tuple[str, list[int]], finished: str | None = None, running: int = 1) -> tuple[int, EngineCoreOutputs]:
@@ -68,17 +69,19 @@ def test_a_step_after_a_quiet_interval_is_sent_at_once():
 
 
 def test_a_held_step_waits_at_most_the_interval():
+    """Both steps are queued before ``get``, so what it merges does not depend on when another
+    thread runs; the previous send was between ``before`` and ``after``."""
     inner: queue.Queue = queue.Queue()
+    before = time.monotonic()
     coalescing = _sent_recently(inner)
+    after = time.monotonic()
     inner.put_nowait(_step(("a", [1])))
-    later = threading.Timer(INTERVAL_S / 2, inner.put_nowait, args=(_step(("a", [2])),))
-    later.start()
-    started = time.monotonic()
+    inner.put_nowait(_step(("a", [2])))
     _, outputs = coalescing.get()
-    waited = time.monotonic() - started
-    later.join()
+    sent = time.monotonic()
     assert outputs.outputs[0].new_token_ids == [1, 2]
-    assert INTERVAL_S / 2 <= waited < INTERVAL_S * 1.5
+    # Held until the interval since the previous send had passed; the slack is for a loaded machine.
+    assert INTERVAL_S <= sent - before and sent - after < INTERVAL_S + 2
 
 
 def test_a_first_token_is_sent_at_once_and_a_last_one_ends_the_wait():

@@ -18,6 +18,7 @@ import ray
 
 from duet.cluster.worker_api import SamplingSpec
 from duet.router.client import build_request
+from duet.router.engine_front_end import _RECENT_OUTPUT_S
 
 COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 
@@ -35,6 +36,15 @@ async def _decode_on(member, request_id, prompt, spec, prefill) -> list[int]:
     ):
         tokens += chunk.token_ids
     return tokens
+
+
+def _wait_replaced(member, restarts: int, timeout_s: float = 300) -> None:
+    """Wait until the router has replaced ``member`` since it had ``restarts``: how soon it
+    notices a failure and how long a replacement takes to start vary with the machine's speed."""
+    deadline = time.monotonic() + timeout_s
+    while not (member.restarts > restarts and member.state == "ready"):
+        assert time.monotonic() < deadline, f"{member.name} was not replaced: {member.state} {member.error}"
+        time.sleep(0.5)
 
 
 def test_prefill_killed_before_decode_pulls(client, deployment, reference, worker_status):
@@ -62,22 +72,24 @@ def test_prefill_killed_before_decode_pulls(client, deployment, reference, worke
     # in the moment before Ray reaps it), and the dead worker is replaced.
     ids, last = client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True), timeout=600)
     assert ids == expected
-    deadline = time.monotonic() + 300
-    while prefill.state != "ready" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert prefill.state == "ready" and prefill.restarts == restarts + 1
+    _wait_replaced(prefill, restarts)
+    assert prefill.restarts == restarts + 1
     assert worker_status("prefill").state == "ready"
 
 
 def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment, reference, stream_killing_worker):
-    prompt = _prompt(4000, seed=2)
+    """The worker is killed as the first token arrives; 256 tokens (4,056 with the prompt,
+    within the model's 4,096) take seconds to decode even on a fast spell, so the stream
+    outlives the kill and resumes on the replacement."""
+    prompt = _prompt(3800, seed=2)
     decode = deployment.decode.members[0]
     restarts = decode.restarts
-    request = build_request(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True)
+    request = build_request(prompt_token_ids=prompt, max_tokens=256, ignore_eos=True)
     received = stream_killing_worker(client, request, decode)
-    expected = reference.greedy([prompt], max_tokens=24, ignore_eos=True)[0]
+    expected = reference.greedy([prompt], max_tokens=256, ignore_eos=True)[0]
     assert received == expected, "the resumed stream differs from an uninterrupted one"
-    assert decode.restarts == restarts + 1 and decode.state == "ready"
+    _wait_replaced(decode, restarts)
+    assert decode.restarts == restarts + 1
 
 
 def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, deployment, reference):
@@ -88,6 +100,10 @@ def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, d
     prompt = _prompt(300, seed=5)
     decode = deployment.decode.members[0]
     restarts = decode.restarts
+    router = deployment.config.router
+    # Found by design within the recent-output window (the stream's last output must age), the
+    # next ping and its timeout; the slack is for a loaded machine. The error says a ping found it.
+    notice_bound_s = _RECENT_OUTPUT_S + router.health_interval_s + router.health_timeout_s + 10
     engine_pid = ray.get(decode.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
     request = build_request(prompt_token_ids=prompt, max_tokens=160, ignore_eos=True)
     received: list[int] = []
@@ -105,7 +121,7 @@ def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, d
         assert streaming.wait(120), "the stream never got going"
         os.kill(engine_pid, signal.SIGSTOP)
         hung_at = time.monotonic()
-        while decode.state == "ready" and time.monotonic() - hung_at < 30:
+        while decode.state == "ready" and time.monotonic() - hung_at < notice_bound_s:
             time.sleep(0.05)
         noticed_s = time.monotonic() - hung_at
         error = decode.error
@@ -114,15 +130,12 @@ def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, d
         # No stopped engine core is left behind, whatever happened (its removal kills it).
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine_pid, signal.SIGKILL)
+    assert noticed_s < notice_bound_s, f"the hung engine was not noticed within {notice_bound_s:g} s"
     assert "WorkerUnresponsive" in error, error
-    # Output older than 1 s, the next 1 s ping, its 5 s timeout.
-    assert noticed_s < 10, f"the hung engine was noticed after {noticed_s:.1f} s"
     assert not consumer.is_alive(), "the stream did not finish after its engine hung"
     assert received == reference.greedy([prompt], max_tokens=160, ignore_eos=True)[0]
-    deadline = time.monotonic() + 300
-    while decode.state != "ready" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert decode.restarts == restarts + 1 and decode.state == "ready"
+    _wait_replaced(decode, restarts)
+    assert decode.restarts == restarts + 1
 
 
 def test_transfer_timeout_falls_back_to_recompute(client, deployment, reference, worker_status):

@@ -24,6 +24,7 @@ import yaml
 from duet.cluster.config import AuthConfig, ConfigError, ServerConfig, TlsConfig
 from duet.router.auth import Gatekeeper
 from duet.router.client import DuetClient, build_request
+from duet.router.admin import AdminServicer
 from duet.router.front_ends import FrontEnds, check_exposure
 from certs import make_certificates
 
@@ -53,7 +54,7 @@ def _front_ends(deployment, server: ServerConfig):
     """Start a gRPC + HTTP pair (and the Admin service) on ``deployment``'s serving path with
     ``server``'s security."""
     service = dataclasses.replace(deployment.service, gatekeeper=Gatekeeper.from_config(server.auth, environ={}))
-    return deployment.background.run(FrontEnds.start(service, server, 0, 0, None, operator=deployment), timeout=30)
+    return deployment.background.run(FrontEnds.start(service, server, 0, 0, None, admin=AdminServicer(service, deployment)), timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -109,14 +109,17 @@ def simulated_deployment(running_deployment):
 
 
 def test_sixteen_simulated_workers_serve_through_the_real_router(simulated_deployment):
+    """The requests are spread over the pools because they are in flight together: 64 tokens
+    are over a second of simulated decode steps (wall-clock time, whatever the CPU's speed),
+    far longer than sending the 64 requests takes, so they overlap on a slow machine too."""
     deployment = simulated_deployment
     prompts = [[(i * 7) % 600 + 3] * (50 + i) for i in range(64)]
     with DuetClient(f"127.0.0.1:{deployment.port}") as client:
         with ThreadPoolExecutor(64) as pool:
-            results = list(pool.map(lambda p: client.generate_ids(build_request(prompt_token_ids=p, max_tokens=16), timeout=60), prompts))
+            results = list(pool.map(lambda p: client.generate_ids(build_request(prompt_token_ids=p, max_tokens=64), timeout=60), prompts))
         vocab = deployment.service.limits.vocab_size
         for prompt, (ids, last) in zip(prompts, results):
-            assert ids == simulated_tokens(prompt, 16, vocab)
+            assert ids == simulated_tokens(prompt, 64, vocab)
         used = {last.usage.prefill_worker for _, last in results} | {last.usage.decode_worker for _, last in results}
         assert len(used) >= 8  # spread over the pools
         status = client.status()

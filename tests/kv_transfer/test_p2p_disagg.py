@@ -10,6 +10,7 @@ import json
 import pathlib
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 import ray
@@ -98,16 +99,27 @@ def test_sixteen_concurrent_requests(engines, prompt):
     assert len(loads) == 16 and all(r["outcome"] == "loaded" for r in loads)
     assert stats["prompt_tokens"]["external_kv_transfer"] == sum(map(len, prompts))
     assert stats["prompt_tokens"]["computed"] == 0
-    sends = [r for r in ray.get(prefill.stats.remote())["connector"]["records"] if r["side"] == "send"]
+    prefill_stats = settled_stats(prefill, prompts[0], lambda records: len(_sends(records)) >= 16)
+    sends = _sends(prefill_stats["connector"]["records"])
     assert len(sends) >= 16 and all(r["failure"] is None for r in sends)
 
 
-def settled_stats(engine, some_prompt: list[int]) -> dict:
-    """Stats after one more engine step: vLLM delivers connector stats only on steps, and a
-    sender thread may finish a transfer after the engine went idle."""
-    time.sleep(0.5)
-    ray.get(engine.generate.remote(some_prompt[:5], 1, None))
-    return ray.get(engine.stats.remote())
+def _sends(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["side"] == "send"]
+
+
+def settled_stats(engine, some_prompt: list[int], settled: Callable[[list[dict]], bool], timeout_s: float = 60) -> dict:
+    """Stats once their connector records are ``settled``: a sender thread may finish a
+    transfer after the engine went idle, when it does depends on the machine, and vLLM
+    delivers connector stats only on engine steps, so each look runs one more step first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ray.get(engine.generate.remote(some_prompt[:5], 1, None))
+        stats = ray.get(engine.stats.remote())
+        if settled(stats["connector"]["records"]):
+            return stats
+        assert time.monotonic() < deadline, f"the connector's records did not settle: {stats['connector']}"
+        time.sleep(0.1)
 
 
 def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt):
@@ -118,7 +130,7 @@ def test_layerwise_streaming_overlaps_prefill_and_bandwidth(engines, prompt):
     p = prompt(4000, seed=7)
     first = ray.get(prefill.generate.remote(p, 1, prefill_request_params(peer)))
     ray.get(decode.generate.remote(p, 2, first["kv_transfer_params"]))
-    (rec,) = [r for r in settled_stats(prefill, p)["connector"]["records"] if r["side"] == "send"]
+    (rec,) = _sends(settled_stats(prefill, p, lambda records: len(_sends(records)) >= 1)["connector"]["records"])
     assert rec["failure"] is None and rec["chunks"] % 4 == 0  # one chunk per layer per step
     assert rec["send_start"] < rec["forward_end"]  # layer 0 left while later layers computed
     landed = [r for r in ray.get(decode.stats.remote())["connector"]["records"] if r["side"] == "landed"]

@@ -1,0 +1,73 @@
+"""One front door's serving path, assembled from the deployment's config.
+
+Every front door builds the same thing over its own view of the pools: the control plane's
+process for its own front door (cluster/deployment.py) and each extra front door's process
+(router/front_door.py). Built in one place, so the front doors cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from duet.cluster.config import DuetConfig
+from duet.cluster.engine import resolve_model_path
+from duet.kv_transfer.config import TRANSPORTS
+from duet.router.auth import Gatekeeper
+from duet.router.lifecycle import RequestLifecycle, RetryPolicy
+from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
+from duet.router.pools import WorkerPool
+from duet.router.serving import RequestService
+from duet.router.status import ClusterView
+from duet.router.validation import ModelLimits
+
+
+def set_policies(config: DuetConfig, prefill: WorkerPool, decode: WorkerPool, engine_block_size: int) -> None:
+    """Give each pool the routing policy the ``router:`` section names."""
+    router = config.router
+    prefill_policies = {
+        "least_requests": LeastRequests,
+        "least_prompt_tokens": LeastPromptTokens,
+        "prefix_affinity": lambda: PrefixAffinity(router.prefix_block_size or engine_block_size, router.load_factor),
+    }
+    prefill.policy = prefill_policies[router.prefill_policy]()
+    decode.policy = {"least_requests": LeastRequests, "least_kv_load": LeastKvLoad}[router.decode_policy]()
+
+
+def request_service(
+    config: DuetConfig,
+    prefill: WorkerPool | None,
+    decode: WorkerPool,
+    limits: ModelLimits,
+    cluster: ClusterView,
+    gatekeeper: Gatekeeper,
+) -> RequestService:
+    """The serving path over ``prefill`` (None: colocated) and ``decode``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(config.model)))
+    transfer = config.kv_transfer
+    lifecycle = RequestLifecycle(
+        prefill,
+        decode,
+        RetryPolicy(worker_wait_s=config.server.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
+        prefill_pushes_kv=TRANSPORTS[transfer.transport].pushes_to_decode,
+        local_prefill_max_tokens=config.router.local_prefill_max_tokens,
+        local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,
+    )
+    return RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
+
+
+def chat_template(config: DuetConfig) -> str | None:
+    """The configured chat template's text (None: the tokenizer's own)."""
+    path = config.model.chat_template
+    return Path(path).expanduser().read_text() if path else None
+
+
+def router_host(config: DuetConfig) -> str:
+    """The address workers reach a front door at (engine cores its front ends, SIMULATED
+    engines their channels): loopback on a private local Ray, else this node's."""
+    if config.ray.address == "local":
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()

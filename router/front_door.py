@@ -1,0 +1,213 @@
+"""A front door: a process that serves both APIs on the deployment's ports beside the others.
+
+With ``server.front_ends: N`` a deployment has N front doors. The first is the control plane's
+own process (cluster/deployment.py); each other one is a :class:`FrontDoor`, a Ray actor on the
+same host. Every front door listens on the same gRPC and HTTP ports (SO_REUSEPORT: the kernel
+spreads new connections among them), hosts its own front end for every worker's engine core
+(client ``index`` of that engine core, cluster/engine_clients.py), and runs the whole serving
+path over its own view of the pools: validation, admission, routing, the request lifecycle. A
+token goes from the engine core to the client through this one process, as in the control
+plane's.
+
+What a front door does not do is change the cluster. The control plane creates, replaces,
+drains and removes workers, watches their health and scales the pools, and tells every front
+door (cluster/front_doors.py): a worker's engine core to connect to, its state, its loss. Admin
+calls and status that reach a front door are authorized here and carried to the control plane
+(router/admin.py). A front door whose process dies takes only its own requests with it: the
+engines abort them, the other front doors serve on, and the control plane starts a replacement
+that listens where the dead one did, so the engine cores reconnect to it without restarting.
+
+What the front doors share: nothing on the request path. Each routes on its own count of the
+requests it sent to each worker (outstanding prompt tokens, requests in flight) and its own
+prefix index; docs/cluster.md measures what that costs prefix affinity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from duet.cluster.config import DuetConfig
+from duet.cluster.worker_api import EngineAddresses
+from duet.router.admin import ForwardingAdmin
+from duet.router.assembly import chat_template, request_service, router_host, set_policies
+from duet.router.auth import Gatekeeper
+from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
+from duet.router.front_ends import FrontEnds
+from duet.router.pools import PoolMember, WorkerPool
+from duet.router.proto import duet_api_pb2 as pb
+from duet.router.proto import duet_api_pb2_grpc as pb_grpc
+from duet.router.serving import RequestService
+from duet.router.status import ClusterView
+from duet.router.validation import ModelLimits
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSnapshot:
+    """What a front door needs to reach one worker's engine core, and the worker's state."""
+
+    name: str
+    pool: str  # "prefill", or "decode" (also a colocated deployment's pool)
+    actor: Any
+    state: str
+    kv_endpoint: str
+    # Where this front door's front end listens for the engine core (its client address pair).
+    addresses: EngineAddresses
+    engine_config: Any
+
+
+class WorkerLostByControlPlane(RuntimeError):
+    """The control plane found the worker dead (its watch or ping) and is replacing it."""
+
+
+class ControlledClusterView(ClusterView):
+    """A front door's cluster view: status is the control plane's, which lists every front door."""
+
+    def __init__(self, model: str, transport: str, pools: list[WorkerPool], control: pb_grpc.AdminStub) -> None:
+        super().__init__(model, transport, pools)
+        self.control = control
+
+    async def status(self) -> pb.ClusterStatus:
+        return await self.control.ListWorkers(pb.GetStatusRequest())
+
+
+class FrontDoor:
+    """One front door other than the control plane's (an async Ray actor; module docstring)."""
+
+    def __init__(self, index: int, count: int, config: DuetConfig, control_socket: str) -> None:
+        import grpc
+
+        self.index = index
+        self.count = count
+        self.config = config
+        colocated = config.mode == "colocated"
+        self.pools = {"decode": WorkerPool("colocated" if colocated else "decode")}
+        if not colocated:
+            self.pools["prefill"] = WorkerPool("prefill")
+        for pool in self.pools.values():
+            pool.restart = self._await_replacement
+        self._control_channel = grpc.aio.insecure_channel(f"unix:{control_socket}")
+        control = pb_grpc.AdminStub(self._control_channel)
+        transport = "none (colocated)" if colocated else config.kv_transfer.transport
+        ordered = [self.pools[role] for role in ("prefill", "decode") if role in self.pools]
+        self.cluster = ControlledClusterView(config.model.name, transport, ordered, control)
+        self.service: RequestService | None = None
+        self.front_ends: FrontEnds | None = None
+        self._listening: dict[str, FrontEndListeners] = {}
+        self._replaced: dict[str, asyncio.Event] = {}
+
+    # ---- membership, as the control plane tells it ---------------------------------------
+
+    async def listen(self, name: str) -> EngineAddresses:
+        """Listen for worker ``name``'s engine core, which is about to start; returns where."""
+        listeners = FrontEndListeners.bind(router_host(self.config))
+        self._listening[name] = listeners
+        return listeners.addresses
+
+    async def connect(self, worker: WorkerSnapshot) -> None:
+        """Connect to ``worker``'s engine core (launched with this front door's addresses) and
+        put it in its pool; a worker being replaced gets its new engine."""
+        pool = self.pools[worker.pool]
+        listeners = self._listening.pop(worker.name, None) or FrontEndListeners.rebind(worker.addresses)
+        engine = await EngineFrontEnd.connect(
+            worker.name, worker.actor, worker.engine_config, listeners, self.config.kv_transfer, (self.index, self.count)
+        )
+        member = pool.find(worker.name)
+        if member is None:
+            member = PoolMember(worker.name, worker.actor, state=worker.state)
+            pool.members.append(member)
+        elif member.engine is not None:
+            member.engine.close()
+        member.actor, member.engine, member.kv_endpoint = worker.actor, engine, worker.kv_endpoint
+        if member.state == "restarting":
+            self._replaced.setdefault(worker.name, asyncio.Event()).set()  # _await_replacement: ready
+        elif member.state != "draining":
+            member.state = worker.state
+        pool.changed()
+
+    async def set_state(self, name: str, state: str) -> None:
+        """The control plane's state for worker ``name`` (ready, draining)."""
+        for pool in self.pools.values():
+            member = pool.find(name)
+            if member is not None and member.state not in ("restarting", "failed"):
+                member.state = state
+                pool.changed()
+
+    async def lost(self, name: str, reason: str) -> None:
+        """Worker ``name`` died: its requests here resume on the others while it is replaced."""
+        for pool in self.pools.values():
+            member = pool.find(name)
+            if member is not None and member.engine is not None:
+                pool.mark_failed(member, WorkerLostByControlPlane(reason), member.engine)
+
+    async def remove(self, name: str) -> None:
+        """Worker ``name`` left the cluster (drained or removed): its requests here, if any
+        are left, resume on the others."""
+        for pool in self.pools.values():
+            member = pool.find(name)
+            if member is None:
+                continue
+            if member.engine is not None:
+                member.engine.close()
+                member.engine = None
+            pool.members.remove(member)
+            pool.changed()
+        listeners = self._listening.pop(name, None)
+        if listeners is not None:
+            listeners.close()
+
+    async def _await_replacement(self, member: PoolMember) -> None:
+        """A front door replaces no worker itself: it waits for the control plane's
+        replacement to be connected (:meth:`connect`)."""
+        replaced = self._replaced.setdefault(member.name, asyncio.Event())
+        try:
+            await asyncio.wait_for(replaced.wait(), self.config.server.worker_start_timeout_s)
+        finally:
+            self._replaced.pop(member.name, None)
+
+    # ---- serving -------------------------------------------------------------------------
+
+    async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> int:
+        """Serve both APIs on the deployment's ports; returns this process's id."""
+        max_model_len, vocab_size, block_size = limits
+        prefill, decode = self.pools.get("prefill"), self.pools["decode"]
+        set_policies(self.config, prefill or WorkerPool("prefill"), decode, block_size)
+        gatekeeper = Gatekeeper.from_config(self.config.server.auth)
+        model_limits = ModelLimits(self.config.model.name, max_model_len, vocab_size)
+        self.service = request_service(self.config, prefill, decode, model_limits, self.cluster, gatekeeper)
+        admin = ForwardingAdmin(self.service, self.cluster.control)
+        self.front_ends = await FrontEnds.start(
+            self.service, self.config.server, grpc_port, http_port, chat_template(self.config), admin
+        )
+        gc.collect()
+        gc.freeze()  # as in the control plane's process (cluster/deployment.py says why)
+        return os.getpid()
+
+    async def status(self) -> pb.FrontEnd:
+        """This front door for ``duet status``."""
+        return self.cluster.front_door(self.index)
+
+    async def requests_by_worker(self) -> dict[str, int]:
+        """Requests this front door has in flight on each worker (tests, status)."""
+        return {m.name: m.inflight for pool in self.pools.values() for m in pool.members}
+
+    async def wait(self) -> None:
+        """Pending for as long as this front door lives: the control plane keeps one call
+        waiting, which Ray fails the moment the process dies."""
+        await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        if self.front_ends is not None:
+            await self.front_ends.stop()
+        for pool in self.pools.values():
+            for member in pool.members:
+                if member.engine is not None:
+                    member.engine.close()
+                    member.engine = None
+        await self._control_channel.close()

@@ -62,10 +62,14 @@ class DuetClient:
         tls_key: str | None = None,
     ) -> None:
         self.target = target
+        # A connection of its own: gRPC otherwise shares one among every channel of a process
+        # to the same target, and with several front doors behind one port (the kernel picks
+        # one per connection) every client of a process would reach the same front door.
+        options = [("grpc.use_local_subchannel_pool", 1)]
         if tls_ca or tls_cert:
-            self._channel = grpc.secure_channel(target, grpc_channel_credentials(tls_ca, tls_cert, tls_key))
+            self._channel = grpc.secure_channel(target, grpc_channel_credentials(tls_ca, tls_cert, tls_key), options)
         else:
-            self._channel = grpc.insecure_channel(target)
+            self._channel = grpc.insecure_channel(target, options)
         self._stub = pb_grpc.DuetStub(self._channel)
         self._admin = pb_grpc.AdminStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None

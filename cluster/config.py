@@ -201,11 +201,11 @@ class ServerConfig(_Strict):
     # 0 picks a free port; null disables it.
     metrics_port: int | None = Field(default=9400, ge=0, le=65535)
     worker_start_timeout_s: float = Field(default=600.0, gt=0)
-    # Front doors: processes that each serve both APIs on the same ports (SO_REUSEPORT: the
-    # kernel spreads connections among them) with their own front end to every engine core.
-    # The first is the control plane's own process; each other one is a Ray actor on this host
-    # whose death loses only its own requests and which is replaced without restarting any
-    # engine (router/front_door.py). More use more cores for the APIs' CPU.
+    # Front doors: processes that serve both APIs. With 1, the control plane's process serves.
+    # With more, each is a Ray actor of its own on the control plane's host, all on the same
+    # ports (SO_REUSEPORT: the kernel spreads connections among them), each with its own front
+    # end to every engine core; one that dies loses only its own requests and is replaced
+    # without restarting any engine (router/front_door.py). More use more cores for the APIs.
     front_ends: int = Field(default=1, ge=1, le=64)
 
 
@@ -268,6 +268,15 @@ class DuetConfig(_Strict):
     def _autoscale_disaggregated(self) -> "DuetConfig":
         if self.autoscale is not None and self.mode == "colocated":
             raise ValueError("autoscale: the autoscaler sizes prefill and decode pools; a colocated deployment has neither")
+        return self
+
+    @model_validator(mode="after")
+    def _autoscaler_sees_the_load(self) -> "DuetConfig":
+        if self.autoscale is not None and self.server.front_ends > 1:
+            raise ValueError(
+                "server.front_ends: the autoscaler reads the request load of the control plane's own "
+                "front door, and front doors of their own do not report theirs yet; use 1 with autoscale"
+            )
         return self
 
     @model_validator(mode="after")

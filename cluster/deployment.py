@@ -7,6 +7,7 @@ exactly what users run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -24,6 +25,7 @@ from duet.cluster.config import DuetConfig
 from duet.cluster.cores import CoreAllocator
 from duet.cluster.engine import is_cpu_only, resolve_model_path
 from duet.cluster.front_doors import FrontDoorSet
+from duet.cluster.actor_names import named_actors
 from duet.cluster.pool_manager import PoolManager, root_cause
 from duet.cluster.ray_runtime import start_ray
 from duet.decode_worker.worker import ColocatedWorker, DecodeWorker, SimulatedColocatedWorker, SimulatedDecodeWorker
@@ -67,6 +69,11 @@ def _port_in_use(what: str, host: str, port: int, flag: str) -> str:
 @dataclass
 class Deployment:
     config: DuetConfig
+    # Names this deployment's actors (detached, so no process owns them) when its control plane
+    # runs apart (cluster/control_plane.py); a control plane started again under the same id
+    # takes over the workers and front doors that run. None: actors owned by this process.
+    deployment_id: str | None = None
+    adopted: bool = False  # whether start() took over a running deployment
     prefill: WorkerPool = field(default_factory=lambda: WorkerPool("prefill"))
     # In a colocated deployment this pool holds the workers that run whole requests, and the
     # prefill pool stays empty.
@@ -81,9 +88,10 @@ class Deployment:
     managers: dict[str, PoolManager] = field(default_factory=dict)
     health: HealthWatcher | None = None
     autoscaler: LiveAutoscaler | None = None
-    # The front doors besides this process's own (server.front_ends > 1), and the private
-    # socket (in a directory of its own) on which they reach this control plane.
-    other_front_doors: FrontDoorSet | None = None
+    # The front doors, each a process of its own, when there are several (server.front_ends >
+    # 1; with one, this process serves), and the private socket (in a directory of its own) on
+    # which they reach this control plane.
+    front_doors: FrontDoorSet | None = None
     _control_dir: str | None = None
     _control_server: Any = None
     _metrics_server: Any = None
@@ -98,8 +106,10 @@ class Deployment:
         server_config = self.config.server
         bind_port = server_config.port if port is None else port
         bind_http = server_config.http_port if http_port == -1 else http_port
+        start_ray(self.config)
+        self.adopted = self.deployment_id is not None and bool(named_actors(self.deployment_id))
         for what, wanted, flag in (("gRPC", bind_port, "--port"), ("HTTP", bind_http, "--http-port")):
-            if wanted and not is_bindable(server_config.host, wanted):
+            if wanted and not self.adopted and not is_bindable(server_config.host, wanted):
                 raise PortInUseError(_port_in_use(what, server_config.host, wanted, flag))
         gatekeeper = Gatekeeper.from_config(server_config.auth)
         self.exposure_warning = check_exposure(server_config, gatekeeper)
@@ -119,15 +129,16 @@ class Deployment:
                     _port_in_use("metrics", server_config.host, server_config.metrics_port, "--metrics-port")
                 ) from None
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
-        start_ray(self.config)
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
         if server_config.front_ends > 1:
-            self._control_dir = tempfile.mkdtemp(prefix="duet-control-")  # 0700: this user's only
-            self.other_front_doors = FrontDoorSet(
-                self.config, router_host(self.config), os.path.join(self._control_dir, "control.sock"), pools
+            self._control_dir = _control_dir(self.deployment_id)
+            self.front_doors = FrontDoorSet(
+                self.config, router_host(self.config), os.path.join(self._control_dir, "control.sock"), pools,
+                actor_prefix=self.deployment_id,
             )
-            self.other_front_doors.create()  # they come up (a few seconds) while the engines do
-            self.cluster.other_front_doors = self.other_front_doors.status
+            if not self.adopted:
+                self.front_doors.create()  # they come up (a few seconds) while the engines do
+            self.cluster.front_doors = self.front_doors.status
         cores = CoreAllocator() if is_cpu_only() else None
         if colocated:
             self.managers = {"colocated": self._manager("colocated", self.decode, self.config.colocated, cores)}
@@ -136,9 +147,12 @@ class Deployment:
                 "prefill": self._manager("prefill", self.prefill, self.config.prefill, cores),
                 "decode": self._manager("decode", self.decode, self.config.decode, cores),
             }
-        for manager in self.managers.values():
-            manager.create(manager.pool_config.replicas)
-        await self._wait_ready()
+        if self.adopted:
+            await asyncio.gather(*(manager.adopt() for manager in self.managers.values()))
+        else:
+            for manager in self.managers.values():
+                manager.create(manager.pool_config.replicas)
+            await self._wait_ready()
         first_worker = (self.prefill.members + self.decode.members)[0]
         max_model_len, vocab_size, block_size = await first_worker.engine.model_limits()
         limits = ModelLimits(self.config.model.name, max_model_len, vocab_size)
@@ -153,15 +167,20 @@ class Deployment:
             self.config, None if colocated else self.prefill, self.decode, limits, self.cluster, gatekeeper
         )
         self.cluster.routing_notes.extend(_conditional_disaggregation_notes(self.config))
-        self.front_ends = await FrontEnds.start(
-            self.service, server_config, bind_port, bind_http, chat_template(self.config), AdminServicer(self.service, self)
-        )
-        self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
-        if self.other_front_doors is not None:
-            self._control_server = await start_control_server(
-                self.other_front_doors.control_socket, AdminServicer(self.service, self, trusted=True)
+        if self.front_doors is None:
+            self.front_ends = await FrontEnds.start(
+                self.service, server_config, bind_port, bind_http, chat_template(self.config), AdminServicer(self.service, self)
             )
-            await self.other_front_doors.start(self.port, self.http_port, (max_model_len, vocab_size, block_size))
+            self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
+        else:
+            self._control_server = await start_control_server(
+                self.front_doors.control_socket, AdminServicer(self.service, self, trusted=True)
+            )
+            limits_tuple = (max_model_len, vocab_size, block_size)
+            if self.adopted:
+                self.port, self.http_port = await self.front_doors.adopt(limits_tuple)
+            else:
+                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, limits_tuple)
         if self.config.autoscale is not None:
             self._start_autoscaler(self.config.autoscale)
         # The router holds vLLM, torch and the tokenizers: millions of long-lived objects that
@@ -172,6 +191,18 @@ class Deployment:
         gc.collect()
         gc.freeze()
         return self
+
+    @property
+    def serving(self) -> dict[str, Any]:
+        """What ``duet serve`` says once ready: ports, metrics, security."""
+        return {
+            "port": self.port,
+            "http_port": self.http_port,
+            "metrics_endpoint": self.cluster.metrics_endpoint if self.cluster else "",
+            "exposure_warning": self.exposure_warning,
+            "keys_required": bool(self.service and self.service.gatekeeper.enabled),
+            "adopted": self.adopted,
+        }
 
     def _start_autoscaler(self, policy_name: str) -> None:
         assert self.cluster is not None and self.service is not None
@@ -190,7 +221,8 @@ class Deployment:
         workers = _SIMULATED_WORKERS if pool_config.engine == "simulated" else _VLLM_WORKERS
         return PoolManager(
             pool, workers[role], pool_config, self.config, router_host(self.config), cores,
-            plan_nodes=_plan_node_ids(pool.role, pool_config.nodes), front_doors=self.other_front_doors,
+            plan_nodes=_plan_node_ids(pool.role, pool_config.nodes), front_doors=self.front_doors,
+            actor_prefix=self.deployment_id,
         )
 
     def scale(self, role: str, replicas: int) -> list[str]:
@@ -222,8 +254,8 @@ class Deployment:
             raise WorkerStartError("workers failed to start:\n  " + "\n  ".join(failures))
 
     async def stop(self) -> None:
-        if self.other_front_doors is not None:
-            await self.other_front_doors.stop()
+        if self.front_doors is not None:
+            await self.front_doors.stop()
         if self._control_server is not None:
             await self._control_server.stop(grace=None)
         if self._control_dir is not None:
@@ -237,6 +269,18 @@ class Deployment:
         if self.autoscaler is not None:
             self.autoscaler.stop()
         await asyncio.gather(*(manager.stop() for manager in self.managers.values()))
+
+
+def _control_dir(deployment_id: str | None) -> str:
+    """The directory of the control plane's private socket (this user's only): one per
+    deployment id, so a restarted control plane listens where the front doors reach it."""
+    if deployment_id is None:
+        return tempfile.mkdtemp(prefix="duet-control-")
+    path = os.path.join(tempfile.gettempdir(), f"duet-control-{deployment_id}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, "control.sock"))  # the dead control plane's
+    return path
 
 
 def _plan_node_ids(role: str, nodes: list[int] | None) -> list[str] | None:

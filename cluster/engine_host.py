@@ -102,6 +102,7 @@ class EngineCoreHost(WorkerHost):
         self.vllm_config: Any = None
         self._engine_processes: Any = None  # vLLM's CoreEngineProcManager
         self._ports: PortReservation | None = None
+        self.front_ends: list[EngineAddresses] = []  # where each client of the engine core listens
 
     def start(self, front_ends: list[EngineAddresses]) -> WorkerStatus:
         """Launch the engine core, connected to one front end per front door at ``front_ends``
@@ -110,6 +111,7 @@ class EngineCoreHost(WorkerHost):
         yet: the engine core connects when it does (cluster/engine_clients.py)."""
         try:
             self._launch_engine_core(front_ends)
+            self.front_ends = list(front_ends)
             self._state = "ready"
         except Exception as error:
             self._failed(error)
@@ -160,6 +162,14 @@ class EngineCoreHost(WorkerHost):
     def engine_config(self) -> Any:
         """The vLLM engine's resolved ``VllmConfig``, which its front end in the router needs."""
         return self.vllm_config
+
+    def adoption(self) -> tuple[list[EngineAddresses], Any, str, int | None]:
+        """What a restarted control plane needs to take this running worker over without
+        restarting it: where each client of its engine core listens (the control plane's own
+        first), its engine's config, its KV endpoint and its core."""
+        if self._state != "ready":
+            raise EngineCoreExited(f"{self.name} is {self._state}, not running")
+        return self.front_ends, self.vllm_config, self.kv_endpoint, self.cpu_core
 
     def ping(self) -> None:
         """Raises if the engine core process has exited. (The router pings the engine itself

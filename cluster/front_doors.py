@@ -1,6 +1,8 @@
-"""The control plane's side of the front doors other than its own (router/front_door.py).
+"""The control plane's side of the front doors, when each is a process of its own.
 
-The control plane starts ``server.front_ends - 1`` front-door actors on its own host, tells
+With ``server.front_ends: N`` of 2 or more, the control plane serves no API itself: it starts
+N front-door actors on its own host (router/front_door.py), clients 1..N of every engine core
+(client 0 is the control plane's own front end, for health pings and status), tells
 each about every worker (:meth:`FrontDoorSet.listen` before an engine core starts, then
 :meth:`FrontDoorSet.connect`, then its state or its loss), and keeps one call pending on each
 (:meth:`FrontDoor.wait`), which Ray fails the moment the front door's process dies. A dead
@@ -22,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.cluster.config import DuetConfig
 from duet.cluster.worker_api import EngineAddresses
+from duet.cluster.actor_names import actor_name, named_actors
 from duet.router.engine_front_end import FrontEndListeners
 from duet.router.front_door import FrontDoor, WorkerSnapshot
 from duet.router.pools import PoolMember, WorkerPool
@@ -58,38 +61,78 @@ class FrontDoorSet:
     pools: list[WorkerPool]
     doors: list[_Door] = field(default_factory=list)
     # What a (replacement) front door starts serving with: ports and model limits.
+    # With a control plane apart (cluster/control_plane.py): the deployment's id, which names
+    # the front doors' actors, detached so that they outlive the control plane's process.
+    actor_prefix: str | None = None
     _serving: tuple[int, int | None, tuple[int, int, int]] | None = None
     _stopping: bool = False
 
+    @property
+    def clients(self) -> int:
+        """Clients of every engine core: the control plane's front end and each front door's."""
+        return self.config.server.front_ends + 1
+
     def create(self) -> None:
-        """Create the front-door actors (clients 1..N-1 of every engine core); they listen for
+        """Create the front-door actors (clients 1..N of every engine core); they listen for
         engine cores at once and serve once :meth:`start` is called."""
-        self.doors = [_Door(index) for index in range(1, self.config.server.front_ends)]
+        self.doors = [_Door(index) for index in range(1, self.clients)]
         for door in self.doors:
             door.actor = self._actor(door.index)
 
     def _actor(self, index: int) -> Any:
         here = ray.get_runtime_context().get_node_id()  # the ports it shares are this host's
+        options: dict[str, Any] = {}
+        if self.actor_prefix is not None:
+            options.update(name=actor_name(self.actor_prefix, f"front-door-{index}"), lifetime="detached")
         return ray.remote(FrontDoor).options(
             num_cpus=0, max_concurrency=_FRONT_DOOR_CONCURRENCY, enable_task_events=False,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-        ).remote(index, self.config.server.front_ends, self.config, self.control_socket)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False), **options,
+        ).remote(index, self.clients, self.config, self.control_socket)
 
-    async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> None:
-        """Serve both APIs on every front door, on the control plane's ports; then watch them."""
+    async def adopt(self, limits: tuple[int, int, int]) -> tuple[int, int | None]:
+        """Take over the front doors that run (a control plane started again): watch each
+        again; one that is gone is replaced. Returns the ports they serve on."""
+        self.doors = [_Door(index) for index in range(1, self.clients)]
+        for door in self.doors:
+            for full_name in named_actors(self.actor_prefix or "", f"front-door-{door.index}/"):
+                try:
+                    door.actor = ray.get_actor(full_name)
+                    shown, grpc_port, http_port = await asyncio.wait_for(door.actor.serving.remote(), _CALL_TIMEOUT_S)
+                except Exception as error:
+                    logger.warning("front door %d could not be taken over: %s", door.index, error)
+                    continue
+                door.state, door.pid, door.restarts = "ready", shown.pid, shown.restarts
+                self._serving = (grpc_port, http_port, limits)
+                break
+        if self._serving is None:
+            raise RuntimeError("no front door of this deployment answers: start it anew")
+        loop = asyncio.get_running_loop()
+        for door in self.doors:
+            if door.state != "ready":
+                await self._replace(door)
+            door.watch = loop.create_task(self._watch(door))
+        return self._serving[0], self._serving[1]
+
+    async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> tuple[int, int | None]:
+        """Serve both APIs on every front door; returns the ports they share (0 asks the first
+        front door to pick one, which the others then share). Then watch them."""
         self._serving = (grpc_port, http_port, limits)
-        await asyncio.gather(*(self._serve(door) for door in self.doors))
+        first, *others = self.doors
+        self._serving = await self._serve(first)
+        await asyncio.gather(*(self._serve(door) for door in others))
         loop = asyncio.get_running_loop()
         for door in self.doors:
             door.watch = loop.create_task(self._watch(door))
+        return self._serving[0], self._serving[1]
 
-    async def _serve(self, door: _Door) -> None:
+    async def _serve(self, door: _Door) -> tuple[int, int | None, tuple[int, int, int]]:
         assert self._serving is not None
         grpc_port, http_port, limits = self._serving
-        door.pid = await asyncio.wait_for(
+        door.pid, bound_grpc, bound_http = await asyncio.wait_for(
             door.actor.start.remote(grpc_port, http_port, limits), self.config.server.worker_start_timeout_s
         )
         door.state, door.error = "ready", ""
+        return bound_grpc, bound_http, limits
 
     # ---- membership ------------------------------------------------------------------------
 
@@ -144,7 +187,8 @@ class FrontDoorSet:
 
     async def _replace(self, door: _Door) -> None:
         door.state, door.pid = "restarting", 0
-        ray.kill(door.actor, no_restart=True)
+        if door.actor is not None:
+            ray.kill(door.actor, no_restart=True)
         door.actor = self._actor(door.index)
         try:
             for pool in self.pools:
@@ -162,7 +206,7 @@ class FrontDoorSet:
     # ---- status and stop --------------------------------------------------------------------
 
     async def status(self) -> list[pb.FrontEnd]:
-        """Every other front door, as ``duet status`` lists it."""
+        """Every front door, as ``duet status`` lists it."""
         return list(await asyncio.gather(*(self._status(door) for door in self.doors)))
 
     async def _status(self, door: _Door) -> pb.FrontEnd:

@@ -10,6 +10,7 @@ shut down, its actor killed, and its core and ports released.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.cluster.config import DuetConfig, PoolConfig
 from duet.cluster.cores import CoreAllocator
+from duet.cluster.actor_names import actor_name, named_actors
 from duet.cluster.engine_host import WorkerHost
 from duet.cluster.front_doors import FrontDoorSet
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
@@ -45,6 +47,9 @@ class PoolManager:
     # The deployment's other front doors (server.front_ends > 1): every engine core is also
     # their client, and they hear of every change to the pool.
     front_doors: FrontDoorSet | None = None
+    # With a control plane apart (cluster/control_plane.py): the deployment's id, which names
+    # its workers' actors, detached so that they outlive the control plane's process.
+    actor_prefix: str | None = None
     _next_index: int = 0
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -74,6 +79,8 @@ class PoolManager:
         if node_id is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         pool = self.pool_config
+        if self.actor_prefix is not None:
+            options.update(name=actor_name(self.actor_prefix, name), lifetime="detached")
         # Task events feed Ray's dashboard and state API, which duet does not use; recording one
         # per actor call (each health ping, when pings went through the actors) cost each actor
         # and the GCS about a tenth of their idle CPU.
@@ -119,6 +126,34 @@ class PoolManager:
         member.kv_endpoint = status.kv_endpoint
         if self.front_doors is not None:
             await self.front_doors.connect(member, self.pool)
+
+    async def adopt(self) -> None:
+        """Take over this pool's workers that run (a control plane started again): connect
+        this process's front end to each engine core where its predecessor's listened, and
+        put it in rotation. A worker that does not answer is replaced; a pool left short of
+        its configured size grows back."""
+        transfer = self.config.kv_transfer
+        for full_name in named_actors(self.actor_prefix or "", f"{self.pool.role}-"):
+            name = full_name.split("/")[1]
+            try:
+                actor = ray.get_actor(full_name)
+                addresses, engine_config, kv_endpoint, core = await asyncio.wait_for(actor.adoption.remote(), 30)
+                listeners = FrontEndListeners.rebind(addresses[0])
+                engine = await EngineFrontEnd.connect(name, actor, engine_config, listeners, transfer, (0, len(addresses)))
+            except Exception as error:
+                logger.warning("%s could not be taken over (%s); it is replaced", name, error)
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(full_name), no_restart=True)
+                continue
+            member = PoolMember(name, actor, state="ready", kv_endpoint=kv_endpoint)
+            member.cpu_core = self.cores.take(core) if self.cores is not None and core is not None else core
+            member.client_addresses, member.engine_config, member.engine = addresses, engine_config, engine
+            self.pool.members.append(member)
+            self._next_index = max(self._next_index, int(name.rsplit("-", 1)[1]) + 1)
+        missing = self.pool_config.replicas - len(self.active())
+        if missing > 0:
+            self.add(missing)
+        self.pool.changed()
 
     async def start(self, member: PoolMember) -> None:
         """Start ``member``'s engine; it joins rotation when ready. Raises if it cannot start."""

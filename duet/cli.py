@@ -47,7 +47,10 @@ def _client(args: argparse.Namespace) -> DuetClient:
 
 
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument(
+        "--target", default=DEFAULT_TARGET,
+        help="the server's address, or several front doors' separated by commas: a stream that breaks resumes on the next",
+    )
     parser.add_argument("--api-key", default=os.environ.get("DUET_API_KEY"), help="API key (default: $DUET_API_KEY)")
     parser.add_argument("--tls-ca", help="connect with TLS, trusting this CA's certificate (PEM)")
     parser.add_argument("--tls-cert", help="client certificate for mutual TLS (PEM)")
@@ -100,31 +103,40 @@ def _serve(args: argparse.Namespace) -> int:
 
 async def _run_deployment(config: "DuetConfig") -> int:
     from duet.cluster.config import ConfigError
+    from duet.cluster.control_plane import RemoteControlPlane
     from duet.cluster.deployment import Deployment, WorkerStartError
 
-    deployment = Deployment(config)
     workers = (
         f"{config.colocated.replicas} colocated worker(s)"
         if config.mode == "colocated"
         else f"{config.prefill.replicas} prefill + {config.decode.replicas} decode worker(s)"
     )
     print(f"duet: starting {workers} for {config.model.name} (this takes about a minute on CPU)...", flush=True)
+    # One front door: this process serves and controls. Several: each front door and the
+    # control plane are processes of their own, none of which this one is.
+    deployment = RemoteControlPlane(config) if config.server.front_ends > 1 else Deployment(config)
     try:
         await deployment.start()
     except (WorkerStartError, ConfigError, OSError, TimeoutError) as error:
         await deployment.stop()
         return _fail(str(error))
-    if deployment.exposure_warning:
-        print(f"duet: WARNING: {deployment.exposure_warning}", file=sys.stderr, flush=True)
-    metrics = deployment.cluster.metrics_endpoint if deployment.cluster else ""
+    except Exception as error:  # the control plane actor's start failed: Ray wraps the cause
+        await deployment.stop()
+        cause = getattr(error, "cause", None) or error
+        return _fail(f"{type(cause).__name__}: {cause}")
+    serving = deployment.serving
+    if serving["exposure_warning"]:
+        print(f"duet: WARNING: {serving['exposure_warning']}", file=sys.stderr, flush=True)
+    metrics = serving["metrics_endpoint"]
     host = config.server.host
     scheme = "https" if config.server.tls else "http"
     print(
-        f"duet: serving {config.model.name} on {host}:{deployment.port} (gRPC)"
-        + (f", {scheme}://{host}:{deployment.http_port}/v1 (OpenAI)" if deployment.http_port else "")
+        f"duet: serving {config.model.name} on {host}:{serving['port']} (gRPC)"
+        + (f", {scheme}://{host}:{serving['http_port']}/v1 (OpenAI)" if serving["http_port"] else "")
         + (f", metrics on http://{metrics}/metrics" if metrics else "")
+        + (f", {config.server.front_ends} front doors" if config.server.front_ends > 1 else "")
         + (", TLS" if config.server.tls else "")
-        + (", API keys required" if deployment.service and deployment.service.gatekeeper.enabled else "")
+        + (", API keys required" if serving["keys_required"] else "")
         + " (Ctrl-C stops)",
         flush=True,
     )
@@ -156,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
     with _client(args) as client:
         last = pb.GenerateResponse()
         try:
-            for last in client.generate(request, timeout=args.timeout):
+            for last in client.stream(request, timeout=args.timeout):
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
         except grpc.RpcError as error:

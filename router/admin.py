@@ -69,7 +69,7 @@ class AdminServicer:
 
 
 class ForwardingAdmin(AdminServicer):
-    """The Admin service of a front door other than the control plane's own: it authorizes the
+    """The Admin service of a front door in a process of its own: it authorizes the
     caller as every front door does, then carries the call to the control plane over its
     private socket (the pools are changed there). Errors come back with the control plane's
     status code and message."""

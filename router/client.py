@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +29,7 @@ def build_request(
     ignore_eos: bool = False,
     model: str = "",
     request_id: str = "",
+    resume_after: Iterable[int] = (),
 ) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments; exactly one of prompt / prompt_token_ids."""
     request = pb.GenerateRequest(
@@ -37,6 +39,7 @@ def build_request(
         sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
         stop=pb.StopConditions(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos),
     )
+    request.resume_after.ids.extend(resume_after)
     if prompt_token_ids is not None:
         request.prompt_token_ids.ids.extend(prompt_token_ids)
     elif prompt is not None:
@@ -45,44 +48,99 @@ def build_request(
 
 
 class DuetClient:
-    """A blocking client; one channel, safe to share across threads.
+    """A blocking client; safe to share across threads.
+
+    ``target`` is one address (``host:port``), several separated by commas, or a list of them:
+    the front doors of one deployment. A stream that breaks with UNAVAILABLE (its front door
+    died) resumes on the next address, on a new connection (behind one address served by
+    several front doors, the kernel gives it to a live one), from the tokens already received
+    (``GenerateRequest.resume_after``), so a greedy stream is token-identical to an unbroken
+    one and no token is repeated or skipped (:meth:`stream`).
 
     ``api_key`` is sent as ``authorization: Bearer KEY`` metadata on every call. With
     ``tls_ca`` (the CA that signed the server's certificate) the channel uses TLS; add
     ``tls_cert`` and ``tls_key`` for a server that requires client certificates.
     """
 
+    # How often one stream resumes before its error is the caller's.
+    max_resumes = 3
+
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         api_key: str | None = None,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
     ) -> None:
-        self.target = target
+        targets = target.split(",") if isinstance(target, str) else list(target)
+        self.targets = [address.strip() for address in targets if address.strip()]
+        if not self.targets:
+            raise ValueError("target: no address given")
+        self.target = self.targets[0]
+        self._credentials = grpc_channel_credentials(tls_ca, tls_cert, tls_key) if tls_ca or tls_cert else None
+        self._next_target = 0
+        self._lock = threading.Lock()
+        self.resumes = 0  # streams of this client that resumed on another front door
+        self._connect()
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    def _connect(self) -> None:
+        """A new connection to the next address."""
+        target = self.targets[self._next_target % len(self.targets)]
+        self._next_target += 1
         # A connection of its own: gRPC otherwise shares one among every channel of a process
         # to the same target, and with several front doors behind one port (the kernel picks
         # one per connection) every client of a process would reach the same front door.
         options = [("grpc.use_local_subchannel_pool", 1)]
-        if tls_ca or tls_cert:
-            self._channel = grpc.secure_channel(target, grpc_channel_credentials(tls_ca, tls_cert, tls_key), options)
+        if self._credentials is not None:
+            self._channel = grpc.secure_channel(target, self._credentials, options)
         else:
             self._channel = grpc.insecure_channel(target, options)
         self._stub = pb_grpc.DuetStub(self._channel)
         self._admin = pb_grpc.AdminStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    def _reconnect(self, broken: grpc.Channel) -> None:
+        """Move to the next address, unless another thread did already."""
+        with self._lock:
+            if self._channel is broken:
+                self._connect()
+                broken.close()
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
-        """Stream responses; cancel by calling ``.cancel()`` on the returned iterator."""
+        """Stream responses over the current connection, as they come; cancel by calling
+        ``.cancel()`` on the returned iterator. A broken stream is the caller's to resume:
+        :meth:`stream` does it."""
         return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
 
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
+        """Stream responses; a stream that breaks with UNAVAILABLE resumes on another front
+        door (the class docstring), at most :attr:`max_resumes` times."""
+        received: list[int] = []
+        for attempt in range(self.max_resumes + 1):
+            resumed = pb.GenerateRequest()
+            resumed.CopyFrom(request)
+            resumed.resume_after.ids.extend(received)
+            channel = self._channel
+            try:
+                for message in self.generate(resumed if received else request, timeout=timeout):
+                    received.extend(message.token_ids)
+                    yield message
+                return
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_resumes:
+                    raise
+                self.resumes += 1
+                self._reconnect(channel)
+        raise AssertionError("unreachable")  # every attempt returns or raises
+
     def generate_ids(self, request: pb.GenerateRequest, timeout: float | None = None) -> tuple[list[int], pb.GenerateResponse]:
-        """Run a request to completion: all token ids and the final message (finish, usage)."""
+        """Run a request to completion (resuming a broken stream): all token ids and the final
+        message (finish, usage)."""
         ids: list[int] = []
         last = pb.GenerateResponse()
-        for last in self.generate(request, timeout=timeout):
+        for last in self.stream(request, timeout=timeout):
             ids.extend(last.token_ids)
         return ids, last
 

@@ -1,13 +1,13 @@
 """A front door: a process that serves both APIs on the deployment's ports beside the others.
 
-With ``server.front_ends: N`` a deployment has N front doors. The first is the control plane's
-own process (cluster/deployment.py); each other one is a :class:`FrontDoor`, a Ray actor on the
-same host. Every front door listens on the same gRPC and HTTP ports (SO_REUSEPORT: the kernel
-spreads new connections among them), hosts its own front end for every worker's engine core
-(client ``index`` of that engine core, cluster/engine_clients.py), and runs the whole serving
-path over its own view of the pools: validation, admission, routing, the request lifecycle. A
-token goes from the engine core to the client through this one process, as in the control
-plane's.
+With ``server.front_ends: N`` of 2 or more, a deployment has N front doors, each a
+:class:`FrontDoor`, a Ray actor on the control plane's host, and the control plane's own
+process serves no API (with 1, it is the one front door: cluster/deployment.py). Every front
+door listens on the same gRPC and HTTP ports (SO_REUSEPORT: the kernel spreads new connections
+among them), hosts its own front end for every worker's engine core (client ``index`` of that
+engine core, cluster/engine_clients.py), and runs the whole serving path over its own view of
+the pools: validation, admission, routing, the request lifecycle. A token goes from the engine
+core to the client through this one process.
 
 What a front door does not do is change the cluster. The control plane creates, replaces,
 drains and removes workers, watches their health and scales the pools, and tells every front
@@ -78,7 +78,7 @@ class ControlledClusterView(ClusterView):
 
 
 class FrontDoor:
-    """One front door other than the control plane's (an async Ray actor; module docstring)."""
+    """One front door in a process of its own (an async Ray actor; module docstring)."""
 
     def __init__(self, index: int, count: int, config: DuetConfig, control_socket: str) -> None:
         import grpc
@@ -173,8 +173,9 @@ class FrontDoor:
 
     # ---- serving -------------------------------------------------------------------------
 
-    async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> int:
-        """Serve both APIs on the deployment's ports; returns this process's id."""
+    async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> tuple[int, int, int | None]:
+        """Serve both APIs on the deployment's ports (0: pick one, which the other front doors
+        then share); returns this process's id and the ports."""
         max_model_len, vocab_size, block_size = limits
         prefill, decode = self.pools.get("prefill"), self.pools["decode"]
         set_policies(self.config, prefill or WorkerPool("prefill"), decode, block_size)
@@ -187,7 +188,13 @@ class FrontDoor:
         )
         gc.collect()
         gc.freeze()  # as in the control plane's process (cluster/deployment.py says why)
-        return os.getpid()
+        return os.getpid(), self.front_ends.grpc_port, self.front_ends.http_port
+
+    async def serving(self) -> tuple[pb.FrontEnd, int, int | None]:
+        """What a restarted control plane takes over: this front door and its ports."""
+        if self.front_ends is None:
+            raise RuntimeError(f"front door {self.index} is not serving yet")
+        return self.cluster.front_door(self.index), self.front_ends.grpc_port, self.front_ends.http_port
 
     async def status(self) -> pb.FrontEnd:
         """This front door for ``duet status``."""

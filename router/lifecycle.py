@@ -139,7 +139,8 @@ class RequestLifecycle:
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
-        sent: list[int] = []
+        # Tokens the stream has produced: a client resuming a broken stream sent some already.
+        sent: list[int] = list(request.resume_after)
         last_failure: WorkerFailed | None = None
         # Clients choose request ids and two may choose the same one; the engines and the token
         # socket key on this one, which is unique.

@@ -34,8 +34,9 @@ class ClusterView:
         self.metrics_endpoint = ""
         # Routing facts beyond each pool's policy (conditional disaggregation's threshold).
         self.routing_notes: list[str] = []
-        # The deployment's other front doors as status shows them (cluster/front_doors.py).
-        self.other_front_doors: Callable[[], Awaitable[list[pb.FrontEnd]]] | None = None
+        # The deployment's front doors as status shows them, when each is a process of its own
+        # (cluster/front_doors.py); None: this process is the one front door.
+        self.front_doors: Callable[[], Awaitable[list[pb.FrontEnd]]] | None = None
 
     def admit(self) -> None:
         self.inflight += 1
@@ -66,7 +67,7 @@ class ClusterView:
     async def status(self) -> pb.ClusterStatus:
         """The cluster as ``duet status`` shows it; request counts are every front door's."""
         pools = await asyncio.gather(*(self._pool_status(pool) for pool in self.pools))
-        front_ends = [self.front_door(0)] + (await self.other_front_doors() if self.other_front_doors else [])
+        front_ends = await self.front_doors() if self.front_doors is not None else [self.front_door(0)]
         return pb.ClusterStatus(
             model=self.model,
             pools=pools,

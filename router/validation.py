@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from duet.cluster.worker_api import SamplingSpec
@@ -44,6 +44,8 @@ class ValidatedRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    # Tokens already produced and received before the stream broke (GenerateRequest.resume_after).
+    resume_after: list[int] = field(default_factory=list)
 
 
 def validate(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer) -> ValidatedRequest:
@@ -52,6 +54,7 @@ def validate(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokeni
         raise InvalidRequest("model", f"unknown model {request.model!r}; this deployment serves {limits.name!r}")
     prompt_ids = _prompt_token_ids(request, limits, tokenizer)
     max_tokens = _max_tokens(request.max_tokens, len(prompt_ids), limits)
+    resume_after = _resume_after(request, limits, max_tokens)
     sampling = request.sampling
     temperature = sampling.temperature
     if not math.isfinite(temperature) or temperature < 0:
@@ -82,7 +85,20 @@ def validate(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokeni
             stop_token_ids=tuple(request.stop.stop_token_ids),
             ignore_eos=request.stop.ignore_eos,
         ),
+        resume_after=resume_after,
     )
+
+
+def _resume_after(request: pb.GenerateRequest, limits: ModelLimits, max_tokens: int) -> list[int]:
+    ids = list(request.resume_after.ids)
+    bad = next((i for i in ids if i >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("resume_after", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+    if len(ids) >= max_tokens:
+        raise InvalidRequest(
+            "resume_after", f"{len(ids)} tokens already received leave nothing to generate (max_tokens {max_tokens})"
+        )
+    return ids
 
 
 def _prompt_token_ids(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer) -> list[int]:

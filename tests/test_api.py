@@ -29,6 +29,16 @@ def test_tokens_stream_as_they_are_decoded(client):
     assert messages[-1].usage.decode_worker == "decode-0"
 
 
+def test_resumed_stream_continues_exactly_where_it_broke(client):
+    """A client whose stream broke sends what it received (resume_after): the server continues
+    after it, token-identical to the unbroken stream, nothing repeated."""
+    request = build_request("resume me", max_tokens=24, ignore_eos=True)
+    whole, _ = client.generate_ids(request, timeout=60)
+    rest, last = client.generate_ids(build_request("resume me", max_tokens=24, ignore_eos=True, resume_after=whole[:9]), timeout=60)
+    assert rest == whole[9:]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 15
+
+
 def test_stop_token_ends_with_stop(client):
     ids, _ = client.generate_ids(build_request("stop here", max_tokens=8, ignore_eos=True), timeout=60)
     stop_at = ids[3]

@@ -21,6 +21,8 @@ CASES = {
     "unknown model": (dict(prompt="hi", model="gpt-17"), "model"),
     "negative temperature": (dict(prompt="hi", temperature=-0.5), "sampling.temperature"),
     "top_p zero": (dict(prompt="hi", top_p=0.0), "sampling.top_p"),
+    "resumed with nothing left": (dict(prompt="hi", max_tokens=3, resume_after=[5, 6, 7]), "resume_after"),
+    "resumed token outside vocabulary": (dict(prompt="hi", resume_after=[10_000_000]), "resume_after"),
 }
 
 

@@ -1,13 +1,15 @@
 """Several front doors on one port: a front door's death loses only its own requests.
 
-A real deployment with two front doors (``server.front_ends: 2``: the control plane's process
-and one front-door actor, both listening on the same gRPC port) and real vLLM prefill and
-decode workers. Streams arrive on connections of their own, which the kernel spreads over the
-two front doors; the front-door actor's process is SIGKILLed while it streams. What must hold:
+A real deployment with two front doors (``server.front_ends: 2``: two front-door actors, both
+listening on the same gRPC and HTTP ports; the control plane, this test's process, serves no
+API) and real vLLM prefill and decode workers. Streams arrive on connections of their own,
+which the kernel spreads over the two front doors; one front door's process is SIGKILLed while
+it streams. What must hold:
 every stream on the other front door completes token for token as an uninterrupted run; every
-stream of the dead one ends with UNAVAILABLE (retriable), none silently short; no engine is
-restarted; the engines abort the dead front door's requests; new connections to the same port
-are served at once; and the replacement front door (a new process) serves exactly.
+plain stream of the dead one ends with UNAVAILABLE (retriable), none silently short, and every
+stream of a resuming client (``DuetClient.stream``) completes token-identical on the survivor;
+no engine is restarted; the engines abort the dead front door's requests; new connections to
+the same port are served at once; and the replacement front door (a new process) serves exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import pytest
 from duet.router.client import DuetClient, build_request
 from duet.router.proto import duet_api_pb2 as pb
 
-STREAMS = 12
+# Every fourth plain (it must end UNAVAILABLE if its front door dies), the rest resilient (they
+# must resume exactly); spread by the kernel over two front doors, some of each land on both.
+STREAMS = 16
 MAX_TOKENS = 300  # seconds of decoding: the streams are in flight when the front door dies
 # The engines see a dead front door's connections close at once on one host; this only keeps
 # a broken abort from hanging the test.
@@ -36,12 +40,15 @@ def _prompt(index: int) -> list[int]:
 
 
 class Stream(threading.Thread):
-    """One request on a connection of its own; keeps what it received and how it ended."""
+    """One request on a connection of its own; keeps what it received and how it ended.
+    A ``resilient`` one resumes on another front door when its stream breaks
+    (:meth:`DuetClient.stream`), a plain one does not."""
 
-    def __init__(self, target: str, prompt: list[int]) -> None:
+    def __init__(self, target: str, prompt: list[int], resilient: bool = False) -> None:
         super().__init__(daemon=True)
         self.client = DuetClient(target)
         self.prompt = prompt
+        self.resilient = resilient
         self.tokens: list[int] = []
         self.finish = pb.FINISH_REASON_UNSPECIFIED
         self.error: grpc.StatusCode | None = None
@@ -50,7 +57,8 @@ class Stream(threading.Thread):
     def run(self) -> None:
         request = build_request(prompt_token_ids=self.prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
         try:
-            for message in self.client.generate(request, timeout=600):
+            messages = self.client.stream if self.resilient else self.client.generate
+            for message in messages(request, timeout=600):
                 self.tokens.extend(message.token_ids)
                 self.finish = message.finish_reason
                 self.started.set()
@@ -83,9 +91,9 @@ def two_front_doors(running_deployment, duet_config):
 
 def test_status_lists_both_front_doors(two_front_doors):
     doors = _front_doors(f"127.0.0.1:{two_front_doors.port}")
-    assert [door.index for door in doors] == [0, 1]
+    assert [door.index for door in doors] == [1, 2]
     assert all(door.state == "ready" and door.pid > 0 for door in doors)
-    assert doors[0].pid == os.getpid() and doors[1].pid != doors[0].pid, "the front-door actor is a process of its own"
+    assert len({door.pid for door in doors} | {os.getpid()}) == 3, "each front door is a process of its own"
 
 
 def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_doors, reference):
@@ -93,11 +101,11 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
     target = f"127.0.0.1:{deployment.port}"
     workers = deployment.prefill.members + deployment.decode.members
     restarts_before = {member.name: member.restarts for member in workers}
-    victim = _front_doors(target)[1]
+    victim, survivor = _front_doors(target)
     prompts = [_prompt(index) for index in range(STREAMS)]
     expected = reference.greedy(prompts, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-    streams = [Stream(target, prompt) for prompt in prompts]
+    streams = [Stream(target, prompt, resilient=index % 4 != 0) for index, prompt in enumerate(prompts)]
     for stream in streams:
         stream.start()
     for stream in streams:
@@ -120,24 +128,28 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
         stream.join(600)
     lost = [s for s in streams if s.error is not None]
     completed = [s for s in streams if s.error is None]
-    assert {s.error for s in lost} == {grpc.StatusCode.UNAVAILABLE}, "a dead front door's stream must end retriably"
-    assert 0 < len(lost) <= doors[1].requests_inflight, "only the dead front door's streams may fail"
+    resumed = [s for s in completed if s.client.resumes]
+    assert all(s.error == grpc.StatusCode.UNAVAILABLE for s in lost), "a dead front door's stream must end retriably"
+    assert resumed, "no resilient stream was on the dead front door (16 streams over two front doors)"
+    assert not any(s.resilient for s in lost), "a resilient client's stream was lost"
+    assert 0 < len(lost) + len(resumed) <= doors[0].requests_inflight, "only the dead front door's streams may break"
     for stream in completed:
         assert stream.finish == pb.FINISH_REASON_LENGTH
-        assert stream.tokens == expected[prompts.index(stream.prompt)], "a surviving stream changed"
+        assert stream.tokens == expected[prompts.index(stream.prompt)], "a surviving or resumed stream changed"
 
-    # The engines abort what the dead front door left: no request of client 1 remains.
-    def client_one_gone() -> bool:
+    # The engines abort what the dead front door left: no request of its client index remains.
+    def dead_client_gone() -> bool:
         held = [deployment.background.run(m.engine.requests_by_client(), timeout=30) for m in workers]
-        return all(1 not in by_client for by_client in held)
+        return all(victim.index not in by_client for by_client in held)
 
-    _wait_for(client_one_gone, ABORT_WITHIN_S, "the dead front door's requests aborted in the engines")
+    _wait_for(dead_client_gone, ABORT_WITHIN_S, "the dead front door's requests aborted in the engines")
+    assert _front_doors(target)[1].pid == survivor.pid, "the other front door was restarted"
     aborted_s = time.monotonic() - killed_at
     assert {m.name: m.restarts for m in workers} == restarts_before, "an engine was restarted"
     assert all(m.state == "ready" for m in workers)
 
     def replacement_ready() -> pb.FrontEnd | None:
-        door = _front_doors(target)[1]
+        door = _front_doors(target)[0]
         return door if door.state == "ready" else None
 
     replacement = _wait_for(replacement_ready, 300, "the replacement front door ready")
@@ -147,11 +159,14 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
         with DuetClient(target) as client:
             ids, _ = client.generate_ids(build_request(prompt_token_ids=prompts[1], max_tokens=16, ignore_eos=True), timeout=120)
         assert ids == expected[1][:16]
-        if _front_doors(target)[1].requests_served > 0:
+        if _front_doors(target)[0].requests_served > 0:
             break
     else:
         pytest.fail("40 new connections, none served by the replacement front door")
-    print(f"front door killed: {len(lost)} stream(s) lost, {len(completed)} completed; aborted in the engines within {aborted_s:.1f} s")
+    print(
+        f"front door killed: {len(lost)} plain stream(s) lost, {len(resumed)} resilient one(s) resumed exactly, "
+        f"{len(completed)} completed; aborted in the engines within {aborted_s:.1f} s"
+    )
 
 
 def test_admin_and_status_answer_on_every_front_door(two_front_doors):
@@ -167,3 +182,28 @@ def test_admin_and_status_answer_on_every_front_door(two_front_doors):
                 client.scale("prefill", 0)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "at least 1 worker" in refused.value.details()
+
+
+def test_openai_http_is_served_by_every_front_door(two_front_doors):
+    """The HTTP port is shared as the gRPC one is: requests on fresh connections land on both
+    front doors, and each answers exactly."""
+    import httpx
+
+    target = f"127.0.0.1:{two_front_doors.port}"
+    prompt = "the same prompt on every front door"
+    with DuetClient(target) as client:
+        expected, _ = client.generate_ids(build_request(prompt, max_tokens=8, ignore_eos=True), timeout=120)
+    served_before = [door.requests_served for door in _front_doors(target)]
+    for _ in range(12):
+        reply = httpx.post(  # a new connection each time
+            f"http://127.0.0.1:{two_front_doors.http_port}/v1/completions",
+            json={
+                "model": "duet-tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True,
+            },
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == expected
+    served = [door.requests_served - before for door, before in zip(_front_doors(target), served_before)]
+    assert sum(served) == 12 and all(count > 0 for count in served), f"requests per front door: {served}"

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n duet/router/proto/duet_api.proto\x12\x07\x64uet.v1\"2\n\x10ScalePoolRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"J\n\x12\x44rainWorkerRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"\x1d\n\nAdminReply\x12\x0f\n\x07\x63hanges\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"J\n\x0eStopConditions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xe4\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12%\n\x04stop\x18\x06 \x01(\x0b\x32\x17.duet.v1.StopConditions\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05input\"\x97\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\"\x94\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.duet.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.duet.v1.Usage\"\x12\n\x10GetStatusRequest\"\x9e\x03\n\x0bWorkerState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x17\n\x0frequests_served\x18\x05 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12!\n\x19prompt_tokens_transferred\x18\x08 \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\t \x01(\x04\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x10\n\x08restarts\x18\x0b \x01(\r\x12\x14\n\x0ckv_transfers\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\r \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x0f \x01(\x04\x12!\n\x19outstanding_prompt_tokens\x18\x10 \x01(\x04\x12\x10\n\x08\x63pu_core\x18\x11 \x01(\x05\";\n\x04Pool\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07workers\x18\x02 \x03(\x0b\x32\x14.duet.v1.WorkerState\"\xf1\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x05pools\x18\x02 \x03(\x0b\x32\r.duet.v1.Pool\x12\x17\n\x0frequests_served\x18\x03 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x04 \x01(\r\x12\x17\n\x0frequests_failed\x18\x05 \x01(\x04\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x18\n\x10metrics_endpoint\x18\x07 \x01(\t\x12\x0f\n\x07routing\x18\x08 \x03(\t\x12%\n\nfront_ends\x18\t \x03(\x0b\x32\x11.duet.v1.FrontEnd\"\xb1\x01\n\x08\x46rontEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x17\n\x0frequests_served\x18\x06 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x07 \x01(\r\x12\x17\n\x0frequests_failed\x18\x08 \x01(\x04\x12\r\n\x05\x65rror\x18\t \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x89\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12>\n\tGetStatus\x12\x19.duet.v1.GetStatusRequest\x1a\x16.duet.v1.ClusterStatus2\xc7\x01\n\x05\x41\x64min\x12;\n\tScalePool\x12\x19.duet.v1.ScalePoolRequest\x1a\x13.duet.v1.AdminReply\x12?\n\x0b\x44rainWorker\x12\x1b.duet.v1.DrainWorkerRequest\x1a\x13.duet.v1.AdminReply\x12@\n\x0bListWorkers\x12\x19.duet.v1.GetStatusRequest\x1a\x16.duet.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n duet/router/proto/duet_api.proto\x12\x07\x64uet.v1\"2\n\x10ScalePoolRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"J\n\x12\x44rainWorkerRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"\x1d\n\nAdminReply\x12\x0f\n\x07\x63hanges\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"J\n\x0eStopConditions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\x8d\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12%\n\x04stop\x18\x06 \x01(\x0b\x32\x17.duet.v1.StopConditions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\'\n\x0cresume_after\x18\x08 \x01(\x0b\x32\x11.duet.v1.TokenIdsB\x07\n\x05input\"\x97\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\"\x94\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.duet.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.duet.v1.Usage\"\x12\n\x10GetStatusRequest\"\x9e\x03\n\x0bWorkerState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x17\n\x0frequests_served\x18\x05 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12!\n\x19prompt_tokens_transferred\x18\x08 \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\t \x01(\x04\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x10\n\x08restarts\x18\x0b \x01(\r\x12\x14\n\x0ckv_transfers\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\r \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x0f \x01(\x04\x12!\n\x19outstanding_prompt_tokens\x18\x10 \x01(\x04\x12\x10\n\x08\x63pu_core\x18\x11 \x01(\x05\";\n\x04Pool\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07workers\x18\x02 \x03(\x0b\x32\x14.duet.v1.WorkerState\"\xf1\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x05pools\x18\x02 \x03(\x0b\x32\r.duet.v1.Pool\x12\x17\n\x0frequests_served\x18\x03 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x04 \x01(\r\x12\x17\n\x0frequests_failed\x18\x05 \x01(\x04\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x18\n\x10metrics_endpoint\x18\x07 \x01(\t\x12\x0f\n\x07routing\x18\x08 \x03(\t\x12%\n\nfront_ends\x18\t \x03(\x0b\x32\x11.duet.v1.FrontEnd\"\xb1\x01\n\x08\x46rontEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x17\n\x0frequests_served\x18\x06 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x07 \x01(\r\x12\x17\n\x0frequests_failed\x18\x08 \x01(\x04\x12\r\n\x05\x65rror\x18\t \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x89\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12>\n\tGetStatus\x12\x19.duet.v1.GetStatusRequest\x1a\x16.duet.v1.ClusterStatus2\xc7\x01\n\x05\x41\x64min\x12;\n\tScalePool\x12\x19.duet.v1.ScalePoolRequest\x1a\x13.duet.v1.AdminReply\x12?\n\x0b\x44rainWorker\x12\x1b.duet.v1.DrainWorkerRequest\x1a\x13.duet.v1.AdminReply\x12@\n\x0bListWorkers\x12\x19.duet.v1.GetStatusRequest\x1a\x16.duet.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duet.router.proto.duet_api_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1876
-  _globals['_FINISHREASON']._serialized_end=2021
+  _globals['_FINISHREASON']._serialized_start=1917
+  _globals['_FINISHREASON']._serialized_end=2062
   _globals['_SCALEPOOLREQUEST']._serialized_start=45
   _globals['_SCALEPOOLREQUEST']._serialized_end=95
   _globals['_DRAINWORKERREQUEST']._serialized_start=97
@@ -46,23 +46,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPCONDITIONS']._serialized_start=341
   _globals['_STOPCONDITIONS']._serialized_end=415
   _globals['_GENERATEREQUEST']._serialized_start=418
-  _globals['_GENERATEREQUEST']._serialized_end=646
-  _globals['_USAGE']._serialized_start=649
-  _globals['_USAGE']._serialized_end=800
-  _globals['_GENERATERESPONSE']._serialized_start=803
-  _globals['_GENERATERESPONSE']._serialized_end=951
-  _globals['_GETSTATUSREQUEST']._serialized_start=953
-  _globals['_GETSTATUSREQUEST']._serialized_end=971
-  _globals['_WORKERSTATE']._serialized_start=974
-  _globals['_WORKERSTATE']._serialized_end=1388
-  _globals['_POOL']._serialized_start=1390
-  _globals['_POOL']._serialized_end=1449
-  _globals['_CLUSTERSTATUS']._serialized_start=1452
-  _globals['_CLUSTERSTATUS']._serialized_end=1693
-  _globals['_FRONTEND']._serialized_start=1696
-  _globals['_FRONTEND']._serialized_end=1873
-  _globals['_DUET']._serialized_start=2024
-  _globals['_DUET']._serialized_end=2161
-  _globals['_ADMIN']._serialized_start=2164
-  _globals['_ADMIN']._serialized_end=2363
+  _globals['_GENERATEREQUEST']._serialized_end=687
+  _globals['_USAGE']._serialized_start=690
+  _globals['_USAGE']._serialized_end=841
+  _globals['_GENERATERESPONSE']._serialized_start=844
+  _globals['_GENERATERESPONSE']._serialized_end=992
+  _globals['_GETSTATUSREQUEST']._serialized_start=994
+  _globals['_GETSTATUSREQUEST']._serialized_end=1012
+  _globals['_WORKERSTATE']._serialized_start=1015
+  _globals['_WORKERSTATE']._serialized_end=1429
+  _globals['_POOL']._serialized_start=1431
+  _globals['_POOL']._serialized_end=1490
+  _globals['_CLUSTERSTATUS']._serialized_start=1493
+  _globals['_CLUSTERSTATUS']._serialized_end=1734
+  _globals['_FRONTEND']._serialized_start=1737
+  _globals['_FRONTEND']._serialized_end=1914
+  _globals['_DUET']._serialized_start=2065
+  _globals['_DUET']._serialized_end=2202
+  _globals['_ADMIN']._serialized_start=2205
+  _globals['_ADMIN']._serialized_end=2404
 # @@protoc_insertion_point(module_scope)

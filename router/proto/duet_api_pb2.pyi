@@ -71,7 +71,7 @@ class StopConditions(_message.Message):
     def __init__(self, stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "sampling", "stop", "request_id")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "sampling", "stop", "request_id", "resume_after")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_AFTER_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -86,7 +87,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     stop: StopConditions
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    resume_after: TokenIds
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., request_id: _Optional[str] = ..., resume_after: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "tpot_s", "e2e_s", "prefill_worker", "decode_worker")

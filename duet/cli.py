@@ -98,7 +98,9 @@ def _serve(args: argparse.Namespace) -> int:
     # loop costs a fraction of asyncio's per wake-up (vLLM's own server runs on it too).
     import uvloop
 
-    return uvloop.run(_run_deployment(config))
+    from duet.cluster.process_reaper import run_reaped
+
+    return run_reaped(lambda: uvloop.run(_run_deployment(config)))
 
 
 async def _run_deployment(config: "DuetConfig") -> int:
@@ -201,7 +203,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         from google.protobuf.json_format import MessageToJson
 
-        print(MessageToJson(status))
+        print(MessageToJson(status, preserving_proto_field_name=True))  # the proto's names: front_ends, ...
         return 0
     _print_status(status)
     return 0
@@ -246,6 +248,7 @@ def _print_status(status: pb.ClusterStatus) -> None:
         f"{status.requests_failed} failed"
     )
     if len(status.front_ends) > 1:
+        console.print(f"control plane: pid {status.control_plane_pid or '- (unreachable)'}")
         for door in status.front_ends:
             console.print(
                 f"front door {door.index}: {door.state}, pid {door.pid or '-'} on {door.host or '-'}"

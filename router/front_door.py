@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from duet.cluster.config import DuetConfig
 from duet.cluster.worker_api import EngineAddresses
 from duet.router.admin import ForwardingAdmin
@@ -74,15 +76,20 @@ class ControlledClusterView(ClusterView):
         self.control = control
 
     async def status(self) -> pb.ClusterStatus:
-        return await self.control.ListWorkers(pb.GetStatusRequest())
+        """The control plane's view; while it is unreachable (restarting), this front door's
+        own, saying so."""
+        try:
+            return await self.control.ListWorkers(pb.GetStatusRequest(), timeout=10)
+        except grpc.aio.AioRpcError as error:
+            own = await super().status()
+            own.routing.append(f"control plane unreachable ({error.code().name}): this front door's own view")
+            return own
 
 
 class FrontDoor:
     """One front door in a process of its own (an async Ray actor; module docstring)."""
 
     def __init__(self, index: int, count: int, config: DuetConfig, control_socket: str) -> None:
-        import grpc
-
         self.index = index
         self.count = count
         self.config = config
@@ -97,6 +104,7 @@ class FrontDoor:
         transport = "none (colocated)" if colocated else config.kv_transfer.transport
         ordered = [self.pools[role] for role in ("prefill", "decode") if role in self.pools]
         self.cluster = ControlledClusterView(config.model.name, transport, ordered, control)
+        self.cluster.index, self.cluster.forwards_status = index, True
         self.service: RequestService | None = None
         self.front_ends: FrontEnds | None = None
         self._listening: dict[str, FrontEndListeners] = {}

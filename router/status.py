@@ -37,6 +37,8 @@ class ClusterView:
         # The deployment's front doors as status shows them, when each is a process of its own
         # (cluster/front_doors.py); None: this process is the one front door.
         self.front_doors: Callable[[], Awaitable[list[pb.FrontEnd]]] | None = None
+        self.index = 0  # this process's client index in every engine core
+        self.forwards_status = False  # a front door apart, whose status is the control plane's
 
     def admit(self) -> None:
         self.inflight += 1
@@ -67,7 +69,7 @@ class ClusterView:
     async def status(self) -> pb.ClusterStatus:
         """The cluster as ``duet status`` shows it; request counts are every front door's."""
         pools = await asyncio.gather(*(self._pool_status(pool) for pool in self.pools))
-        front_ends = await self.front_doors() if self.front_doors is not None else [self.front_door(0)]
+        front_ends = await self.front_doors() if self.front_doors is not None else [self.front_door(self.index)]
         return pb.ClusterStatus(
             model=self.model,
             pools=pools,
@@ -78,6 +80,7 @@ class ClusterView:
             metrics_endpoint=self.metrics_endpoint,
             routing=[f"{pool.role}: {pool.policy.describe()}" for pool in self.pools] + self.routing_notes,
             front_ends=front_ends,
+            control_plane_pid=os.getpid() if not self.forwards_status else 0,
         )
 
     def front_door(self, index: int) -> pb.FrontEnd:

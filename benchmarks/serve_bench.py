@@ -97,7 +97,8 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
     by_process: Counter[str] = Counter()
     for p, seconds in spent.items():
         by_process[process_name(p)] += seconds
-    return Measurement(records, dict(by_process), spent.get(pid, 0.0) if pid else 0.0, pid is not None)
+    front_door = system.front_door_pid or pid
+    return Measurement(records, dict(by_process), spent.get(front_door, 0.0) if front_door else 0.0, pid is not None)
 
 
 def rate_entry(measurements: list[Measurement]) -> dict[str, Any]:

@@ -48,6 +48,9 @@ class RunningSystem:
     pid: int
     grpc_target: str = ""  # duet
     http_url: str = ""  # plain vLLM
+    # The process that serves the API (duet's router, vLLM's API server), charged as the front
+    # door; 0: ``pid`` itself.
+    front_door_pid: int = 0
 
 
 def _free_port() -> int:
@@ -111,10 +114,22 @@ def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSys
             time.sleep(1)
         target = f"127.0.0.1:{port}"
         yield RunningSystem(
-            name, process.pid, grpc_target="" if name in _HTTP else target, http_url=f"http://{target}" if name in _HTTP else ""
+            name, process.pid, grpc_target="" if name in _HTTP else target, http_url=f"http://{target}" if name in _HTTP else "",
+            front_door_pid=_front_door_pid(name, process.pid),
         )
     finally:
         _stop(process)
+
+
+def _front_door_pid(name: str, pid: int) -> int:
+    """`duet serve` runs its deployment (the router) in its one child and only reaps
+    (cluster/process_reaper.py); vLLM's server serves in its own process."""
+    if name == VLLM:
+        return pid
+    import psutil
+
+    children = psutil.Process(pid).children()
+    return children[0].pid if len(children) == 1 else pid
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

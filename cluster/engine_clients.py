@@ -22,13 +22,17 @@ input loop, and this module's replacement of it fixes both:
 Messages are decoded and queued exactly as vLLM's loop does (text requests; the data-parallel
 coordinator, which duet does not use, keeps vLLM's own loop). duet's vLLM plugin installs this
 in each duet engine core's process (kv_transfer/vllm_plugin.py) when the engine host asks for it
-(:data:`ENV_CLIENT_RECONNECT`). It is written against vLLM 0.32.0's ``EngineCoreProc`` (pinned
-in pyproject.toml); tests/test_engine_clients.py fails if vLLM moves it.
+(:data:`ENV_CLIENT_RECONNECT`), with one more change for several clients: every step's
+scheduler statistics go to client 0, the control plane's (:class:`StatsToFirstClient`). It is
+written against vLLM 0.32.0's ``EngineCoreProc`` (pinned in pyproject.toml);
+tests/test_engine_clients.py fails if vLLM moves it.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+from collections import deque
 from contextlib import ExitStack
 from typing import Any
 
@@ -96,10 +100,53 @@ def install() -> None:
             counts[request.client_index] = counts.get(request.client_index, 0) + 1
         return counts
 
+    vllm_output_loop = EngineCoreProc.process_output_sockets
+
+    def process_output_sockets(self: Any, output_paths: list[str], *args: Any, **kwargs: Any) -> Any:
+        if len(output_paths) > 1:
+            self.output_queue = StatsToFirstClient(self.output_queue)
+        return vllm_output_loop(self, output_paths, *args, **kwargs)
+
+    EngineCoreProc.process_output_sockets = process_output_sockets  # type: ignore[method-assign]
     process_input_sockets._duet_original = vllm_input_loop  # type: ignore[attr-defined]
     EngineCoreProc.process_input_sockets = process_input_sockets  # type: ignore[method-assign]
     EngineCoreProc._handle_client_request = handle_client_request  # type: ignore[method-assign]
     EngineCoreProc.duet_requests_by_client = duet_requests_by_client  # type: ignore[attr-defined]
+
+
+class StatsToFirstClient:
+    """The engine core's output queue as its output thread sees it, with every step's
+    scheduler statistics sent to client 0.
+
+    vLLM attaches a step's scheduler statistics (KV cache usage, running and waiting requests,
+    prefix-cache and KV-transfer counters) to the outputs of whichever client has outputs in
+    that step, so with several front doors they were scattered among them. Client 0 is the
+    control plane's front end, which serves the metrics endpoint and reads each worker's load
+    from them: the statistics go to it, as a message of their own, right after the outputs they
+    came with. Request-level counters (tokens, latencies) stay with each front door, which
+    counts its own requests.
+    """
+
+    def __init__(self, inner: "queue.Queue[Any]") -> None:
+        self._inner = inner
+        self._split: deque[Any] = deque()
+
+    def put_nowait(self, item: Any) -> None:
+        self._inner.put_nowait(item)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if self._split:
+            return self._split.popleft()
+        item = self._inner.get(block, timeout)
+        if isinstance(item, tuple) and item[0] > 0 and item[1].scheduler_stats is not None:
+            from vllm.v1.engine import EngineCoreOutputs
+
+            self._split.append((0, EngineCoreOutputs(scheduler_stats=item[1].scheduler_stats)))
+            item[1].scheduler_stats = None
+        return item
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
 
 
 def _abort_client_requests(engine: Any, client_index: int) -> None:

@@ -144,6 +144,11 @@ class EngineFrontEnd:
             },
             client=client,
         )
+        # vLLM starts its output handler on the first request, or at construction when that
+        # runs on the event loop (here it runs in a thread). Started now: a front end that
+        # sends no request (the control plane's, with front doors of their own) still takes the
+        # engine core's statistics, which would otherwise pile up unread.
+        engine._run_output_handler()
         return cls(name, actor, engine, registry, transfer)
 
     # ---- requests ---------------------------------------------------------------------------

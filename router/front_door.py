@@ -19,7 +19,7 @@ that listens where the dead one did, so the engine cores reconnect to it without
 
 What the front doors share: nothing on the request path. Each routes on its own count of the
 requests it sent to each worker (outstanding prompt tokens, requests in flight) and its own
-prefix index; docs/cluster.md measures what that costs prefix affinity.
+prefix index (docs/architecture.md says what that means for routing).
 """
 
 from __future__ import annotations
@@ -207,10 +207,6 @@ class FrontDoor:
     async def status(self) -> pb.FrontEnd:
         """This front door for ``duet status``."""
         return self.cluster.front_door(self.index)
-
-    async def requests_by_worker(self) -> dict[str, int]:
-        """Requests this front door has in flight on each worker (tests, status)."""
-        return {m.name: m.inflight for pool in self.pools.values() for m in pool.members}
 
     async def wait(self) -> None:
         """Pending for as long as this front door lives: the control plane keeps one call

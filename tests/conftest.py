@@ -84,6 +84,14 @@ def _running_deployment(config: DuetConfig) -> Iterator[Any]:
         loop.close()
 
 
+@pytest.fixture(scope="module")
+def background_loop() -> Iterator[BackgroundLoop]:
+    """An event loop in a thread for a module's async objects (stopped after the module)."""
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
 @pytest.fixture(scope="session")
 def running_deployment(ray_session: None) -> Callable[[DuetConfig], Any]:
     """For tests that need a deployment with another config: ``with running_deployment(cfg) as d``."""

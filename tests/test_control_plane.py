@@ -26,20 +26,15 @@ MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
-def control_plane_apart(ray_session, duet_config):
-    from conftest import BackgroundLoop
-
+def control_plane_apart(ray_session, duet_config, background_loop):
     from duet.cluster.control_plane import RemoteControlPlane
 
-    config = duet_config.model_copy(update={"server": duet_config.server.model_copy(update={"front_ends": 2, "port": 0, "http_port": 0})})
-    loop = BackgroundLoop()
-    control = loop.run(RemoteControlPlane(config).start(), timeout=900)
-    control.background = loop
+    server = duet_config.server.model_copy(update={"front_ends": 2, "port": 0, "http_port": 0})
+    control = background_loop.run(RemoteControlPlane(duet_config.model_copy(update={"server": server})).start(), timeout=900)
     try:
         yield control
     finally:
-        loop.run(control.stop(), timeout=180)
-        loop.close()
+        background_loop.run(control.stop(), timeout=180)
 
 
 def _wait_for(condition, timeout_s: float, what: str):

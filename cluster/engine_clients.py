@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import deque
 from contextlib import ExitStack
 from typing import Any
+
+from duet.cluster.engine_output import carries_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ ENV_CLIENT_RECONNECT = "DUET_CLIENT_RECONNECT"
 # The request type, on the engine core's input queue, that aborts one client's requests. Not a
 # vLLM request type: only the dispatch installed below knows it.
 ABORT_CLIENT = "duet-abort-client"
+# How often client 0 gets a step's gauges (KV usage, running requests) with several clients.
+GAUGES_INTERVAL_S = 1.0
 # ZeroMQ heartbeats on each client connection: a front door whose host vanished (no FIN, no
 # RST) is taken for gone after the timeout, as one whose process died is at once.
 HEARTBEAT_IVL_MS = 1_000
@@ -122,14 +127,17 @@ class StatsToFirstClient:
     prefix-cache and KV-transfer counters) to the outputs of whichever client has outputs in
     that step, so with several front doors they were scattered among them. Client 0 is the
     control plane's front end, which serves the metrics endpoint and reads each worker's load
-    from them: the statistics go to it, as a message of their own, right after the outputs they
-    came with. Request-level counters (tokens, latencies) stay with each front door, which
-    counts its own requests.
+    from them. Statistics that count something (KV transfers, prefix-cache lookups) go to it,
+    as a message of their own right after the outputs they came with, and so does a step's
+    gauges at most once per :data:`GAUGES_INTERVAL_S`: a message per engine step cost the control
+    plane about as much CPU as a front door. Request-level counters (tokens, latencies) stay
+    with each front door, which counts its own requests.
     """
 
     def __init__(self, inner: "queue.Queue[Any]") -> None:
         self._inner = inner
         self._split: deque[Any] = deque()
+        self._gauges_sent = 0.0
 
     def put_nowait(self, item: Any) -> None:
         self._inner.put_nowait(item)
@@ -139,10 +147,13 @@ class StatsToFirstClient:
             return self._split.popleft()
         item = self._inner.get(block, timeout)
         if isinstance(item, tuple) and item[0] > 0 and item[1].scheduler_stats is not None:
-            from vllm.v1.engine import EngineCoreOutputs
+            stats, now = item[1].scheduler_stats, time.monotonic()
+            if carries_deltas(item[1]) or now - self._gauges_sent >= GAUGES_INTERVAL_S:
+                from vllm.v1.engine import EngineCoreOutputs
 
-            self._split.append((0, EngineCoreOutputs(scheduler_stats=item[1].scheduler_stats)))
-            item[1].scheduler_stats = None
+                self._split.append((0, EngineCoreOutputs(scheduler_stats=stats)))
+                item[1].scheduler_stats = None
+                self._gauges_sent = now
         return item
 
     def get_nowait(self) -> Any:

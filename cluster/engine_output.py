@@ -70,7 +70,7 @@ class CoalescingOutputQueue:
                 following = self._inner.get(timeout=wait_s) if wait_s > 0 else self._inner.get_nowait()
             except queue.Empty:
                 break
-            if not _mergeable(following) or following[0] != client_index or _carries_deltas(merged):
+            if not _mergeable(following) or following[0] != client_index or carries_deltas(merged):
                 self._held = following
                 break
             _merge_into(merged, following[1])
@@ -93,7 +93,7 @@ def _urgent(outputs: Any) -> bool:
     return any(output.prefill_stats is not None or output.finish_reason is not None for output in outputs.outputs)
 
 
-def _carries_deltas(outputs: Any) -> bool:
+def carries_deltas(outputs: Any) -> bool:
     stats = outputs.scheduler_stats
     if stats is None:
         return False

@@ -172,8 +172,8 @@ def test_client_connections_greet_only_after_a_drop():
 
 def test_scheduler_statistics_go_to_the_control_plane_client():
     """A step's scheduler statistics ride on the outputs of whichever client had some; with
-    several clients they go to client 0 (the control plane's front end) as a message of their
-    own, right after, and the outputs go on to their client without them."""
+    several clients, counts go to client 0 (the control plane's front end) as a message of their
+    own, right after, and gauges at most once a second; the outputs go on to their client."""
     import queue
 
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -181,16 +181,26 @@ def test_scheduler_statistics_go_to_the_control_plane_client():
 
     from duet.cluster.engine_clients import StatsToFirstClient
 
+    def step(client: int, stats: SchedulerStats) -> tuple[int, EngineCoreOutputs]:
+        return client, EngineCoreOutputs(outputs=[EngineCoreOutput("r", [5])], scheduler_stats=stats)
+
     inner: queue.Queue = queue.Queue()
-    stats = SchedulerStats(num_running_reqs=3)
-    inner.put((1, EngineCoreOutputs(outputs=[EngineCoreOutput("r", [5])], scheduler_stats=stats)))
-    inner.put((0, EngineCoreOutputs(scheduler_stats=SchedulerStats(num_running_reqs=4))))
+    gauges, later_gauges = SchedulerStats(num_running_reqs=3), SchedulerStats(num_running_reqs=2)
+    counts = SchedulerStats(kv_connector_stats={"transfers": 1})
+    for item in (step(1, gauges), step(2, later_gauges), step(1, counts), (0, EngineCoreOutputs(scheduler_stats=SchedulerStats()))):
+        inner.put(item)
     outputs = StatsToFirstClient(inner)
     client, first = outputs.get()
     assert client == 1 and first.outputs[0].new_token_ids == [5] and first.scheduler_stats is None
     client, moved = outputs.get_nowait()
-    assert client == 0 and moved.scheduler_stats is stats and not moved.outputs
-    client, own = outputs.get(timeout=1)
-    assert client == 0 and own.scheduler_stats.num_running_reqs == 4
+    assert client == 0 and moved.scheduler_stats is gauges and not moved.outputs
+    client, kept = outputs.get(timeout=1)
+    assert client == 2 and kept.scheduler_stats is later_gauges, "gauges again within the second stay where they were"
+    client, third = outputs.get()
+    assert client == 1 and third.scheduler_stats is None
+    client, moved_counts = outputs.get()
+    assert client == 0 and moved_counts.scheduler_stats is counts, "counts always go to client 0"
+    client, own = outputs.get()
+    assert client == 0 and own.scheduler_stats is not None
     with pytest.raises(queue.Empty):
         outputs.get_nowait()

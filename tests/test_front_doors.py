@@ -212,3 +212,19 @@ def test_openai_http_is_served_by_every_front_door(two_front_doors):
         assert reply.json()["choices"][0]["token_ids"] == expected
     served = [door.requests_served - before for door, before in zip(_front_doors(target), served_before)]
     assert sum(served) == 12 and all(count > 0 for count in served), f"requests per front door: {served}"
+
+
+def test_load_generator_spreads_its_connections_over_the_front_doors(two_front_doors):
+    """`duet bench serve`'s client with several connections (as it drives duet-disagg-2fd):
+    the kernel spreads them over both front doors, and every request is served."""
+    import asyncio
+
+    from duet.benchmarks.loadgen import replay
+    from duet.cluster.placement.trace import synthetic
+
+    target = f"127.0.0.1:{two_front_doors.port}"
+    served_before = [door.requests_served for door in _front_doors(target)]
+    records = asyncio.run(replay(target, synthetic(24, 12.0, lengths="fixed:64:8", seed=3), seed=0, timeout_s=120, connections=8))
+    assert all(not record.error for record in records) and len(records) == 24
+    served = [door.requests_served - before for door, before in zip(_front_doors(target), served_before)]
+    assert sum(served) == 24 and all(count > 0 for count in served), f"requests per front door: {served}"

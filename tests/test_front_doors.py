@@ -174,10 +174,14 @@ def test_admin_and_status_answer_on_every_front_door(two_front_doors):
     control plane's view, carried over its private socket by the front-door actor)."""
     target = f"127.0.0.1:{two_front_doors.port}"
     # The engines' statistics reach the control plane, though its front end sends no request:
-    # the KV transfers of the streams above, served by the front doors, are counted.
-    with DuetClient(target) as client:
-        (decode,) = [w for pool in client.status().pools if pool.role == "decode" for w in pool.workers]
-    assert decode.kv_transfers > 0 and decode.kv_transfer_bytes > 0
+    # the KV transfers of requests the front doors served are counted.
+    def decode_transfers() -> int:
+        with DuetClient(target) as client:
+            client.generate_ids(build_request("count my transfer", max_tokens=4, ignore_eos=True), timeout=120)
+            (decode,) = [w for pool in client.status().pools if pool.role == "decode" for w in pool.workers]
+        return decode.kv_transfers if decode.kv_transfer_bytes > 0 else 0
+
+    _wait_for(decode_transfers, 30, "the front doors' KV transfers counted by the control plane")
     for _ in range(8):
         with DuetClient(target) as client:
             listed = client.list_workers()

@@ -14,6 +14,9 @@ input loop, and this module's replacement of it fixes both:
   ``max_tokens``. Here the engine watches each client's connection (a ZeroMQ socket monitor;
   TCP heartbeats find a peer whose host vanished without closing it) and, when one drops,
   aborts every request that client sent, on the engine's own thread, as a client's abort would.
+  (A prefill that already finished and keeps its KV for a decode worker's pull is not a
+  running request: the KV lease frees it, ``kv_transfer.kv_lease_s``, as for any pull that
+  never comes.)
 - **No second greeting.** A replacement front door binds the same addresses and its
   ``AsyncLLM`` waits for the engine's ready message, which vLLM sends only once, at start-up.
   ZeroMQ reconnects the engine's sockets by itself; here the engine greets again on each
@@ -99,10 +102,13 @@ def install() -> None:
         vllm_dispatch(self, request_type, request)
 
     def duet_requests_by_client(self: Any) -> dict[int, int]:
-        """A utility call: how many requests the engine holds for each client (front door)."""
+        """A utility call: how many requests the engine runs or queues for each client (front
+        door). A prefill that finished and keeps its KV for a pull is not counted: the pull,
+        or the KV lease (kv_transfer.kv_lease_s), ends it."""
         counts: dict[int, int] = {}
         for request in self.scheduler.requests.values():
-            counts[request.client_index] = counts.get(request.client_index, 0) + 1
+            if not request.is_finished():
+                counts[request.client_index] = counts.get(request.client_index, 0) + 1
         return counts
 
     vllm_output_loop = EngineCoreProc.process_output_sockets

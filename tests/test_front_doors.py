@@ -119,6 +119,15 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
 
+    # The engines abort what the dead front door left: no request of its client index runs or
+    # waits in any engine (a finished prefill's KV awaiting a pull is the KV lease's).
+    def dead_client_gone() -> bool:
+        held = [deployment.background.run(m.engine.requests_by_client(), timeout=30) for m in workers]
+        return all(victim.index not in by_client for by_client in held)
+
+    _wait_for(dead_client_gone, ABORT_WITHIN_S, "the dead front door's requests aborted in the engines")
+    aborted_s = time.monotonic() - killed_at
+
     # New connections are served at once, by the survivor (the kernel drops the dead listener).
     with DuetClient(target) as client:
         ids, _ = client.generate_ids(build_request(prompt_token_ids=prompts[0], max_tokens=8, ignore_eos=True), timeout=120)
@@ -137,14 +146,7 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
         assert stream.finish == pb.FINISH_REASON_LENGTH
         assert stream.tokens == expected[prompts.index(stream.prompt)], "a surviving or resumed stream changed"
 
-    # The engines abort what the dead front door left: no request of its client index remains.
-    def dead_client_gone() -> bool:
-        held = [deployment.background.run(m.engine.requests_by_client(), timeout=30) for m in workers]
-        return all(victim.index not in by_client for by_client in held)
-
-    _wait_for(dead_client_gone, ABORT_WITHIN_S, "the dead front door's requests aborted in the engines")
     assert _front_doors(target)[1].pid == survivor.pid, "the other front door was restarted"
-    aborted_s = time.monotonic() - killed_at
     assert {m.name: m.restarts for m in workers} == restarts_before, "an engine was restarted"
     assert all(m.state == "ready" for m in workers)
 

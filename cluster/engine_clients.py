@@ -126,8 +126,8 @@ def install() -> None:
 
 
 class StatsToFirstClient:
-    """The engine core's output queue as its output thread sees it, with every step's
-    scheduler statistics sent to client 0.
+    """The engine core's output queue as its output thread sees it, with the scheduler
+    statistics that client 0 needs sent to it.
 
     vLLM attaches a step's scheduler statistics (KV cache usage, running and waiting requests,
     prefix-cache and KV-transfer counters) to the outputs of whichever client has outputs in

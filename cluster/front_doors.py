@@ -60,10 +60,10 @@ class FrontDoorSet:
     control_socket: str  # the control plane's private gRPC socket (Admin, status)
     pools: list[WorkerPool]
     doors: list[_Door] = field(default_factory=list)
-    # What a (replacement) front door starts serving with: ports and model limits.
     # With a control plane apart (cluster/control_plane.py): the deployment's id, which names
     # the front doors' actors, detached so that they outlive the control plane's process.
     actor_prefix: str | None = None
+    # What a (replacement) front door starts serving with: ports and model limits.
     _serving: tuple[int, int | None, tuple[int, int, int]] | None = None
     _stopping: bool = False
 
@@ -106,12 +106,10 @@ class FrontDoorSet:
                 break
         if self._serving is None:
             raise RuntimeError("no front door of this deployment answers: start it anew")
-        loop = asyncio.get_running_loop()
         for door in self.doors:
             if door.state != "ready":
                 await self._replace(door)
-            door.watch = loop.create_task(self._watch(door))
-        return self._serving[0], self._serving[1]
+        return self._watch_all()
 
     async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> tuple[int, int | None]:
         """Serve both APIs on every front door; returns the ports they share (0 asks the first
@@ -120,6 +118,11 @@ class FrontDoorSet:
         first, *others = self.doors
         self._serving = await self._serve(first)
         await asyncio.gather(*(self._serve(door) for door in others))
+        return self._watch_all()
+
+    def _watch_all(self) -> tuple[int, int | None]:
+        """Keep a watch on every front door (:meth:`_watch`); returns the ports they serve on."""
+        assert self._serving is not None
         loop = asyncio.get_running_loop()
         for door in self.doors:
             door.watch = loop.create_task(self._watch(door))
@@ -160,8 +163,7 @@ class FrontDoorSet:
         for: a front door that misses it is replaced, and its replacement starts from the
         whole membership)."""
         for door in self.doors:
-            if door.state in ("starting", "ready"):
-                asyncio.get_running_loop().create_task(self._call(door, method, *args))
+            asyncio.get_running_loop().create_task(self._call(door, method, *args))
 
     async def _call(self, door: _Door, method: str, *args: Any) -> None:
         if door.state not in ("starting", "ready") or self._stopping:

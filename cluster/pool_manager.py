@@ -44,8 +44,8 @@ class PoolManager:
     cores: CoreAllocator | None
     # Ray node ids for the first replicas, as a placement plan assigned them.
     plan_nodes: list[str] | None = None
-    # The deployment's other front doors (server.front_ends > 1): every engine core is also
-    # their client, and they hear of every change to the pool.
+    # The front doors in processes of their own (server.front_ends > 1): every engine core is
+    # also their client, and they hear of every change to the pool.
     front_doors: FrontDoorSet | None = None
     # With a control plane apart (cluster/control_plane.py): the deployment's id, which names
     # its workers' actors, detached so that they outlive the control plane's process.
@@ -246,9 +246,9 @@ class PoolManager:
 
     async def _drain(self, member: PoolMember, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while await self._busy(member) and time.monotonic() < deadline:
+        while (busy := await self._busy(member)) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        if member.inflight > 0:
+        if busy:
             logger.warning(
                 "%s: drain timeout (%.0f s) with %d request(s) in flight; they resume on other workers",
                 member.name, timeout_s, member.inflight,

@@ -139,28 +139,35 @@ class FrontDoor:
             member.state = worker.state
         pool.changed()
 
-    async def set_state(self, name: str, state: str) -> None:
-        """The control plane's state for worker ``name`` (ready, draining)."""
+    def _find(self, name: str) -> tuple[WorkerPool, PoolMember] | None:
+        """Worker ``name`` and its pool, if this front door has it."""
         for pool in self.pools.values():
             member = pool.find(name)
-            if member is not None and member.state not in ("restarting", "failed"):
-                member.state = state
-                pool.changed()
+            if member is not None:
+                return pool, member
+        return None
+
+    async def set_state(self, name: str, state: str) -> None:
+        """The control plane's state for worker ``name`` (ready, draining)."""
+        found = self._find(name)
+        if found is not None and found[1].state not in ("restarting", "failed"):
+            pool, member = found
+            member.state = state
+            pool.changed()
 
     async def lost(self, name: str, reason: str) -> None:
         """Worker ``name`` died: its requests here resume on the others while it is replaced."""
-        for pool in self.pools.values():
-            member = pool.find(name)
-            if member is not None and member.engine is not None:
-                pool.mark_failed(member, WorkerLostByControlPlane(reason), member.engine)
+        found = self._find(name)
+        if found is not None and found[1].engine is not None:
+            pool, member = found
+            pool.mark_failed(member, WorkerLostByControlPlane(reason), member.engine)
 
     async def remove(self, name: str) -> None:
         """Worker ``name`` left the cluster (drained or removed): its requests here, if any
         are left, resume on the others."""
-        for pool in self.pools.values():
-            member = pool.find(name)
-            if member is None:
-                continue
+        found = self._find(name)
+        if found is not None:
+            pool, member = found
             if member.engine is not None:
                 member.engine.close()
                 member.engine = None

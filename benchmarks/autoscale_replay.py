@@ -214,7 +214,7 @@ def _traces_dir() -> Path:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from duet.cluster.simulated_engine import simulated_perf
+    from duet.worker_runtime.simulated_engine import simulated_perf
 
     engine, kv_bytes = simulated_perf("distserve:opt-13b", 1, 1)
     reports = [run_scenario(SCENARIOS[name], args.load, engine, int(kv_bytes), args.outage) for name in args.scenarios.split(",")]

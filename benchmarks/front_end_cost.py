@@ -79,8 +79,8 @@ async def measure(concurrencies: list[int], tokens: int, repeats: int) -> list[B
     from prometheus_client import CollectorRegistry
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from duet.cluster.config import ModelConfig
-    from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
+    from duet.config import ModelConfig
+    from duet.worker_runtime.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
     from duet.router.engine_front_end import new_front_end, shut_down
 
     if is_cpu_only():

@@ -458,7 +458,7 @@ async def _timed_request(stub: Any, prompt: list[int]) -> Timing:
 async def _prefill_alone_s(deployment: Any, prompt: list[int], request_id: str) -> float:
     """A colocated engine's time to first token: the prefill worker's engine running the
     prompt for one token, no transfer (timed in the router's process: no gRPC)."""
-    from duet.cluster.worker_api import SamplingSpec
+    from duet.worker_runtime.worker_api import SamplingSpec
 
     start = time.perf_counter()
     await deployment.prefill.members[0].engine.prefill(request_id, prompt, SamplingSpec(max_tokens=1), None)
@@ -520,7 +520,7 @@ def reps_for(tokens: int, reps: int) -> int:
 
 
 def _deployment_config(model_dir: Path | None, variant: Variant) -> Any:
-    from duet.cluster.config import load_config, parse_config
+    from duet.config import load_config, parse_config
 
     data = load_config().model_dump()
     if model_dir is not None:
@@ -701,7 +701,7 @@ def _model_dir(sizes: dict[str, int]) -> Path | None:
     """The long-context tiny model when a prompt needs it, else the built-in one (None)."""
     if max(sizes.values()) + MAX_TOKENS <= BUILTIN_CONTEXT:
         return None
-    from duet.cluster.tiny_model import ensure_tiny_model
+    from duet.worker_runtime.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(context=LONG_CONTEXT)
 
@@ -720,8 +720,8 @@ async def _serving_runs(plan: Plan, model_dir: Path | None, geometry: KVGeometry
 
 def run(plan: Plan) -> dict[str, Any]:
     """Measure everything in one run and return the JSON-ready result."""
-    from duet.cluster.engine import resolve_model_path
-    from duet.cluster.config import ModelConfig
+    from duet.worker_runtime.engine import resolve_model_path
+    from duet.config import ModelConfig
 
     load_before = os.getloadavg()
     model_dir = _model_dir(plan.sizes)

@@ -45,7 +45,7 @@ async def _time_request(stub: Any, prompt: list[int], max_tokens: int) -> tuple[
 async def run_benchmark(lengths: list[int], repeats: int, max_tokens: int) -> list[dict[str, Any]]:
     import grpc
 
-    from duet.cluster.config import load_config, parse_config
+    from duet.config import load_config, parse_config
     from duet.cluster.deployment import Deployment
     from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 

@@ -73,7 +73,7 @@ from duet.benchmarks.placement_fidelity import (
     write_deploy_config,
 )
 from duet.benchmarks.speed_probe import SpeedFactors, probe_speed
-from duet.cluster.config import load_config
+from duet.config import load_config
 from duet.cluster.placement.cluster_spec import ClusterSpec, traces_dir
 from duet.cluster.placement.commands import parse_slo
 from duet.cluster.placement.latency_model import LatencyModel, ServingPathCost

@@ -39,7 +39,7 @@ import yaml
 
 from duet.benchmarks.host_overhead import measure_host_ms_per_token
 from duet.benchmarks.loadgen import replay, replay_result
-from duet.cluster.config import load_config
+from duet.config import load_config
 from duet.cluster.placement.cluster_spec import ClusterSpec, traces_dir
 from duet.cluster.placement.commands import parse_slo
 from duet.cluster.placement.goodput import plan_context, simulate

@@ -134,7 +134,7 @@ async def _run(deployment: Any, workload: Workload, policy: Any, label: str) -> 
 
 
 async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from duet.cluster.config import load_config, parse_config
+    from duet.config import load_config, parse_config
     from duet.cluster.deployment import Deployment
     from duet.cluster.placement.cluster_spec import traces_dir
     from duet.router.policies import LeastPromptTokens, PrefixAffinity

@@ -1,7 +1,7 @@
 """What duet's serving path adds around the engines, with dozens of SIMULATED workers.
 
 ``duet bench router`` starts the real router, pools and gRPC server in this process with
-SIMULATED engines (cluster/simulated_engine.py: no model is computed, timing from DistServe's
+SIMULATED engines (worker_runtime/simulated_engine.py: no model is computed, timing from DistServe's
 A100 profile), and replays a Poisson load from a separate client process. For every request,
 the router-added latency is the client's end-to-end latency minus the seconds the request spent
 inside the two engines (each simulated engine records them): the workers' channels, the
@@ -37,7 +37,7 @@ _CLIENT = (
 
 
 def _config(workers: int) -> Any:
-    from duet.cluster.config import load_config, parse_config
+    from duet.config import load_config, parse_config
 
     data = load_config().model_dump()
     for role in ("prefill", "decode"):

@@ -38,7 +38,7 @@ from duet.benchmarks.loadgen import RequestRecord, replay
 from duet.benchmarks.openai_replay import replay_openai
 from duet.benchmarks.serve_report import progress_callback, render_table, summarize, write_plots
 from duet.benchmarks.serving_systems import DEFAULT_SYSTEMS, SYSTEMS, RunningSystem, SystemStartError, started
-from duet.cluster.config import DuetConfig, load_config
+from duet.config import DuetConfig, load_config
 from duet.cluster.placement.cluster_spec import traces_dir
 from duet.cluster.placement.simulator import Slo
 from duet.cluster.placement.trace import Trace, TraceError, load_trace

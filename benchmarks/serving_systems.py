@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from duet.benchmarks.serve_report import COLOCATED, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, VLLM
-from duet.cluster.config import COLOCATED_CONFIG_PATH, DuetConfig
-from duet.cluster.engine import resolve_model_path
+from duet.config import COLOCATED_CONFIG_PATH, DuetConfig
+from duet.worker_runtime.engine import resolve_model_path
 
 SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, DISAGG_FRONT_DOORS)
 DEFAULT_SYSTEMS = SYSTEMS[:4]  # the front-door comparison on request

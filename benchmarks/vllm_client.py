@@ -127,8 +127,8 @@ def run_vllm_bench(
 
 
 def _command(args: argparse.Namespace) -> int:
-    from duet.cluster.config import load_config
-    from duet.cluster.engine import resolve_model_path
+    from duet.config import load_config
+    from duet.worker_runtime.engine import resolve_model_path
 
     model = load_config(args.config).model
     try:

@@ -9,7 +9,7 @@ Admin calls and status. Workers and front doors are detached, named actors that 
 owns, so the control plane's death touches neither: the front doors serve on with the workers
 they know while it is down. Ray restarts the actor (``max_restarts``); ``duet serve`` starts it
 again, and the new process finds the running workers and front doors by name and takes them
-over, the workers' engine cores reconnecting to its front ends (cluster/engine_clients.py);
+over, the workers' engine cores reconnecting to its front ends (worker_runtime/engine_clients.py);
 nothing is restarted. (What is lost with it: the health watch's and the autoscaler's history,
 the restart counts, a drain in progress.)
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from duet.cluster.config import DuetConfig
+from duet.config import DuetConfig
 from duet.cluster.ray_runtime import start_ray
 
 logger = logging.getLogger(__name__)

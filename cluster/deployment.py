@@ -21,9 +21,9 @@ import ray
 from duet.cluster.autoscaler.live import LiveAutoscaler
 from duet.cluster.autoscaler.metrics import AutoscalerMetrics
 from duet.cluster.autoscaler.policy import load_policy
-from duet.cluster.config import DuetConfig
+from duet.config import DuetConfig
 from duet.cluster.cores import CoreAllocator
-from duet.cluster.engine import is_cpu_only, resolve_model_path
+from duet.worker_runtime.engine import is_cpu_only, resolve_model_path
 from duet.cluster.front_doors import FrontDoorSet
 from duet.cluster.actor_names import named_actors
 from duet.cluster.pool_manager import PoolManager, root_cause
@@ -32,15 +32,14 @@ from duet.decode_worker.worker import ColocatedWorker, DecodeWorker, SimulatedCo
 from duet.kv_transfer.ports import is_bindable
 from duet.prefill_worker.worker import PrefillWorker, SimulatedPrefillWorker
 from duet.router.metrics import start_metrics_server
-from duet.router.health import HealthWatcher
+from duet.cluster.health import HealthWatcher
 from duet.router.pools import ScaleError, WorkerPool
 from duet.router.admin import AdminServicer
-from duet.router.assembly import chat_template, request_service, router_host, set_policies
+from duet.router.assembly import chat_template, request_service, router_host
 from duet.router.auth import Gatekeeper
 from duet.router.front_ends import FrontEnds, check_exposure, start_control_server
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
-from duet.router.validation import ModelLimits
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +153,7 @@ class Deployment:
                 manager.create(manager.pool_config.replicas)
             await self._wait_ready()
         first_worker = (self.prefill.members + self.decode.members)[0]
-        max_model_len, vocab_size, block_size = await first_worker.engine.model_limits()
-        limits = ModelLimits(self.config.model.name, max_model_len, vocab_size)
-        set_policies(self.config, self.prefill, self.decode, block_size)
+        engine_limits = await first_worker.engine.model_limits()
         self.health = HealthWatcher(
             [self.prefill, self.decode] if not colocated else [self.decode],
             self.config.router.health_interval_s,
@@ -164,7 +161,7 @@ class Deployment:
         )
         self.health.start()
         self.service = request_service(
-            self.config, None if colocated else self.prefill, self.decode, limits, self.cluster, gatekeeper
+            self.config, None if colocated else self.prefill, self.decode, engine_limits, self.cluster, gatekeeper
         )
         self.cluster.routing_notes.extend(_conditional_disaggregation_notes(self.config))
         if self.front_doors is None:
@@ -176,11 +173,10 @@ class Deployment:
             self._control_server = await start_control_server(
                 self.front_doors.control_socket, AdminServicer(self.service, self, trusted=True)
             )
-            limits_tuple = (max_model_len, vocab_size, block_size)
             if self.adopted:
-                self.port, self.http_port = await self.front_doors.adopt(limits_tuple)
+                self.port, self.http_port = await self.front_doors.adopt(engine_limits)
             else:
-                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, limits_tuple)
+                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, engine_limits)
         if self.config.autoscale is not None:
             self._start_autoscaler(self.config.autoscale)
         # The router holds vLLM, torch and the tokenizers: millions of long-lived objects that

@@ -7,7 +7,7 @@ each about every worker (:meth:`FrontDoorSet.listen` before an engine core start
 :meth:`FrontDoorSet.connect`, then its state or its loss), and keeps one call pending on each
 (:meth:`FrontDoor.wait`), which Ray fails the moment the front door's process dies. A dead
 front door is replaced at once by a new actor with the same client index, which listens where
-the dead one did, so every engine core reconnects to it by itself (cluster/engine_clients.py):
+the dead one did, so every engine core reconnects to it by itself (worker_runtime/engine_clients.py):
 no engine restarts. A worker that starts while a front door is down gets addresses picked here
 for that front door, where its replacement will listen.
 """
@@ -22,8 +22,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from duet.cluster.config import DuetConfig
-from duet.cluster.worker_api import EngineAddresses
+from duet.config import DuetConfig
+from duet.worker_runtime.worker_api import EngineAddresses
 from duet.cluster.actor_names import actor_name, named_actors
 from duet.router.engine_front_end import FrontEndListeners
 from duet.router.front_door import FrontDoor, WorkerSnapshot

@@ -8,7 +8,7 @@ assigns the devices inside the node.
 
 from __future__ import annotations
 
-from duet.cluster.config import ConfigError, DuetConfig, parse_config
+from duet.config import ConfigError, DuetConfig, parse_config
 from duet.cluster.placement.plan import Plan, Pool
 
 CPU_GPU_TYPES = ("cpu", "cpu-core")

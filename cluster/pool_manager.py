@@ -19,10 +19,10 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from duet.cluster.config import DuetConfig, PoolConfig
+from duet.config import DuetConfig, PoolConfig
 from duet.cluster.cores import CoreAllocator
 from duet.cluster.actor_names import actor_name, named_actors
-from duet.cluster.engine_host import WorkerHost
+from duet.worker_runtime.engine_host import WorkerHost
 from duet.cluster.front_doors import FrontDoorSet
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.pools import PoolMember, ScaleError, WorkerPool

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ray
 
-from duet.cluster.config import DuetConfig
+from duet.config import DuetConfig
 
 RAY_NAMESPACE = "duet"
 

@@ -12,7 +12,7 @@ the engine's front end in its own process, so tokens go from the engine core str
 client's stream (router/engine_front_end.py). :class:`DecodeWorker` is the Ray actor that hosts
 the engine core. :class:`SimulatedDecodeWorker` hosts a SIMULATED engine, which lives in the
 actor; it runs decode there and sends the tokens to the router in per-step batches
-(cluster/worker_channel.py).
+(worker_runtime/worker_channel.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncIterator
 
-from duet.cluster.engine_host import EngineCoreHost
-from duet.cluster.simulated_host import SimulatedHost
-from duet.cluster.worker_api import FinishReason, SamplingSpec
+from duet.worker_runtime.engine_host import EngineCoreHost
+from duet.worker_runtime.simulated_host import SimulatedHost
+from duet.worker_runtime.worker_api import FinishReason, SamplingSpec
 from duet.prefill_worker.worker import ParamsFactory
 
 logger = logging.getLogger(__name__)

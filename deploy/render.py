@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from duet.cluster.config import DuetConfig, PoolConfig
+from duet.config import DuetConfig, PoolConfig
 from duet.cluster.placement.cluster_spec import ClusterSpec
 from duet.cluster.placement.plan import Plan, PlanError, Pool, validate_against
 from duet.cluster.plan_deploy import CPU_GPU_TYPES

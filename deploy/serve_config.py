@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
-from duet.cluster.config import BUILTIN_MODEL, DEFAULT_CONFIG_PATH, ConfigError, DuetConfig, parse_config
+from duet.config import BUILTIN_MODEL, DEFAULT_CONFIG_PATH, ConfigError, DuetConfig, parse_config
 from duet.cluster.placement.plan import Plan
 from duet.cluster.plan_deploy import apply_plan
-from duet.cluster.yaml_config import read_yaml
+from duet.yaml_config import read_yaml
 
 
 class DeployError(ValueError):

@@ -21,7 +21,7 @@ from duet.router.client import DEFAULT_TARGET, DuetClient, build_request
 from duet.router.proto import duet_api_pb2 as pb
 
 if TYPE_CHECKING:
-    from duet.cluster.config import DuetConfig
+    from duet.config import DuetConfig
 
 USAGE_ERROR = 2
 
@@ -61,7 +61,7 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from duet.cluster.config import ConfigError, load_config, parse_config
+    from duet.config import ConfigError, load_config, parse_config
     from duet.cluster.placement.plan import Plan, PlanError
     from duet.cluster.plan_deploy import apply_plan
 
@@ -104,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _run_deployment(config: "DuetConfig") -> int:
-    from duet.cluster.config import ConfigError
+    from duet.config import ConfigError
     from duet.cluster.control_plane import RemoteControlPlane
     from duet.cluster.deployment import Deployment, WorkerStartError
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from duet.cluster.config import KVTransferConfig
+from duet.config import KVTransferConfig
 
 Role = Literal["prefill", "decode"]
 

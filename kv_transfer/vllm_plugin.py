@@ -4,7 +4,7 @@ vLLM loads every ``vllm.general_plugins`` entry point in each process it starts 
 engine core, workers), which is the only place to adjust code that runs inside the engine's own
 worker process. The plugin does nothing unless a duet worker asked for it through environment
 variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinning,
-:func:`duet.cluster.engine.cpu_engine_environment` for the shared gloo device, the engine host
+:func:`duet.worker_runtime.engine.cpu_engine_environment` for the shared gloo device, the engine host
 for the output interval), so plain vLLM use in the same environment is unaffected.
 
 Five adjustments, the first four measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
@@ -18,22 +18,22 @@ Five adjustments, the first four measured on CPU (docs/kv_transfer.md, docs/benc
 - With NixlConnector, vLLM pins each worker's forward-pass thread to the last core of each NUMA
   node, so two engines on one host fight over the same core. duet gives each worker its own.
 - The engine core sends its outputs to the router at most once per interval, merged
-  (cluster/engine_output.py): each message costs the router about 2 ms of CPU.
-- The engine's single-rank gloo groups share one transport device (cluster/gloo_device.py):
+  (worker_runtime/engine_output.py): each message costs the router about 2 ms of CPU.
+- The engine's single-rank gloo groups share one transport device (worker_runtime/gloo_device.py):
   each device's loop thread wakes 100 times a second, and vLLM makes 13 groups per engine.
 - The engine core serves front doors that die and are replaced while it runs: it aborts a
-  dropped front door's requests and greets a reconnected one (cluster/engine_clients.py).
+  dropped front door's requests and greets a reconnected one (worker_runtime/engine_clients.py).
 """
 
 from __future__ import annotations
 
 import os
 
-from duet.cluster.engine_clients import ENV_CLIENT_RECONNECT
-from duet.cluster.engine_clients import install as install_client_reconnect
-from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
-from duet.cluster.engine_output import install as install_output_coalescing
-from duet.cluster.gloo_device import ENV_SHARED_GLOO_DEVICE, share_single_rank_device
+from duet.worker_runtime.engine_clients import ENV_CLIENT_RECONNECT
+from duet.worker_runtime.engine_clients import install as install_client_reconnect
+from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
+from duet.worker_runtime.engine_output import install as install_output_coalescing
+from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE, share_single_rank_device
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
 
 # The progress thread's poll() timeout in "wait" mode. UCX wakes it through event descriptors

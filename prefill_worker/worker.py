@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from duet.cluster.config import KVTransferConfig
-from duet.cluster.engine_host import EngineCoreHost
-from duet.cluster.simulated_host import SimulatedHost
-from duet.cluster.worker_api import EngineAborted, PrefillResult, SamplingSpec
+from duet.config import KVTransferConfig
+from duet.worker_runtime.engine_host import EngineCoreHost
+from duet.worker_runtime.simulated_host import SimulatedHost
+from duet.worker_runtime.worker_api import EngineAborted, PrefillResult, SamplingSpec
 from duet.kv_transfer.config import prefill_request_params
 
 # Builds the engine's request parameters: (sampling, kv_transfer_params, delta outputs) -> params.

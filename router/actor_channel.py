@@ -1,4 +1,4 @@
-"""The router's end of a SIMULATED worker's channel (cluster/worker_channel.py says why a
+"""The router's end of a SIMULATED worker's channel (worker_runtime/worker_channel.py says why a
 channel, and what crosses it).
 
 The router listens on a port of its own for each SIMULATED worker, as it does for a vLLM
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from duet.cluster.worker_channel import FrameReader, Message, Outbox
+from duet.worker_runtime.worker_channel import FrameReader, Message, Outbox
 
 
 class ChannelClosed(RuntimeError):

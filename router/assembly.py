@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from duet.cluster.config import DuetConfig
-from duet.cluster.engine import resolve_model_path
+from duet.config import DuetConfig
+from duet.worker_runtime.engine import resolve_model_path
 from duet.kv_transfer.config import TRANSPORTS
 from duet.router.auth import Gatekeeper
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
@@ -37,13 +37,17 @@ def request_service(
     config: DuetConfig,
     prefill: WorkerPool | None,
     decode: WorkerPool,
-    limits: ModelLimits,
+    engine_limits: tuple[int, int, int],
     cluster: ClusterView,
     gatekeeper: Gatekeeper,
 ) -> RequestService:
-    """The serving path over ``prefill`` (None: colocated) and ``decode``."""
+    """The serving path over ``prefill`` (None: colocated) and ``decode``, routing with the
+    configured policies; ``engine_limits`` is the engine's (max_model_len, vocab_size,
+    block_size)."""
     from transformers import AutoTokenizer
 
+    max_model_len, vocab_size, block_size = engine_limits
+    set_policies(config, prefill or WorkerPool("prefill"), decode, block_size)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(config.model)))
     transfer = config.kv_transfer
     lifecycle = RequestLifecycle(
@@ -54,6 +58,7 @@ def request_service(
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,
     )
+    limits = ModelLimits(config.model.name, max_model_len, vocab_size)
     return RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
 
 

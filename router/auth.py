@@ -24,8 +24,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from duet.cluster.config import AuthConfig, ConfigError
-from duet.cluster.yaml_config import read_yaml, validate_mapping
+from duet.config import AuthConfig, ConfigError
+from duet.yaml_config import read_yaml, validate_mapping
 
 
 class Unauthenticated(Exception):

@@ -3,7 +3,7 @@
 vLLM splits an engine in two: the engine core (scheduler, model, KV cache) in a process of its
 own, and a front end (``AsyncLLM``: input processing, detokenization, output processing) in the
 process that serves clients. duet puts the split where vLLM's own server puts it: the worker
-actor launches and owns the engine core (cluster/engine_host.py), and the router runs the front
+actor launches and owns the engine core (worker_runtime/engine_host.py), and the router runs the front
 end, so every token goes from the engine core to the client's stream through this one process.
 With the front end in the actor instead, each token crossed two processes (actor, then
 router), which cost duet several times plain vLLM's CPU per token (docs/benchmarks.md).
@@ -26,9 +26,9 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from duet.cluster.config import KVTransferConfig
-from duet.cluster.engine_host import WATCH_HOLD_S
-from duet.cluster.worker_api import DecodeChunk, EngineAborted, EngineAddresses, PrefillResult, SamplingSpec, WorkerStatus
+from duet.config import KVTransferConfig
+from duet.worker_runtime.engine_host import WATCH_HOLD_S
+from duet.worker_runtime.worker_api import DecodeChunk, EngineAborted, EngineAddresses, PrefillResult, SamplingSpec, WorkerStatus
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
 from duet.router.engine_metrics import read_engine_metrics, registry_bound_stat_logger
@@ -65,7 +65,7 @@ class FrontEndListeners:
     @classmethod
     def rebind(cls, addresses: EngineAddresses) -> "FrontEndListeners":
         """Listen on ``addresses`` exactly: a replacement front door takes over its
-        predecessor's, to which the running engine core reconnects (cluster/engine_clients.py)."""
+        predecessor's, to which the running engine core reconnects (worker_runtime/engine_clients.py)."""
         input_address, requests = _listen(addresses.input)
         try:
             output_address, outputs = _listen(addresses.output)
@@ -205,7 +205,7 @@ class EngineFrontEnd:
 
     async def requests_by_client(self) -> dict[int, int]:
         """The requests the engine core holds, by client (front door) index: every front
-        door's, not only this front end's (cluster/engine_clients.py)."""
+        door's, not only this front end's (worker_runtime/engine_clients.py)."""
         return await self.engine.engine_core.call_utility_async("duet_requests_by_client")
 
     async def _worker_gone(self) -> bool:
@@ -263,7 +263,7 @@ class EngineFrontEnd:
 
     async def watch(self) -> str:
         """Why the worker's engine core exited, once it has (raises if its actor dies). Each
-        actor call waits at most ``WATCH_HOLD_S`` (cluster/engine_host.py); the next follows at
+        actor call waits at most ``WATCH_HOLD_S`` (worker_runtime/engine_host.py); the next follows at
         once."""
         while (reason := await self.actor.watch.remote(WATCH_HOLD_S)) is None:
             pass

@@ -5,7 +5,7 @@ With ``server.front_ends: N`` of 2 or more, a deployment has N front doors, each
 process serves no API (with 1, it is the one front door: cluster/deployment.py). Every front
 door listens on the same gRPC and HTTP ports (SO_REUSEPORT: the kernel spreads new connections
 among them), hosts its own front end for every worker's engine core (client ``index`` of that
-engine core, cluster/engine_clients.py), and runs the whole serving path over its own view of
+engine core, worker_runtime/engine_clients.py), and runs the whole serving path over its own view of
 the pools: validation, admission, routing, the request lifecycle. A token goes from the engine
 core to the client through this one process.
 
@@ -33,10 +33,10 @@ from typing import Any
 
 import grpc
 
-from duet.cluster.config import DuetConfig
-from duet.cluster.worker_api import EngineAddresses
+from duet.config import DuetConfig
+from duet.worker_runtime.worker_api import EngineAddresses
 from duet.router.admin import ForwardingAdmin
-from duet.router.assembly import chat_template, request_service, router_host, set_policies
+from duet.router.assembly import chat_template, request_service, router_host
 from duet.router.auth import Gatekeeper
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.front_ends import FrontEnds
@@ -45,7 +45,6 @@ from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
-from duet.router.validation import ModelLimits
 
 logger = logging.getLogger(__name__)
 
@@ -191,12 +190,9 @@ class FrontDoor:
     async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> tuple[int, int, int | None]:
         """Serve both APIs on the deployment's ports (0: pick one, which the other front doors
         then share); returns this process's id and the ports."""
-        max_model_len, vocab_size, block_size = limits
-        prefill, decode = self.pools.get("prefill"), self.pools["decode"]
-        set_policies(self.config, prefill or WorkerPool("prefill"), decode, block_size)
         gatekeeper = Gatekeeper.from_config(self.config.server.auth)
-        model_limits = ModelLimits(self.config.model.name, max_model_len, vocab_size)
-        self.service = request_service(self.config, prefill, decode, model_limits, self.cluster, gatekeeper)
+        prefill, decode = self.pools.get("prefill"), self.pools["decode"]
+        self.service = request_service(self.config, prefill, decode, limits, self.cluster, gatekeeper)
         admin = ForwardingAdmin(self.service, self.cluster.control)
         self.front_ends = await FrontEnds.start(
             self.service, self.config.server, grpc_port, http_port, chat_template(self.config), admin

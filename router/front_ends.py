@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from duet.cluster.config import ConfigError, ServerConfig
+from duet.config import ConfigError, ServerConfig
 from duet.router.admin import AdminServicer
 from duet.router.auth import Gatekeeper
 from duet.router.http_server import OpenAIFrontEnd, start_http_server

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
-from duet.cluster.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
+from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
 from duet.router.worker_engines import EngineLost, EngineRejected

@@ -10,7 +10,7 @@ with its parameters, in ``duet status``:
   in its prefix cache, unless its outstanding work exceeds the pool mean by ``load_factor``;
   among workers holding equally long prefixes (or none), the one with fewest prompt tokens;
 - ``least_kv_load`` (decode): the lowest KV-cache usage, then the fewest running sequences, as
-  the workers last reported them (router/health.py polls them every second).
+  the workers last reported them (cluster/health.py polls them every second).
 """
 
 from __future__ import annotations

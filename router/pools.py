@@ -60,7 +60,7 @@ class PoolMember:
     restarts: int = 0
     error: str = ""
     cpu_core: int | None = None  # the core its forward pass is pinned to (CPU hosts)
-    # The worker's last load report (router/health.py): KV cache usage and running requests.
+    # The worker's last load report (cluster/health.py): KV cache usage and running requests.
     kv_usage: float = 0.0
     running: int = 0
     reported_at: float | None = None  # time.monotonic() of that report

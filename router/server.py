@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from duet.cluster.config import TlsConfig
+from duet.config import TlsConfig
 from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import StreamEvent
 from duet.router.proto import duet_api_pb2 as pb

@@ -8,7 +8,7 @@ import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from duet.cluster.worker_api import WorkerStatus
+from duet.worker_runtime.worker_api import WorkerStatus
 from duet.kv_transfer.metrics import transfer_totals
 from duet.router.lifecycle import Usage
 from duet.router.metrics import RouterMetrics

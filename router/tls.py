@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from duet.cluster.config import TlsConfig
+from duet.config import TlsConfig
 
 
 def _read(path: str) -> bytes:

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from duet.cluster.worker_api import SamplingSpec
+from duet.worker_runtime.worker_api import SamplingSpec
 from duet.router.proto import duet_api_pb2 as pb
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Protocol
 
-from duet.cluster.worker_api import DecodeChunk, PrefillResult, SamplingSpec, WorkerStatus
-from duet.cluster.worker_channel import sampling_to_wire
+from duet.worker_runtime.worker_api import DecodeChunk, PrefillResult, SamplingSpec, WorkerStatus
+from duet.worker_runtime.worker_channel import sampling_to_wire
 from duet.router.actor_channel import ActorChannel, ChannelClosed
 
 

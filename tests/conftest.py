@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from duet.cluster.config import DuetConfig, load_config, parse_config
+from duet.config import DuetConfig, load_config, parse_config
 from duet.router.client import DuetClient
 
 
@@ -116,7 +116,7 @@ class ReferenceEngine:
     def __init__(self, config: DuetConfig) -> None:
         from vllm import LLM
 
-        from duet.cluster.engine import cpu_engine_environment, engine_kwargs, is_cpu_only
+        from duet.worker_runtime.engine import cpu_engine_environment, engine_kwargs, is_cpu_only
 
         if is_cpu_only():
             os.environ.update(cpu_engine_environment(kv_cache_gib=1, cpu_core=None, one_process_executor=False))
@@ -147,7 +147,7 @@ def reference(duet_config: DuetConfig) -> Iterator[ReferenceEngine]:
 def tokenizer(deployment: Any) -> Any:
     from transformers import AutoTokenizer
 
-    from duet.cluster.engine import resolve_model_path
+    from duet.worker_runtime.engine import resolve_model_path
 
     return AutoTokenizer.from_pretrained(str(resolve_model_path(deployment.config.model)))
 

@@ -16,8 +16,8 @@ import json
 import pickle
 import sys
 
-from duet.cluster.config import KVTransferConfig
-from duet.cluster.worker_api import EngineAddresses, SamplingSpec
+from duet.config import KVTransferConfig
+from duet.worker_runtime.worker_api import EngineAddresses, SamplingSpec
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 
 

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import yaml
 
-from duet.cluster.config import load_config, parse_config
-from duet.cluster.simulated_engine import simulated_tokens
+from duet.config import load_config, parse_config
+from duet.worker_runtime.simulated_engine import simulated_tokens
 from duet.router.client import DuetClient, build_request
 
 

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from duet.cluster.config import COLOCATED_CONFIG_PATH, load_config, parse_config
+from duet.config import COLOCATED_CONFIG_PATH, load_config, parse_config
 from duet.cluster.deployment import Deployment
 from duet.router.client import DuetClient, build_request
 

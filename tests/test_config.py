@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from duet.cluster.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
+from duet.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
 
 
 def test_embedded_default_loads():
@@ -47,7 +47,7 @@ def test_nixl_progress_thread_off_survives_yaml(tmp_path):
 def test_engine_step_budget_is_set_explicitly():
     """The planner simulates the engines' per-step token budget, so duet sets it rather than
     inheriting whatever vLLM's default is for the platform."""
-    from duet.cluster.engine import engine_kwargs
+    from duet.worker_runtime.engine import engine_kwargs
 
     config = parse_config({"prefill": {"max_num_batched_tokens": 512}})
     assert config.decode.max_num_batched_tokens == 2048

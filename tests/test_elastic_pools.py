@@ -16,7 +16,7 @@ import psutil
 import pytest
 import ray
 
-from duet.cluster.config import ConfigError, parse_config
+from duet.config import ConfigError, parse_config
 from duet.kv_transfer.ports import is_bindable
 from duet.router.client import DuetClient, build_request
 
@@ -174,7 +174,7 @@ def test_an_exited_engine_core_is_replaced_at_once_without_any_request(deploymen
 
 def test_a_serving_workers_actor_leaves_its_main_thread_asleep(deployment, client):
     """While its engine core runs, a vLLM worker's actor holds its main thread in its watch
-    (cluster/engine_host.py), so Ray's 10 ms signal check cannot run there: a few wakeups per
+    (worker_runtime/engine_host.py), so Ray's 10 ms signal check cannot run there: a few wakeups per
     watch call (one call every WATCH_HOLD_S), where the timer would make about 400 in 4 s.
     The worker still answers its actor calls, and still serves."""
     _wait_settled(client)

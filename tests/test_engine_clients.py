@@ -7,7 +7,7 @@ clients: front end 0 in this process and front end 1 in a process of its own
 SIGKILLed while it streams a long request; the engine must abort that request (its KV freed)
 while front end 0's stream goes on unchanged, and a new process that listens on the dead one's
 addresses must attach as client 1 and stream exactly what front end 0 does, the engine never
-restarted (cluster/engine_clients.py).
+restarted (worker_runtime/engine_clients.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from duet.cluster.config import DuetConfig
-from duet.cluster.worker_api import EngineAddresses, SamplingSpec
+from duet.config import DuetConfig
+from duet.worker_runtime.worker_api import EngineAddresses, SamplingSpec
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 
 CLIENT_PROCESS = Path(__file__).with_name("engine_client_process.py")
@@ -159,7 +159,7 @@ def test_front_door_killed_mid_stream_is_aborted_in_the_engine_and_replaced(ray_
 def test_client_connections_greet_only_after_a_drop():
     import zmq
 
-    from duet.cluster.engine_clients import ClientConnections
+    from duet.worker_runtime.engine_clients import ClientConnections
 
     connections = ClientConnections(2)
     assert connections.on_event(0, zmq.EVENT_HANDSHAKE_SUCCEEDED) is None  # vLLM's own greeting
@@ -179,7 +179,7 @@ def test_scheduler_statistics_go_to_the_control_plane_client():
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.metrics.stats import SchedulerStats
 
-    from duet.cluster.engine_clients import StatsToFirstClient
+    from duet.worker_runtime.engine_clients import StatsToFirstClient
 
     def step(client: int, stats: SchedulerStats) -> tuple[int, EngineCoreOutputs]:
         return client, EngineCoreOutputs(outputs=[EngineCoreOutput("r", [5])], scheduler_stats=stats)

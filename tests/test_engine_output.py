@@ -1,5 +1,5 @@
 """A decode engine's outputs travel together, at most one message per interval
-(cluster/engine_output.py).
+(worker_runtime/engine_output.py).
 
 The queue is driven with vLLM's own output structs, as the engine core's busy loop fills it;
 the end-to-end test streams through the shared deployment, whose decode worker runs with the
@@ -14,7 +14,7 @@ import time
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
 from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
 
-from duet.cluster.engine_output import CoalescingOutputQueue
+from duet.worker_runtime.engine_output import CoalescingOutputQueue
 from duet.router.client import build_request
 
 # Long, so that "sent at once" can be told from "held for the interval" with a bound (half of

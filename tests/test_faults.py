@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import ray
 
-from duet.cluster.worker_api import SamplingSpec
+from duet.worker_runtime.worker_api import SamplingSpec
 from duet.router.client import build_request
 from duet.router.engine_front_end import _RECENT_OUTPUT_S
 

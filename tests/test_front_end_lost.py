@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from duet.cluster.config import KVTransferConfig, ModelConfig
-from duet.cluster.engine import cpu_engine_environment, engine_kwargs, is_cpu_only
-from duet.cluster.worker_api import SamplingSpec
+from duet.config import KVTransferConfig, ModelConfig
+from duet.worker_runtime.engine import cpu_engine_environment, engine_kwargs, is_cpu_only
+from duet.worker_runtime.worker_api import SamplingSpec
 from duet.router.engine_front_end import EngineFrontEnd, new_front_end
 from duet.router.worker_engines import EngineLost
 

@@ -1,4 +1,4 @@
-"""Single-rank gloo groups share one device, and so one loop thread (cluster/gloo_device.py).
+"""Single-rank gloo groups share one device, and so one loop thread (worker_runtime/gloo_device.py).
 
 Each rank runs in a process of its own with duet's vLLM plugin loaded as vLLM loads it in a
 CPU engine (``DUET_SHARED_GLOO_DEVICE=1``), and builds groups the way vLLM's parallel state

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from duet.cluster.config import load_config
+from duet.config import load_config
 from duet.cluster.deployment import WorkerStartError, _plan_node_ids
 from duet.cluster.placement.plan import Plan
 from duet.cluster.plan_deploy import PlanDeployError, apply_plan

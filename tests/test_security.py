@@ -21,7 +21,7 @@ import openai
 import pytest
 import yaml
 
-from duet.cluster.config import AuthConfig, ConfigError, ServerConfig, TlsConfig
+from duet.config import AuthConfig, ConfigError, ServerConfig, TlsConfig
 from duet.router.auth import Gatekeeper
 from duet.router.client import DuetClient, build_request
 from duet.router.admin import AdminServicer

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from duet.cluster.config import ConfigError, load_config, parse_config
+from duet.config import ConfigError, load_config, parse_config
 from duet.cluster.placement.latency_model import DecodePerf, EnginePerf, PrefillPerf
-from duet.cluster.simulated_engine import SimulatedEngine, SimulatedParams, simulated_tokens
-from duet.cluster.worker_api import SamplingSpec
+from duet.worker_runtime.simulated_engine import SimulatedEngine, SimulatedParams, simulated_tokens
+from duet.worker_runtime.worker_api import SamplingSpec
 from duet.router.client import DuetClient, build_request
 
 

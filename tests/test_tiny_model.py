@@ -7,7 +7,7 @@ import hashlib
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from duet.cluster import tiny_model
+from duet.worker_runtime import tiny_model
 
 
 def _digest(directory) -> dict[str, str]:

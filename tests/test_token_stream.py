@@ -16,8 +16,8 @@ import msgpack
 import pytest
 import uvloop
 
-from duet.cluster.worker_api import PrefillResult, SamplingSpec
-from duet.cluster.worker_channel import Outbox, RouterLink, sampling_from_wire, sampling_to_wire
+from duet.worker_runtime.worker_api import PrefillResult, SamplingSpec
+from duet.worker_runtime.worker_channel import Outbox, RouterLink, sampling_from_wire, sampling_to_wire
 from duet.router.actor_channel import ActorChannel
 from duet.router.client import build_request
 

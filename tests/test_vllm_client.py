@@ -4,7 +4,7 @@ and what it measures agrees with what duet's router measured for the same reques
 from __future__ import annotations
 
 from duet.benchmarks.vllm_client import run_vllm_bench
-from duet.cluster.engine import resolve_model_path
+from duet.worker_runtime.engine import resolve_model_path
 
 
 def test_vllm_bench_serve_agrees_with_duets_own_measurements(deployment):

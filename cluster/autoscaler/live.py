@@ -34,7 +34,7 @@ def capacity_model(policy: AutoscalePolicy) -> CapacityModel | None:
     """The latency model the policy names, as engine timings for each pool's parallelism."""
     if policy.latency_model is None:
         return None
-    from duet.cluster.simulated_engine import simulated_perf
+    from duet.worker_runtime.simulated_engine import simulated_perf
 
     prefill, _ = simulated_perf(policy.latency_model, policy.prefill.tensor_parallel, policy.prefill.pipeline_parallel)
     decode, _ = simulated_perf(policy.latency_model, policy.decode.tensor_parallel, policy.decode.pipeline_parallel)

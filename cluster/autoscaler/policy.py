@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from duet.cluster.yaml_config import read_yaml, validate_mapping
+from duet.yaml_config import read_yaml, validate_mapping
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 SLO_DIR = CONFIGS_DIR / "slo"

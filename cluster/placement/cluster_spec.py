@@ -36,7 +36,7 @@ from duet.cluster.placement.latency_model import (
     roofline_model,
 )
 from duet.cluster.placement.models import ModelSpec, UnknownModelError, get_model
-from duet.cluster.yaml_config import read_yaml, validate_mapping
+from duet.yaml_config import read_yaml, validate_mapping
 
 _REPO = Path(__file__).resolve().parents[2]
 _BUILTIN_PROFILES = {"distserve": "distserve", "distserve-vllm": "vllm"}

@@ -43,7 +43,7 @@ _KNOWN = (
     ModelSpec("meta-llama/Llama-2-13b-hf", 13.0e9, 40, 5120, 40, 128),
     ModelSpec("meta-llama/Llama-2-70b-hf", 69.0e9, 80, 8192, 8, 128),
     ModelSpec("meta-llama/Llama-3.1-8B", 8.03e9, 32, 4096, 8, 128),
-    # duet's built-in tiny model (cluster/tiny_model.py), served in float32 on CPU.
+    # duet's built-in tiny model (worker_runtime/tiny_model.py), served in float32 on CPU.
     ModelSpec("duet-tiny-llama", 4.46e6, 4, 256, 4, 32, dtype_bytes=4),
 )
 MODELS: dict[str, ModelSpec] = {m.name.lower(): m for m in _KNOWN}

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from duet.cluster.engine import apply_environment, cpu_engine_environment
+from duet.worker_runtime.engine import apply_environment, cpu_engine_environment
 
 BATCH = 16
 PROMPT_TOKENS = 512

@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from duet.cluster.placement.cluster_spec import ClusterSpec
-from duet.cluster.yaml_config import read_yaml, validate_mapping
+from duet.yaml_config import read_yaml, validate_mapping
 
 
 class PlanError(ValueError):

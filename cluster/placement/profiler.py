@@ -9,7 +9,7 @@ prefix caching is off, so nothing is served from cache.
 What is timed is the engine alone, as a deployment runs it:
 
 * The engine is vLLM's ``AsyncLLM`` with the environment a worker gives its engine
-  (cluster/engine.py): the engine core in a process of its own with the model inside it (the
+  (worker_runtime/engine.py): the engine core in a process of its own with the model inside it (the
   one-process executor). vLLM's offline ``LLM`` on a CPU host instead runs the model in a
   separate worker process that the engine core messages every step, which made its decode steps
   2-6 ms slower than a deployment's (paired runs in docs/placement.md): the simulator then
@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from duet.cluster.engine import apply_environment, cpu_engine_environment, is_cpu_only
+from duet.worker_runtime.engine import apply_environment, cpu_engine_environment, is_cpu_only
 from duet.cluster.placement.latency_model import (
     LatencyModel,
     ServingPathCost,
@@ -216,7 +216,7 @@ def profile_engine(
 ) -> tuple[LatencyModel, str]:
     """Profile ``model`` ('tiny' or a checkpoint path); returns the fitted model and a report."""
     if model == "tiny":
-        from duet.cluster.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+        from duet.worker_runtime.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 
         path, name = ensure_tiny_model(), TINY_MODEL_NAME
     else:
@@ -234,7 +234,7 @@ def profile_engine(
         os.sched_setaffinity(0, cpus)  # inherited by the engine's processes
     if is_cpu_only():  # a worker's engine environment: the model in the engine core's process
         apply_environment(cpu_engine_environment(kv_cache_gib, None))
-    if cpus:  # as a deployment binds its engines (cluster/engine.py), not vLLM's own choice
+    if cpus:  # as a deployment binds its engines (worker_runtime/engine.py), not vLLM's own choice
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(cpus))
     from prometheus_client import CollectorRegistry
     from vllm import AsyncEngineArgs, SamplingParams
@@ -256,7 +256,7 @@ def profile_engine(
         max_num_batched_tokens=max(batch_tokens, max_len),
         max_num_seqs=max(max(grid.prefill_batches), max(grid.decode_batches)),
         seed=0,
-        kv_cache_memory_bytes=int(kv_cache_gib * 2**30),  # exactly, as a worker's (cluster/engine.py)
+        kv_cache_memory_bytes=int(kv_cache_gib * 2**30),  # exactly, as a worker's (worker_runtime/engine.py)
         disable_log_stats=False,  # the per-request timestamps that the timing below reads
     ).create_engine_config()
     engine = new_front_end(vllm_config, CollectorRegistry())

@@ -8,7 +8,7 @@ from duet.cluster.autoscaler.capacity import CapacityModel, Load, erlang_c
 from duet.cluster.autoscaler.core import Autoscaler, Observation, PoolObservation
 from duet.cluster.autoscaler.error_budget import ErrorBudget
 from duet.cluster.autoscaler.policy import AutoscalePolicy, SloProfile
-from duet.cluster.simulated_engine import simulated_perf
+from duet.worker_runtime.simulated_engine import simulated_perf
 
 CHAT = SloProfile(ttft_s=0.25, tpot_s=0.1)
 

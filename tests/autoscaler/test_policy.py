@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from duet.cluster.autoscaler.policy import POLICY_DIR, SLO_DIR, PolicyError, load_policy, load_slo
-from duet.cluster.config import ConfigError, load_config, parse_config
+from duet.config import ConfigError, load_config, parse_config
 
 
 def test_shipped_profiles_and_policies_load() -> None:

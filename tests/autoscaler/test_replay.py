@@ -12,7 +12,7 @@ from duet.cluster.autoscaler.policy import AutoscalePolicy
 from duet.cluster.autoscaler.replay import replay
 from duet.cluster.placement.simulator import Slo
 from duet.cluster.placement.trace import Trace
-from duet.cluster.simulated_engine import simulated_perf
+from duet.worker_runtime.simulated_engine import simulated_perf
 
 
 def step_trace(rates: list[tuple[float, float]], seed: int = 0) -> Trace:

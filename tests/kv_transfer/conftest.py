@@ -25,6 +25,6 @@ def ray_runtime(ray_session: None) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from duet.cluster.tiny_model import ensure_tiny_model
+    from duet.worker_runtime.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model())

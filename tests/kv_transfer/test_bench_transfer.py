@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from duet.benchmarks import kv_transfer as bench
-from duet.cluster.engine import resolve_model_path
+from duet.worker_runtime.engine import resolve_model_path
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from duet.cluster.config import parse_config
+from duet.config import parse_config
 from duet.router.client import DuetClient, build_request
 
 TRANSFERRED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"

@@ -5,10 +5,10 @@ import asyncio, os, statistics, sys, time, json
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 
 def run(kind: str, samples: int = 12) -> list[float]:
-    from duet.cluster.config import ModelConfig, KVTransferConfig
-    from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs
+    from duet.config import ModelConfig, KVTransferConfig
+    from duet.worker_runtime.engine import apply_environment, cpu_engine_environment, engine_kwargs
     from duet.kv_transfer.config import engine_environment, kv_transfer_config, TransferEndpoint
-    from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
+    from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
     os.sched_setaffinity(0, {1})
     env = cpu_engine_environment(1, 1)
     transfer = KVTransferConfig()

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from duet.cluster.config import BUILTIN_MODEL, ModelConfig
-from duet.cluster.gloo_device import ENV_SHARED_GLOO_DEVICE
+from duet.config import BUILTIN_MODEL, ModelConfig
+from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE
 
 _GIB = 1 << 30
 
@@ -20,7 +20,7 @@ _GIB = 1 << 30
 def resolve_model_path(model: ModelConfig) -> Path:
     """The model directory on this machine, creating the built-in tiny model on first use."""
     if model.path == BUILTIN_MODEL:
-        from duet.cluster.tiny_model import ensure_tiny_model
+        from duet.worker_runtime.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model()
     return Path(model.path).expanduser().resolve()
@@ -74,7 +74,7 @@ def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None, one_proces
     ``vllm.LLM`` must not get it (``one_process_executor=False``): there the variable would run the
     whole engine inside the calling process. ``DUET_SHARED_GLOO_DEVICE`` has vLLM's
     single-rank gloo groups share one device, whose loop thread wakes 100 times a second
-    (cluster/gloo_device.py).
+    (worker_runtime/gloo_device.py).
     """
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
     if one_process_executor:

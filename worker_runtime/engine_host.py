@@ -17,7 +17,7 @@ an actor method is running on that thread, so this actor is a plain (not async, 
 one whose :meth:`EngineCoreHost.watch` holds the main thread, waiting on the engine core's
 process, for a few seconds per call; the router calls it again as soon as it returns.
 
-A SIMULATED engine runs whole inside its actor instead (cluster/simulated_host.py).
+A SIMULATED engine runs whole inside its actor instead (worker_runtime/simulated_host.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import time
 from multiprocessing.connection import wait as wait_for_exit
 from typing import Any, Literal
 
-from duet.cluster.config import DuetConfig, PoolConfig
-from duet.cluster.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
-from duet.cluster.engine_clients import ENV_CLIENT_RECONNECT
-from duet.cluster.engine_output import ENV_OUTPUT_INTERVAL_MS
-from duet.cluster.worker_api import EngineAddresses, WorkerStatus
+from duet.config import DuetConfig, PoolConfig
+from duet.worker_runtime.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
+from duet.worker_runtime.engine_clients import ENV_CLIENT_RECONNECT
+from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
+from duet.worker_runtime.worker_api import EngineAddresses, WorkerStatus
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,
@@ -108,7 +108,7 @@ class EngineCoreHost(WorkerHost):
         """Launch the engine core, connected to one front end per front door at ``front_ends``
         (client ``i`` of the engine core is ``front_ends[i]``); returns once the engine is
         loaded and its KV cache allocated, or raises why it failed. A front door need not listen
-        yet: the engine core connects when it does (cluster/engine_clients.py)."""
+        yet: the engine core connects when it does (worker_runtime/engine_clients.py)."""
         try:
             self._launch_engine_core(front_ends)
             self.front_ends = list(front_ends)

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from duet.cluster.yaml_config import read_yaml, validate_mapping
+from duet.yaml_config import read_yaml, validate_mapping
 
 BUILTIN_MODEL = "builtin"
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
@@ -79,13 +79,13 @@ class PoolConfig(_Strict):
     # the engines and the planner's simulator (SimConfig.prefill_max_batch_tokens) agree.
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     # vllm: a real engine. simulated: SIMULATED timing from a latency model, no model computed
-    # (control-plane scale tests and what-if runs only; cluster/simulated_engine.py).
+    # (control-plane scale tests and what-if runs only; worker_runtime/simulated_engine.py).
     engine: Literal["vllm", "simulated"] = "vllm"
     # simulated: "distserve:MODEL" (DistServe's A100 profiles in ../shared/traces) or the path of
     # a `duet profile` output.
     simulated_profile: str = "distserve:opt-13b"
     # The shortest time between two output messages of a worker's engine to the router, in ms;
-    # outputs produced meanwhile travel together (cluster/engine_output.py). The default is the
+    # outputs produced meanwhile travel together (worker_runtime/engine_output.py). The default is the
     # tight TPOT target of `duet bench serve`, so a token waits at most what that target allows
     # for one token. Each message costs the router about 2 ms of CPU on a small host whatever it carries, so a
     # decode engine stepping every 10 ms cost it about 1.6 ms per token alone. A request's

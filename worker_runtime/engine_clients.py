@@ -40,7 +40,7 @@ from collections import deque
 from contextlib import ExitStack
 from typing import Any
 
-from duet.cluster.engine_output import carries_deltas
+from duet.worker_runtime.engine_output import carries_deltas
 
 logger = logging.getLogger(__name__)
 

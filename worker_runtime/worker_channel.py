@@ -24,7 +24,7 @@ and worker to router, each ``[request_id, kind, ...]``:
 
 - ``[id, "tokens", token_ids, text, finish_reason]`` (the last one has a finish reason);
 - ``[id, "prefilled", first_token_id, first_text, num_prompt_tokens, kv_transfer_params, finish_reason, worker]``
-  (a :class:`~duet.cluster.worker_api.PrefillResult`'s fields);
+  (a :class:`~duet.worker_runtime.worker_api.PrefillResult`'s fields);
 - ``[id, "failed", message]``: the worker's engine refused or failed the request.
 
 The frames go over a plain TCP connection written from each side's event loop. ZeroMQ, used
@@ -43,7 +43,7 @@ from typing import Any, AsyncIterator, Callable
 
 import msgpack
 
-from duet.cluster.worker_api import SamplingSpec
+from duet.worker_runtime.worker_api import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +142,9 @@ class RouterLink:
     event loop, and sends back tokens (put by the handler), prefill results and failures.
 
     ``handler`` is the worker actor: its ``prefill`` returns a
-    :class:`~duet.cluster.worker_api.PrefillResult`, its ``decode`` puts each step's
+    :class:`~duet.worker_runtime.worker_api.PrefillResult`, its ``decode`` puts each step's
     ``[id, "tokens", ...]`` message on this link, and its ``abort`` frees a request's engine
-    state (prefill_worker/worker.py, decode_worker/worker.py, cluster/simulated_host.py).
+    state (prefill_worker/worker.py, decode_worker/worker.py, worker_runtime/simulated_host.py).
     """
 
     def __init__(self, handler: Any) -> None:

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 from duet.cluster.placement.latency_model import EnginePerf
-from duet.cluster.worker_api import SamplingSpec
+from duet.worker_runtime.worker_api import SamplingSpec
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 A simulated engine (``engine: simulated``) computes no model: it exists for control-plane scale
 tests and what-if planning, and says so wherever it is used. Its actor serves its requests
 itself (prefill_worker/, decode_worker/), taking them from and streaming tokens back over its
-channel to the router (cluster/worker_channel.py), so unlike a vLLM worker
-(cluster/engine_host.py) it is an async actor that many calls share.
+channel to the router (worker_runtime/worker_channel.py), so unlike a vLLM worker
+(worker_runtime/engine_host.py) it is an async actor that many calls share.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import logging
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from duet.cluster.config import DuetConfig
-from duet.cluster.engine_host import WorkerHost
-from duet.cluster.worker_api import SamplingSpec, WorkerStatus
-from duet.cluster.worker_channel import RouterLink
+from duet.config import DuetConfig
+from duet.worker_runtime.engine_host import WorkerHost
+from duet.worker_runtime.worker_api import SamplingSpec, WorkerStatus
+from duet.worker_runtime.worker_channel import RouterLink
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class SimulatedHost(WorkerHost):
         return self.status()
 
     def _start_engine(self) -> None:
-        from duet.cluster.simulated_engine import SimulatedEngine, simulated_perf
+        from duet.worker_runtime.simulated_engine import SimulatedEngine, simulated_perf
 
         logger.warning("%s: SIMULATED engine (%s), no model is computed", self.name, self.pool.simulated_profile)
         perf, kv_bytes_per_token = simulated_perf(self.pool.simulated_profile, self.pool.tensor_parallel, self.pool.pipeline_parallel)
@@ -66,7 +66,7 @@ class SimulatedHost(WorkerHost):
 
     def _params(self, sampling: SamplingSpec, kv_transfer_params: dict[str, Any] | None, delta: bool = False) -> Any:
         """The engine's request parameters."""
-        from duet.cluster.simulated_engine import SimulatedParams
+        from duet.worker_runtime.simulated_engine import SimulatedParams
 
         return SimulatedParams(sampling, kv_transfer_params)
 
@@ -130,7 +130,7 @@ class SimulatedHost(WorkerHost):
 
 def simulated_model_shape(config: DuetConfig) -> tuple[int, int]:
     """(max_model_len, vocab_size) of the configured model, read from its config.json only."""
-    from duet.cluster.engine import resolve_model_path
+    from duet.worker_runtime.engine import resolve_model_path
 
     model_config = json.loads((resolve_model_path(config.model) / "config.json").read_text())
     max_len = config.model.max_model_len or model_config.get("max_position_embeddings", 4096)

@@ -11,12 +11,18 @@ Per run it reports the prefill engines' prefix-cache hit rate, prompt tokens com
 and how requests split across the two workers. A last pair of runs uses a skewed trace (most
 requests open with one long hot prefix) with and without the load guard, to show the guard
 keeps the busiest worker within its bound instead of piling the hot prefix onto one worker.
+
+``--front-ends 1,2`` measures instead what independent front doors cost affinity: one
+deployment per count (``server.front_ends``, ``prefix_affinity`` in the config), the same
+Mooncake slice sent over ``--connections`` client connections that the kernel spreads over
+the front doors (SO_REUSEPORT), each front door routing on its own prefix index.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import statistics
@@ -29,8 +35,8 @@ from typing import Any
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prefix_affinity.json"
+RESULTS_FRONT_ENDS = RESULTS.with_name("prefix_affinity_front_ends.json")
 _HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
-_COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 
 
 @dataclass(frozen=True)
@@ -68,12 +74,15 @@ async def _prefill_totals(deployment: Any) -> dict[str, float]:
     totals: Counter[str] = Counter()
     for member in deployment.prefill.members:
         metrics = (await member.engine.status()).engine_metrics
-        for key in (_HITS, _QUERIES, _COMPUTED):
+        for key in (_HITS, _QUERIES):
             totals[key] += metrics.get(key, 0.0)
     return dict(totals)
 
 
-async def _run(deployment: Any, workload: Workload, policy: Any, label: str) -> dict[str, Any]:
+async def _run(
+    deployment: Any, workload: Workload, policy: Any | None, label: str, connections: int = 1
+) -> dict[str, Any]:
+    """Replay ``workload`` with ``policy`` (None: the front doors' own, from the config)."""
     import grpc
 
     from duet.benchmarks.loadgen import open_loop, send_one
@@ -81,7 +90,8 @@ async def _run(deployment: Any, workload: Workload, policy: Any, label: str) -> 
     from duet.router.client import build_request
 
     await asyncio.gather(*(m.engine.reset_prefix_cache() for m in deployment.prefill.members))
-    deployment.prefill.policy = policy
+    if policy is not None:
+        deployment.prefill.policy = policy
     before = await _prefill_totals(deployment)
     routed: Counter[str] = Counter()
     busiest_share: list[float] = []  # the busiest worker's share of outstanding prompt tokens
@@ -104,11 +114,17 @@ async def _run(deployment: Any, workload: Workload, policy: Any, label: str) -> 
         np.full(len(workload.prompts), workload.output_tokens),
     )
     requests = [build_request(prompt_token_ids=p, max_tokens=workload.output_tokens, ignore_eos=True) for p in workload.prompts]
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
-        stub = pb_grpc.DuetStub(channel)
+    # Each channel its own connection (a local subchannel pool), so SO_REUSEPORT spreads them.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [
+            await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{deployment.port}", options))
+            for _ in range(connections)
+        ]
+        stubs = [pb_grpc.DuetStub(channel) for channel in channels]
 
         async def send(index: int, scheduled_s: float, start: float) -> Any:
-            return await send_one(stub, index, requests[index], scheduled_s, start, 600.0)
+            return await send_one(stubs[index % connections], index, requests[index], scheduled_s, start, 600.0)
 
         records = await open_loop(trace, send)
     stop.set()
@@ -118,13 +134,18 @@ async def _run(deployment: Any, workload: Workload, policy: Any, label: str) -> 
     after = await _prefill_totals(deployment)
     hits, queries = after[_HITS] - before[_HITS], after[_QUERIES] - before[_QUERIES]
     ttft = sorted(r.ttft_s for r in records if not r.error)
+    status = await deployment.cluster.status()
     return {
         "run": label,
-        "policy": policy.describe(),
+        "policy": policy.describe() if policy is not None else status.routing[0] if status.routing else "",
+        "front_ends": max(1, len(status.front_ends)),
+        "requests_per_front_end": [front_end.requests_served for front_end in status.front_ends],
         "requests": len(records),
         "failed": sum(1 for r in records if r.error),
         "prompt_tokens_sent": sum(len(p) for p in workload.prompts),
-        "prompt_tokens_computed": int(after[_COMPUTED] - before[_COMPUTED]),
+        # Queried minus hit: the engines' own computed-token count is kept by the front end
+        # that sent each request, and with front doors of their own that is not this process.
+        "prompt_tokens_computed": int(queries - hits),
         "prefix_cache_hit_rate": hits / queries if queries else math.nan,
         "ttft_mean_s": statistics.fmean(ttft),
         "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
@@ -133,25 +154,36 @@ async def _run(deployment: Any, workload: Workload, policy: Any, label: str) -> 
     }
 
 
-async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _deployment_config(args: argparse.Namespace, front_ends: int = 1) -> Any:
+    """Two prefill workers (the routing measured) and one decode worker, on two cores."""
     from duet.config import load_config, parse_config
-    from duet.cluster.deployment import Deployment
-    from duet.cluster.placement.cluster_spec import traces_dir
-    from duet.router.policies import LeastPromptTokens, PrefixAffinity
 
     data = load_config().model_dump()
     data["prefill"].update(replicas=2, cpu_cores=[0, 1])
     data["ray"]["num_cpus"] = 4
-    data["server"].update(metrics_port=None, http_port=None)
+    data["server"].update(metrics_port=None, http_port=None, front_ends=front_ends)
     # Every prompt goes to the prefill pool, whose routing is what is measured.
-    data["router"]["local_prefill_queue_tokens"] = 0
-    deployment = await Deployment(parse_config(data, "bench affinity")).start(port=0, http_port=None)
+    data["router"].update(local_prefill_queue_tokens=0, prefill_policy="prefix_affinity", load_factor=args.load_factor)
+    return parse_config(data, "bench affinity")
+
+
+def _base_workload(args: argparse.Namespace) -> Workload:
+    from duet.cluster.placement.cluster_spec import traces_dir
+
+    return mooncake_workload(
+        traces_dir() / "conversation_trace.jsonl", args.requests, args.block_tokens, args.max_blocks,
+        args.duration, args.output_tokens,
+    )
+
+
+async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from duet.cluster.deployment import Deployment
+    from duet.router.policies import LeastPromptTokens, PrefixAffinity
+
+    deployment = await Deployment(_deployment_config(args)).start(port=0, http_port=None)
     try:
         block_size = (await deployment.prefill.members[0].engine.model_limits())[2]
-        base = mooncake_workload(
-            traces_dir() / "conversation_trace.jsonl", args.requests, args.block_tokens, args.max_blocks,
-            args.duration, args.output_tokens,
-        )
+        base = _base_workload(args)
         skewed = skewed_workload(base, hot_share=0.9, hot_tokens=args.hot_tokens)
         affinity = PrefixAffinity(block_size, args.load_factor)
         runs = [
@@ -170,22 +202,64 @@ async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         await deployment.stop()
 
 
+async def run_front_ends(args: argparse.Namespace, counts: list[int]) -> list[dict[str, Any]]:
+    """The Mooncake slice through 1, 2, ... front doors, each routing on its own prefix index.
+
+    One deployment per count, in turn (never two at once: six engines would not fit beside
+    each other on two cores); hit rates depend on routing, not on the machine's speed.
+    """
+    from duet.cluster.deployment import Deployment
+    from duet.router.policies import LeastPromptTokens
+
+    base = _base_workload(args)
+    results = []
+    for count in counts:
+        deployment = await Deployment(_deployment_config(args, front_ends=count)).start(port=0, http_port=None)
+        doors = f"{count} front door{'s' if count > 1 else ''}"
+        # With one front door, the baseline too (after affinity, whose prefix index starts
+        # empty in every run): what affinity gains over load balancing alone.
+        runs = [(deployment.prefill.policy if count == 1 else None, f"mooncake, prefix_affinity, {doors}")]
+        if count == 1:
+            runs.append((LeastPromptTokens(), f"mooncake, least_prompt_tokens, {doors}"))
+        try:
+            for policy, label in runs:
+                result = await _run(deployment, base, policy, label, connections=args.connections)
+                print(_line(result), flush=True)
+                results.append(result)
+        finally:
+            await deployment.stop()
+    return results
+
+
+def _share(share: float) -> str:
+    return "n/a (front doors of their own hold the counts)" if math.isnan(share) else f"{share:.0%}"
+
+
 def _line(result: dict[str, Any]) -> str:
     return (
         f"{result['run']}: hit rate {result['prefix_cache_hit_rate']:.1%}, "
         f"prompt tokens computed {result['prompt_tokens_computed']} of {result['prompt_tokens_sent']}, "
         f"TTFT mean {result['ttft_mean_s'] * 1000:.0f} ms p90 {result['ttft_p90_s'] * 1000:.0f} ms, "
         f"per worker {result['requests_per_worker']}, busiest worker's share of queued prompt tokens "
-        f"{result['busiest_share_of_outstanding_mean']:.0%}, "
+        f"{_share(result['busiest_share_of_outstanding_mean'])}, "
         f"failed {result['failed']}"
+        + (f", requests per front door {result['requests_per_front_end']}" if result["front_ends"] > 1 else "")
     )
 
 
 def _command(args: argparse.Namespace) -> int:
-    results = asyncio.run(run_benchmark(args))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"args": vars(args) | {"handler": None}, "runs": results}, indent=2))
-    print(f"results: {RESULTS}", file=sys.stderr)
+    if args.front_ends:
+        try:
+            counts = [int(count) for count in args.front_ends.split(",")]
+        except ValueError:
+            print(f"--front-ends: a comma-separated list of counts, e.g. 1,2 (got {args.front_ends!r})", file=sys.stderr)
+            return 2
+        results, path = asyncio.run(run_front_ends(args, counts)), RESULTS_FRONT_ENDS
+    else:
+        results, path = asyncio.run(run_benchmark(args)), RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(args) | {"handler": None}, "runs": results}, indent=2))
+    print(f"results: {path}", file=sys.stderr)
     return 0
 
 
@@ -201,4 +275,9 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--hot-tokens", type=int, default=512, help="skewed run: the hot prefix's length")
     parser.add_argument("--load-factor", type=float, default=1.5)
+    parser.add_argument(
+        "--front-ends", default="",
+        help="comma-separated front-door counts (e.g. 1,2): prefix affinity's hit rate with each, instead of the policy runs",
+    )
+    parser.add_argument("--connections", type=int, default=8, help="with --front-ends: client connections the requests take turns over")
     parser.set_defaults(handler=_command)

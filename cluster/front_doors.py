@@ -15,6 +15,7 @@ for that front door, where its replacement will listen.
 from __future__ import annotations
 
 import asyncio
+import socket
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,17 +140,21 @@ class FrontDoorSet:
 
     # ---- membership ------------------------------------------------------------------------
 
-    async def listen(self, worker: str) -> list[EngineAddresses]:
-        """Where each front door listens for ``worker``'s engine core, in client order; a front
-        door that cannot answer gets addresses picked here, where its replacement listens."""
-        return list(await asyncio.gather(*(self._listen(door, worker) for door in self.doors)))
+    async def listen(self, worker: str, simulated: bool = False) -> list[EngineAddresses | tuple[str, int]]:
+        """Where each front door listens for ``worker``'s engine core (or SIMULATED engine's
+        channel), in client order; a front door that cannot answer gets addresses picked
+        here, where its replacement listens."""
+        return list(await asyncio.gather(*(self._listen(door, worker, simulated) for door in self.doors)))
 
-    async def _listen(self, door: _Door, worker: str) -> EngineAddresses:
+    async def _listen(self, door: _Door, worker: str, simulated: bool) -> EngineAddresses | tuple[str, int]:
         if door.state in ("starting", "ready"):
             try:
-                return await asyncio.wait_for(door.actor.listen.remote(worker), _CALL_TIMEOUT_S)
+                return await asyncio.wait_for(door.actor.listen.remote(worker, simulated), _CALL_TIMEOUT_S)
             except Exception as error:  # dead or stuck: its watch replaces it
                 logger.warning("front door %d did not listen for %s: %s", door.index, worker, error)
+        if simulated:
+            with socket.create_server((self.host, 0)) as picked_port:
+                return self.host, picked_port.getsockname()[1]
         picked = FrontEndListeners.bind(self.host)
         picked.close()
         return picked.addresses
@@ -195,7 +200,7 @@ class FrontDoorSet:
         try:
             for pool in self.pools:
                 for member in list(pool.members):
-                    if member.engine_config is not None and member.state in ("ready", "draining"):
+                    if member.engine is not None and member.state in ("ready", "draining"):
                         await door.actor.connect.remote(_snapshot(member, pool, door.index))
             await self._serve(door)
         except Exception as error:
@@ -246,4 +251,5 @@ def _snapshot(member: PoolMember, pool: WorkerPool, index: int) -> WorkerSnapsho
         kv_endpoint=member.kv_endpoint,
         addresses=member.client_addresses[index],
         engine_config=member.engine_config,
+        simulated=member.engine_config is None,
     )

@@ -100,7 +100,9 @@ class PoolManager:
             channel = ActorChannel(self.router_host)
             try:
                 await channel.start()
-                status = await asyncio.wait_for(member.actor.start.remote(channel.address), timeout)
+                others = await self.front_doors.listen(member.name, simulated=True) if self.front_doors is not None else []
+                member.client_addresses = [channel.address, *others]
+                status = await asyncio.wait_for(member.actor.start.remote(member.client_addresses), timeout)
                 await channel.connected(timeout)
             except BaseException:
                 channel.close()

@@ -18,11 +18,12 @@ actor; it runs decode there and sends the tokens to the router in per-step batch
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from duet.worker_runtime.engine_host import EngineCoreHost
 from duet.worker_runtime.simulated_host import SimulatedHost
 from duet.worker_runtime.worker_api import FinishReason, SamplingSpec
+from duet.worker_runtime.worker_channel import Message
 from duet.prefill_worker.worker import ParamsFactory
 
 logger = logging.getLogger(__name__)
@@ -83,16 +84,17 @@ class SimulatedDecodeWorker(SimulatedHost):
         kv_transfer_params: dict[str, Any] | None,
         first_token_id: int | None = None,
         first_text: str = "",
+        *,
+        reply: Callable[[Message], None],
     ) -> None:
-        """Generate into the worker's channel; returns when finished."""
-        assert self.link is not None, "a worker is sent requests only once started"
-        put = self.link.put
+        """Generate, each step's tokens put with ``reply`` (the channel the request came
+        over); returns when finished."""
         with self._tracked(request_id):
             async for token_ids, text, finish in decode_updates(
                 self.engine, self._params, request_id, prompt_token_ids, sampling,
                 kv_transfer_params, first_token_id, first_text,
             ):
-                put([request_id, "tokens", token_ids, text, finish])
+                reply([request_id, "tokens", token_ids, text, finish])
 
 
 class SimulatedColocatedWorker(SimulatedDecodeWorker):

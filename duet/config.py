@@ -280,16 +280,6 @@ class DuetConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _front_doors_need_engine_clients(self) -> "DuetConfig":
-        simulated = any(pool.engine == "simulated" for pool in (self.prefill, self.decode, self.colocated))
-        if simulated and self.server.front_ends > 1:
-            raise ValueError(
-                "server.front_ends: SIMULATED engines answer one router over their channel; "
-                "several front doors need vLLM engines (engine: vllm)"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _simulated_engines_pull(self) -> "DuetConfig":
         simulated = any(pool.engine == "simulated" for pool in (self.prefill, self.decode, self.colocated))
         if simulated and self.kv_transfer.transport != "nixl":

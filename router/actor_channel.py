@@ -22,9 +22,13 @@ class ChannelClosed(RuntimeError):
 class ActorChannel:
     """Listens for one worker's connection, sends it requests and routes its answers."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, port: int = 0) -> None:
+        """Listen on ``port`` of ``host`` (0: any free one; a dead front door's port: where its
+        worker dials again, worker_runtime/worker_channel.py)."""
         # Bound now, so the address can be handed to the worker before the loop serves it.
-        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # (create_server sets SO_REUSEADDR: a dead predecessor's connection in TIME_WAIT does
+        # not keep a replacement from listening on its port.)
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self.outbox = Outbox()
         self._queues: dict[str, asyncio.Queue[Message]] = {}

@@ -35,6 +35,7 @@ import grpc
 
 from duet.config import DuetConfig
 from duet.worker_runtime.worker_api import EngineAddresses
+from duet.router.actor_channel import ActorChannel
 from duet.router.admin import ForwardingAdmin
 from duet.router.assembly import chat_template, request_service, router_host
 from duet.router.auth import Gatekeeper
@@ -45,6 +46,7 @@ from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
+from duet.router.worker_engines import ActorEngine
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +60,11 @@ class WorkerSnapshot:
     actor: Any
     state: str
     kv_endpoint: str
-    # Where this front door's front end listens for the engine core (its client address pair).
-    addresses: EngineAddresses
+    # Where this front door listens for the worker: its front end's client address pair for a
+    # vLLM engine core, its channel's (host, port) for a SIMULATED engine.
+    addresses: EngineAddresses | tuple[str, int]
     engine_config: Any
+    simulated: bool = False
 
 
 class WorkerLostByControlPlane(RuntimeError):
@@ -106,13 +110,19 @@ class FrontDoor:
         self.cluster.index, self.cluster.forwards_status = index, True
         self.service: RequestService | None = None
         self.front_ends: FrontEnds | None = None
-        self._listening: dict[str, FrontEndListeners] = {}
+        self._listening: dict[str, FrontEndListeners | ActorChannel] = {}
         self._replaced: dict[str, asyncio.Event] = {}
 
     # ---- membership, as the control plane tells it ---------------------------------------
 
-    async def listen(self, name: str) -> EngineAddresses:
-        """Listen for worker ``name``'s engine core, which is about to start; returns where."""
+    async def listen(self, name: str, simulated: bool = False) -> EngineAddresses | tuple[str, int]:
+        """Listen for worker ``name``'s engine core (or SIMULATED engine's channel), which is
+        about to start; returns where."""
+        if simulated:
+            channel = ActorChannel(router_host(self.config))
+            await channel.start()
+            self._listening[name] = channel
+            return channel.address
         listeners = FrontEndListeners.bind(router_host(self.config))
         self._listening[name] = listeners
         return listeners.addresses
@@ -121,10 +131,7 @@ class FrontDoor:
         """Connect to ``worker``'s engine core (launched with this front door's addresses) and
         put it in its pool; a worker being replaced gets its new engine."""
         pool = self.pools[worker.pool]
-        listeners = self._listening.pop(worker.name, None) or FrontEndListeners.rebind(worker.addresses)
-        engine = await EngineFrontEnd.connect(
-            worker.name, worker.actor, worker.engine_config, listeners, self.config.kv_transfer, (self.index, self.count)
-        )
+        engine = await (self._simulated_engine(worker) if worker.simulated else self._engine_front_end(worker))
         member = pool.find(worker.name)
         if member is None:
             member = PoolMember(worker.name, worker.actor, state=worker.state)
@@ -137,6 +144,22 @@ class FrontDoor:
         elif member.state != "draining":
             member.state = worker.state
         pool.changed()
+
+    async def _engine_front_end(self, worker: WorkerSnapshot) -> EngineFrontEnd:
+        listeners = self._listening.pop(worker.name, None) or FrontEndListeners.rebind(worker.addresses)
+        return await EngineFrontEnd.connect(
+            worker.name, worker.actor, worker.engine_config, listeners, self.config.kv_transfer, (self.index, self.count)
+        )
+
+    async def _simulated_engine(self, worker: WorkerSnapshot) -> ActorEngine:
+        """A SIMULATED worker's channel: the one it connected to while it started, or (this
+        front door replaced a dead one) one where the worker dials its predecessor again."""
+        channel = self._listening.pop(worker.name, None)
+        if channel is None:
+            channel = ActorChannel(*worker.addresses)
+            await channel.start()
+        await channel.connected(self.config.server.worker_start_timeout_s)
+        return ActorEngine(worker.actor, channel)
 
     def _find(self, name: str) -> tuple[WorkerPool, PoolMember] | None:
         """Worker ``name`` and its pool, if this front door has it."""

@@ -11,11 +11,16 @@ with its parameters, in ``duet status``:
   among workers holding equally long prefixes (or none), the one with fewest prompt tokens;
 - ``least_kv_load`` (decode): the lowest KV-cache usage, then the fewest running sequences, as
   the workers last reported them (cluster/health.py polls them every second).
+
+Ties are broken at random. One router's ties are rare (its own counts change with every
+request it sends), but several front doors each count only their own requests: a first-listed
+choice among equals would send every front door's light-load requests to the same worker.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,7 +44,7 @@ class LeastRequests:
     name = "least_requests"
 
     def choose(self, ready: "list[PoolMember]", prompt: list[int]) -> "PoolMember":
-        return min(ready, key=lambda member: member.inflight)
+        return min(ready, key=lambda member: (member.inflight, random.random()))
 
     def describe(self) -> str:
         return self.name
@@ -49,7 +54,7 @@ class LeastPromptTokens:
     name = "least_prompt_tokens"
 
     def choose(self, ready: "list[PoolMember]", prompt: list[int]) -> "PoolMember":
-        return min(ready, key=lambda member: (member.outstanding_tokens, member.inflight))
+        return min(ready, key=lambda member: (member.outstanding_tokens, member.inflight, random.random()))
 
     def describe(self) -> str:
         return self.name
@@ -59,7 +64,7 @@ class LeastKvLoad:
     name = "least_kv_load"
 
     def choose(self, ready: "list[PoolMember]", prompt: list[int]) -> "PoolMember":
-        return min(ready, key=lambda member: (round(member.kv_usage, 2), member.running + member.inflight))
+        return min(ready, key=lambda member: (round(member.kv_usage, 2), member.running + member.inflight, random.random()))
 
     def describe(self) -> str:
         return self.name
@@ -117,7 +122,9 @@ class PrefixAffinity:
         # Longest cached prefix; among equals (a system prompt every worker holds) the least loaded.
         best = max(
             candidates,
-            key=lambda member: (self.cached_blocks(member.name, hashes), -member.outstanding_tokens, -member.inflight),
+            key=lambda member: (
+                self.cached_blocks(member.name, hashes), -member.outstanding_tokens, -member.inflight, random.random()
+            ),
         )
         self._remember(best.name, hashes)
         return best

@@ -4,7 +4,7 @@ load figures are set directly)."""
 from __future__ import annotations
 
 from duet.router.lifecycle import RequestLifecycle
-from duet.router.policies import LeastKvLoad, LeastPromptTokens, PrefixAffinity
+from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import PoolMember, WorkerPool
 
 
@@ -59,6 +59,18 @@ def test_prefix_affinity_breaks_ties_by_load():
     for member in (a, b):  # both hold the shared system prompt
         policy._remember(member.name, policy.block_hashes(system_prompt))
     assert policy.choose([a, b], system_prompt + [50, 51, 52, 53]) is b
+
+
+def test_front_doors_spread_ties_instead_of_picking_the_first_worker():
+    """Two front doors, each with its own policy and counts, sending requests that no worker
+    holds a prefix of: both workers get some from each (a first-listed tie-break sent them
+    all to one)."""
+    for policy_class in (lambda: PrefixAffinity(block_size=4), LeastPromptTokens, LeastRequests, LeastKvLoad):
+        chosen = set()
+        for _door in range(2):
+            policy, members = policy_class(), _members(0, 0)
+            chosen |= {(_door, policy.choose(members, [n] * 8).name) for n in range(40)}
+        assert chosen == {(door, name) for door in range(2) for name in ("prefill-0", "prefill-1")}
 
 
 def test_block_hashes_name_the_whole_prefix():

@@ -58,10 +58,10 @@ class _ScriptedWorker:
             raise ValueError("no such thing")
         return PrefillResult(prompt_token_ids[-1] + 1, "t", len(prompt_token_ids), {"at": decode_endpoint}, None, "w")
 
-    async def decode(self, request_id, prompt_token_ids, sampling, kv_transfer_params, first_token_id, first_text) -> None:
+    async def decode(self, request_id, prompt_token_ids, sampling, kv_transfer_params, first_token_id, first_text, *, reply) -> None:
         for step in range(sampling.max_tokens):
             text = "x" * 3_000_000 if step == 1 else f"s{step}"
-            self.link.put([request_id, "tokens", [first_token_id + step], text, "length" if step == sampling.max_tokens - 1 else None])
+            reply([request_id, "tokens", [first_token_id + step], text, "length" if step == sampling.max_tokens - 1 else None])
             await self.release.wait()
 
     async def abort(self, request_id: str) -> None:
@@ -154,3 +154,41 @@ def test_sixteen_concurrent_streams_are_exact_and_decode_in_shared_steps(client,
     steps = grew("vllm:iteration_tokens_total_count")
     assert generated >= 16 * 47, f"the decode engine generated {generated} tokens"
     assert 0 < steps < generated / 2, f"{generated} tokens took {steps} engine steps: the requests were not batched"
+
+
+def test_a_worker_dials_a_lost_channel_again_and_serves_whoever_listens_there():
+    """A front door (or a control plane) that dies drops its channel to every SIMULATED worker:
+    the worker aborts the requests that came over it, dials the same address again, and serves
+    the replacement that listens there, as a vLLM engine core does for its clients."""
+
+    async def scenario() -> None:
+        channel = ActorChannel("127.0.0.1")
+        await channel.start()
+        worker = _ScriptedWorker()
+        await worker.link.connect(channel.address)
+        await channel.connected(5)
+        spec = sampling_to_wire(SamplingSpec(max_tokens=3))
+        orphan = channel.subscribe("orphan")
+        channel.send(["decode", "orphan", [1], spec, None, 1, ""])
+        await asyncio.wait_for(orphan.get(), 10)
+        channel.close()  # the front door's process died
+        for _ in range(200):
+            if "orphan" in worker.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert worker.aborted == ["orphan"] and not worker.link._tasks
+
+        replacement = ActorChannel(*channel.address)
+        await replacement.start()
+        await replacement.connected(10)  # the worker dialled again within its redial period
+        worker.release.set()
+        fresh = replacement.subscribe("fresh")
+        replacement.send(["decode", "fresh", [1], spec, None, 50, ""])
+        got = [await asyncio.wait_for(fresh.get(), 10) for _ in range(3)]
+        assert [m[2] for m in got] == [[50], [51], [52]]
+        messages, frames = worker.link.sent()
+        assert messages >= 4 and frames >= 1  # counted over both connections
+        worker.link.close()
+        replacement.close()
+
+    asyncio.run(scenario())

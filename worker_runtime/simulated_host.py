@@ -3,7 +3,7 @@
 A simulated engine (``engine: simulated``) computes no model: it exists for control-plane scale
 tests and what-if planning, and says so wherever it is used. Its actor serves its requests
 itself (prefill_worker/, decode_worker/), taking them from and streaming tokens back over its
-channel to the router (worker_runtime/worker_channel.py), so unlike a vLLM worker
+channel to each front door (worker_runtime/worker_channel.py), so unlike a vLLM worker
 (worker_runtime/engine_host.py) it is an async actor that many calls share.
 """
 
@@ -33,17 +33,18 @@ class SimulatedHost(WorkerHost):
     def __init__(self, name: str, config: DuetConfig, cpu_core: int | None) -> None:
         super().__init__(name, config, cpu_core)
         self.engine: Any = None
-        self.link: RouterLink | None = None
+        self.links: list[RouterLink] = []  # one per front door, in client order
         self._inflight: set[str] = set()
         self._served = 0
 
-    async def start(self, router_channel: tuple[str, int]) -> WorkerStatus:
-        """Start the engine and connect to its channel in the router at ``router_channel``
-        (host, port); returns the ready status, or raises with the reason it failed."""
+    async def start(self, router_channels: list[tuple[str, int]]) -> WorkerStatus:
+        """Start the engine and connect to its channel in each front door, at
+        ``router_channels`` (host, port) in client order (the control plane's first); returns
+        the ready status, or raises with the reason it failed."""
         try:
             self._start_engine()
-            self.link = RouterLink(self)
-            await self.link.connect(tuple(router_channel))  # type: ignore[arg-type]
+            self.links = [RouterLink(self) for _ in router_channels]
+            await asyncio.gather(*(link.connect(tuple(address)) for link, address in zip(self.links, router_channels)))
             self._state = "ready"
         except Exception as error:
             self._failed(error)
@@ -113,15 +114,15 @@ class SimulatedHost(WorkerHost):
             requests_served=self._served,
             requests_inflight=len(self._inflight),
             engine_unfinished=self.engine.output_processor.get_num_unfinished_requests() if self.engine is not None else 0,
-            channel_messages=self.link.outbox.messages_sent if self.link is not None else 0,
-            channel_frames=self.link.outbox.frames_sent if self.link is not None else 0,
+            channel_messages=sum(link.sent()[0] for link in self.links),
+            channel_frames=sum(link.sent()[1] for link in self.links),
         )
         status.state = f"{status.state} (SIMULATED engine)"
         return status
 
     def shutdown(self) -> None:
-        if self.link is not None:
-            self.link.close()
+        for link in self.links:
+            link.close()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -138,14 +138,23 @@ class FrameReader(asyncio.Protocol):
 
 
 class RouterLink:
-    """A worker's end of its channel: runs each request it receives as a task on the worker's
+    """A worker's end of one channel: runs each request it receives as a task on the worker's
     event loop, and sends back tokens (put by the handler), prefill results and failures.
 
     ``handler`` is the worker actor: its ``prefill`` returns a
     :class:`~duet.worker_runtime.worker_api.PrefillResult`, its ``decode`` puts each step's
-    ``[id, "tokens", ...]`` message on this link, and its ``abort`` frees a request's engine
-    state (prefill_worker/worker.py, decode_worker/worker.py, worker_runtime/simulated_host.py).
+    ``[id, "tokens", ...]`` message with the ``reply`` it is given (this link's :meth:`put`),
+    and its ``abort`` frees a request's engine state (prefill_worker/worker.py,
+    decode_worker/worker.py, worker_runtime/simulated_host.py).
+
+    A worker has one link per front door (cluster/front_doors.py). When a link's connection
+    drops, its requests are aborted (nobody reads their tokens) and the link dials the same
+    address again until it is closed: a front door, or a control plane, that replaces a dead
+    one listens where it did, as the engine cores' clients do (worker_runtime/engine_clients.py).
     """
+
+    # Seconds between dials of a lost channel's address.
+    redial_s = 0.2
 
     def __init__(self, handler: Any) -> None:
         self.handler = handler
@@ -154,9 +163,14 @@ class RouterLink:
         self._aborts: set[asyncio.Task[None]] = set()  # held until done, so none is collected early
         self._reader: FrameReader | None = None
         self._sender: asyncio.Task[None] | None = None
+        self._address: tuple[str, int] | None = None
+        self._redial: asyncio.Task[None] | None = None
+        self._closed = False
+        self.messages_sent = self.frames_sent = 0  # over every connection this link had
 
     async def connect(self, address: tuple[str, int]) -> None:
         host, port = address
+        self._address = (host, port)
         loop = asyncio.get_running_loop()
         self._reader = FrameReader(self._on_frame, self._on_lost)
         await loop.create_connection(lambda: self._reader, host, port)
@@ -165,7 +179,14 @@ class RouterLink:
     def put(self, message: Message) -> None:
         self.outbox.put(message)
 
+    def sent(self) -> tuple[int, int]:
+        """(messages, frames) sent over this link."""
+        return self.messages_sent + self.outbox.messages_sent, self.frames_sent + self.outbox.frames_sent
+
     def close(self) -> None:
+        self._closed = True
+        if self._redial is not None:
+            self._redial.cancel()
         if self._sender is not None:
             self._sender.cancel()
         if self._reader is not None and self._reader.transport is not None:
@@ -193,7 +214,7 @@ class RouterLink:
                 result = await self.handler.prefill(request_id, prompt, sampling, message[4])
                 self.put([request_id, "prefilled", *astuple(result)])
             else:
-                await self.handler.decode(request_id, prompt, sampling, *message[4:7])
+                await self.handler.decode(request_id, prompt, sampling, *message[4:7], reply=self.put)
         except Exception as error:  # the router fails the request with this message
             logger.warning("request %s failed: %s", request_id, error)
             self.put([request_id, "failed", f"{type(error).__name__}: {error}"])
@@ -213,3 +234,19 @@ class RouterLink:
             self._abort(request_id)
         if self._sender is not None:
             self._sender.cancel()
+        self.messages_sent += self.outbox.messages_sent
+        self.frames_sent += self.outbox.frames_sent
+        self.outbox = Outbox()  # what was queued for the lost connection is not sent to the next
+        if not self._closed and self._address is not None:
+            self._redial = asyncio.get_running_loop().create_task(self._dial_again())
+
+    async def _dial_again(self) -> None:
+        assert self._address is not None
+        while not self._closed:
+            await asyncio.sleep(self.redial_s)
+            try:
+                await self.connect(self._address)
+                logger.info("channel to %s:%d connected again", *self._address)
+                return
+            except OSError:
+                continue

@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,8 @@ async def measure(
         "duration_s": duration_s,
         "requests": len(records),
         "failed": len(records) - len(served),
+        # Why, by gRPC status (RESOURCE_EXHAUSTED: refused by admission control, backpressure).
+        "failures": dict(Counter(r["error"].split(":")[0] for r in records if r["error"])),
         "achieved_rate": len(served) / max(r["sent_s"] for r in records) if records else 0.0,
         "router_added_p50_ms": float(np.nanpercentile(added, 50) * 1000) if served else float("nan"),
         "router_added_p99_ms": float(np.nanpercentile(added, 99) * 1000) if served else float("nan"),
@@ -140,16 +143,31 @@ async def run_front_ends(
                     result["round"] = round_index
                     print(_line(result), flush=True)
                     results.append(result)
+                print(_ratios(results[-len(deployments):], counts[0]), flush=True)
     finally:
         for deployment in deployments:
             await deployment.stop()
     return results
 
 
+def _ratios(round_results: list[dict[str, Any]], base_count: int) -> str:
+    """One round's served rate and front-door CPU per request of each count against ``base_count``'s."""
+    base = next(r for r in round_results if r["front_ends"] == base_count)
+    return "  round {}: {}".format(
+        base["round"],
+        ", ".join(
+            f"{r['front_ends']} vs {base_count} front door(s): served {r['achieved_rate'] / base['achieved_rate']:.2f}x, "
+            f"CPU per request {r['front_door_cpu_ms_per_request'] / base['front_door_cpu_ms_per_request']:.2f}x"
+            for r in sorted(round_results, key=lambda r: r["front_ends"])
+            if r is not base
+        ),
+    )
+
+
 def _line(result: dict[str, Any]) -> str:
     return (
         f"{result['workers']} SIMULATED workers, {result['front_ends']} front door(s), {result['offered_rate']:g} req/s "
-        f"offered ({result['achieved_rate']:.0f} served/s, {result['failed']} failed): router adds p50 "
+        f"offered ({result['achieved_rate']:.0f} served/s, {result['failed']} failed {result['failures']}): router adds p50 "
         f"{result['router_added_p50_ms']:.2f} ms, p99 {result['router_added_p99_ms']:.2f} ms "
         f"({result['router_added_share_of_e2e_p50']:.1%} of e2e p50 {result['e2e_p50_ms']:.1f} ms); "
         f"front-door CPU {result['front_door_cpu_ms_per_request']:.2f} ms/request "

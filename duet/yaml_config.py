@@ -48,6 +48,8 @@ def read_yaml(path: Path, what: str, error: type[Exception]) -> object:
         text = Path(path).read_text()
     except OSError as problem:
         raise error(f"cannot read {what} {path}: {problem.strerror}") from None
+    except UnicodeDecodeError as problem:
+        raise error(f"{path} is not UTF-8 text (byte {problem.start}): is it the {what}?") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as problem:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -89,6 +90,11 @@ class Trace:
 
 def _make(name: str, arrivals: Sequence[float], inputs: Sequence[int], outputs: Sequence[int]) -> Trace:
     arr = np.asarray(arrivals, dtype=float)
+    if not np.isfinite(arr).all():
+        raise TraceError(f"{name}: request {int(np.argmin(np.isfinite(arr)))} has no finite arrival time")
+    for what, values in (("input", inputs), ("output", outputs)):
+        if any(not 0 <= value < MAX_LENGTH for value in values):
+            raise TraceError(f"{name}: a request's {what} length is outside 0..{MAX_LENGTH - 1}")
     order = np.argsort(arr, kind="stable")
     start = arr[order][0] if len(arr) else 0.0
     return Trace(
@@ -99,10 +105,23 @@ def _make(name: str, arrivals: Sequence[float], inputs: Sequence[int], outputs: 
     )
 
 
+# Tokens in one request's prompt or output: far above any model's context, inside int64.
+MAX_LENGTH = 2**31
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A file that is not text, or not CSV, is a bad trace, not a traceback."""
+    try:
+        yield
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise TraceError(f"{path}: cannot read it as a trace ({exc})") from None
+
+
 def load_azure_csv(path: Path) -> Trace:
     """Azure LLM inference trace: ``TIMESTAMP,ContextTokens,GeneratedTokens``."""
     arrivals, inputs, outputs = [], [], []
-    with open(path, newline="") as f:
+    with _reading(path), open(path, newline="") as f:
         for lineno, row in enumerate(csv.DictReader(f), start=2):
             try:
                 # Seven fractional digits: datetime takes six.
@@ -110,7 +129,7 @@ def load_azure_csv(path: Path) -> Trace:
                 arrivals.append(datetime.fromisoformat(stamp).timestamp())
                 inputs.append(int(row["ContextTokens"]))
                 outputs.append(int(row["GeneratedTokens"]))
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
                 raise TraceError(f"{path}:{lineno}: not an Azure trace row ({exc})") from exc
     return _make(Path(path).name, arrivals, inputs, outputs)
 
@@ -118,7 +137,7 @@ def load_azure_csv(path: Path) -> Trace:
 def load_mooncake_jsonl(path: Path) -> Trace:
     """Mooncake FAST'25 trace: ``timestamp`` (ms), ``input_length``, ``output_length``."""
     arrivals, inputs, outputs = [], [], []
-    with open(path) as f:
+    with _reading(path), open(path) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -127,7 +146,7 @@ def load_mooncake_jsonl(path: Path) -> Trace:
                 arrivals.append(float(row["timestamp"]) / 1000.0)
                 inputs.append(int(row["input_length"]))
                 outputs.append(int(row["output_length"]))
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
                 raise TraceError(f"{path}:{lineno}: not a Mooncake trace row ({exc})") from exc
     return _make(Path(path).name, arrivals, inputs, outputs)
 
@@ -154,8 +173,8 @@ def sharegpt_like_lengths(n: int, rng: np.random.Generator) -> tuple[np.ndarray,
 
 def arrivals(n: int, rate: float, rng: np.random.Generator, cv: float = 1.0) -> np.ndarray:
     """Gamma inter-arrival times with coefficient of variation ``cv`` (cv=1 is Poisson)."""
-    if rate <= 0 or cv <= 0:
-        raise TraceError(f"synthetic arrivals need rate > 0 and cv > 0 (got rate={rate}, cv={cv})")
+    if not (0 < rate < math.inf and 0.01 <= cv <= 100):
+        raise TraceError(f"synthetic arrivals need a finite rate > 0 and 0.01 <= cv <= 100 (got rate={rate}, cv={cv})")
     shape = 1.0 / cv**2
     gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
     gaps[0] = 0.0
@@ -184,9 +203,11 @@ def synthetic(
             outputs = rng.integers(1, int(args[1]) + 1, size=n)
         else:
             raise ValueError(lengths)
+        if min(inputs.min(), outputs.min()) < 1:
+            raise ValueError(lengths)
     except ValueError:
         raise TraceError(
-            f"unknown length distribution {lengths!r}: use sharegpt, fixed:IN:OUT or uniform:IN:OUT"
+            f"bad length distribution {lengths!r}: use sharegpt, fixed:IN:OUT or uniform:IN:OUT (lengths >= 1)"
         ) from None
     arrival_kind = "poisson" if cv == 1.0 else f"gamma-cv{cv:g}"
     return _make(f"synthetic-{kind}-{arrival_kind}", arrivals(n, rate, rng, cv), inputs, outputs)

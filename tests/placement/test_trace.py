@@ -43,7 +43,7 @@ def test_sharegpt_like_lengths_follow_distserve_filters():
     "spec, message",
     [
         ("synthetic:n=0", "n >= 1"),
-        ("synthetic:lengths=zipf", "unknown length distribution"),
+        ("synthetic:lengths=zipf", "bad length distribution"),
         ("synthetic:rate=fast", "bad synthetic trace spec"),
         ("/nonexistent/trace.csv", "does not exist"),
     ],

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -170,6 +170,17 @@ async def send_one(
     )
 
 
+@contextlib.asynccontextmanager
+async def connected_stubs(target: str, connections: int) -> AsyncIterator[list[pb_grpc.DuetStub]]:
+    """``connections`` ready stubs, each on a connection of its own (a local subchannel pool),
+    which the kernel spreads over a deployment's front doors behind one port (SO_REUSEPORT)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [await stack.enter_async_context(grpc.aio.insecure_channel(target, options)) for _ in range(connections)]
+        await asyncio.gather(*(channel.channel_ready() for channel in channels))
+        yield [pb_grpc.DuetStub(channel) for channel in channels]
+
+
 async def replay(
     target: str,
     trace: Trace,
@@ -181,14 +192,9 @@ async def replay(
 ) -> list[RequestRecord]:
     """Send every request of ``trace`` at its arrival offset; returns the records in trace order.
 
-    ``connections``: requests take turns over this many connections (each a channel of its
-    own), which the kernel spreads over a deployment's front doors behind one port."""
+    ``connections``: requests take turns over this many connections (:func:`connected_stubs`)."""
     requests = build_requests(trace, model, seed)
-    options = [("grpc.use_local_subchannel_pool", 1)]
-    async with contextlib.AsyncExitStack() as stack:
-        channels = [await stack.enter_async_context(grpc.aio.insecure_channel(target, options)) for _ in range(connections)]
-        stubs = [pb_grpc.DuetStub(channel) for channel in channels]
-        await asyncio.gather(*(channel.channel_ready() for channel in channels))
+    async with connected_stubs(target, connections) as stubs:
 
         async def send(index: int, scheduled_s: float, start: float) -> RequestRecord:
             return await send_one(stubs[index % connections], index, requests[index], scheduled_s, start, timeout_s)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import statistics
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from duet.benchmarks.arguments import positive_list
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prefix_affinity.json"
 RESULTS_FRONT_ENDS = RESULTS.with_name("prefix_affinity_front_ends.json")
@@ -80,18 +81,16 @@ async def _prefill_totals(deployment: Any) -> dict[str, float]:
 
 
 async def _run(
-    deployment: Any, workload: Workload, policy: Any | None, label: str, connections: int = 1
+    deployment: Any, workload: Workload, policy: Any, label: str, connections: int = 1
 ) -> dict[str, Any]:
-    """Replay ``workload`` with ``policy`` (None: the front doors' own, from the config)."""
-    import grpc
-
-    from duet.benchmarks.loadgen import open_loop, send_one
+    """Replay ``workload`` with ``policy`` routing the prefill pool (with front doors of their
+    own, each routes with its own policy from the config: pass the deployment's own)."""
+    from duet.benchmarks.loadgen import connected_stubs, open_loop, send_one
     from duet.cluster.placement.trace import Trace
     from duet.router.client import build_request
 
     await asyncio.gather(*(m.engine.reset_prefix_cache() for m in deployment.prefill.members))
-    if policy is not None:
-        deployment.prefill.policy = policy
+    deployment.prefill.policy = policy
     before = await _prefill_totals(deployment)
     routed: Counter[str] = Counter()
     busiest_share: list[float] = []  # the busiest worker's share of outstanding prompt tokens
@@ -104,8 +103,6 @@ async def _run(
                 busiest_share.append(max(loads) / sum(loads))
             await asyncio.sleep(0.05)
 
-    from duet.router.proto import duet_api_pb2_grpc as pb_grpc
-
     watcher = asyncio.create_task(watch_load())
     trace = Trace(
         workload.name,
@@ -114,14 +111,7 @@ async def _run(
         np.full(len(workload.prompts), workload.output_tokens),
     )
     requests = [build_request(prompt_token_ids=p, max_tokens=workload.output_tokens, ignore_eos=True) for p in workload.prompts]
-    # Each channel its own connection (a local subchannel pool), so SO_REUSEPORT spreads them.
-    options = [("grpc.use_local_subchannel_pool", 1)]
-    async with contextlib.AsyncExitStack() as stack:
-        channels = [
-            await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{deployment.port}", options))
-            for _ in range(connections)
-        ]
-        stubs = [pb_grpc.DuetStub(channel) for channel in channels]
+    async with connected_stubs(f"127.0.0.1:{deployment.port}", connections) as stubs:
 
         async def send(index: int, scheduled_s: float, start: float) -> Any:
             return await send_one(stubs[index % connections], index, requests[index], scheduled_s, start, 600.0)
@@ -137,8 +127,8 @@ async def _run(
     status = await deployment.cluster.status()
     return {
         "run": label,
-        "policy": policy.describe() if policy is not None else status.routing[0] if status.routing else "",
-        "front_ends": max(1, len(status.front_ends)),
+        "policy": policy.describe(),
+        "front_ends": deployment.config.server.front_ends,
         "requests_per_front_end": [front_end.requests_served for front_end in status.front_ends],
         "requests": len(records),
         "failed": sum(1 for r in records if r.error),
@@ -218,7 +208,7 @@ async def run_front_ends(args: argparse.Namespace, counts: list[int]) -> list[di
         doors = f"{count} front door{'s' if count > 1 else ''}"
         # With one front door, the baseline too (after affinity, whose prefix index starts
         # empty in every run): what affinity gains over load balancing alone.
-        runs = [(deployment.prefill.policy if count == 1 else None, f"mooncake, prefix_affinity, {doors}")]
+        runs = [(deployment.prefill.policy, f"mooncake, prefix_affinity, {doors}")]
         if count == 1:
             runs.append((LeastPromptTokens(), f"mooncake, least_prompt_tokens, {doors}"))
         try:
@@ -249,12 +239,7 @@ def _line(result: dict[str, Any]) -> str:
 
 def _command(args: argparse.Namespace) -> int:
     if args.front_ends:
-        try:
-            counts = [int(count) for count in args.front_ends.split(",")]
-        except ValueError:
-            print(f"--front-ends: a comma-separated list of counts, e.g. 1,2 (got {args.front_ends!r})", file=sys.stderr)
-            return 2
-        results, path = asyncio.run(run_front_ends(args, counts)), RESULTS_FRONT_ENDS
+        results, path = asyncio.run(run_front_ends(args, args.front_ends)), RESULTS_FRONT_ENDS
     else:
         results, path = asyncio.run(run_benchmark(args)), RESULTS
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -276,7 +261,7 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--hot-tokens", type=int, default=512, help="skewed run: the hot prefix's length")
     parser.add_argument("--load-factor", type=float, default=1.5)
     parser.add_argument(
-        "--front-ends", default="",
+        "--front-ends", type=positive_list(int), default=None,
         help="comma-separated front-door counts (e.g. 1,2): prefix affinity's hit rate with each, instead of the policy runs",
     )
     parser.add_argument("--connections", type=int, default=8, help="with --front-ends: client connections the requests take turns over")

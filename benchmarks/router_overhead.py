@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import psutil
 
+from duet.benchmarks.arguments import positive_list
+
 RESULTS = Path(__file__).resolve().parent / "results" / "router_overhead.json"
 RESULTS_FRONT_ENDS = RESULTS.with_name("router_front_ends.json")
 
@@ -176,27 +178,15 @@ def _line(result: dict[str, Any]) -> str:
     )
 
 
-def _counts(text: str, what: str, kind: type) -> list[Any]:
-    try:
-        values = [kind(value) for value in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"{what}: a comma-separated list of numbers, e.g. 1,2 (got {text!r})") from None
-    if not values or min(values) <= 0:
-        raise SystemExit(f"{what}: every value must be positive (got {text!r})")
-    return values
-
-
 def _command(args: argparse.Namespace) -> int:
-    rates = _counts(args.rates, "--rates", float)
     if args.front_ends:
-        counts = _counts(args.front_ends, "--front-ends", int)
         results = asyncio.run(
-            run_front_ends(args.workers, counts, rates, args.duration, args.lengths, args.rounds, args.connections)
+            run_front_ends(args.workers, args.front_ends, args.rates, args.duration, args.lengths, args.rounds, args.connections)
         )
         path = RESULTS_FRONT_ENDS
     else:
         results = []
-        for rate in rates:
+        for rate in args.rates:
             result = asyncio.run(run_benchmark(args.workers, rate, args.duration, args.lengths))
             print(_line(result), flush=True)
             results.append(result)
@@ -212,11 +202,13 @@ def register_command(benches: argparse._SubParsersAction) -> None:
         "router", help="router-added latency and memory with SIMULATED workers (no model computed)"
     )
     parser.add_argument("--workers", type=int, default=32, help="simulated workers, half prefill, half decode")
-    parser.add_argument("--rates", default="100,1000", help="offered request rates (req/s), one run each")
+    parser.add_argument(
+        "--rates", type=positive_list(float), default="100,1000", help="offered request rates (req/s), one run each"
+    )
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--lengths", default="fixed:128:8", help="synthetic request lengths (see `duet simulate`)")
     parser.add_argument(
-        "--front-ends", default="",
+        "--front-ends", type=positive_list(int), default=None,
         help="comma-separated front-door counts (e.g. 1,2): one deployment each, measured in interleaved rounds",
     )
     parser.add_argument("--rounds", type=int, default=2, help="with --front-ends: rounds per rate")

@@ -12,13 +12,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from duet.config import load_config, parse_config
 from duet.worker_runtime.simulated_engine import simulated_tokens
 from duet.router.client import DuetClient, build_request
+from waiting import wait_for
 
 
 def _policy(tmp_path: Path, **fields: Any) -> str:
@@ -48,13 +49,6 @@ class SizeRecorder:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def _sizes(deployment: Any) -> dict[str, int]:
@@ -87,7 +81,7 @@ def test_simulated_cluster_follows_a_load_step(running_deployment, tmp_path: Pat
                 assert ids == simulated_tokens(prompt, 8, vocab), "a request was lost or changed"
             assert recorder.peak("prefill") >= 2, f"the prefill pool never grew: {recorder.samples[-5:]}"
             # Idle now: after the scale-down window both pools drain back to their minimum.
-            _wait_for(lambda: _sizes(deployment) == {"prefill": 1, "decode": 1}, 60, "the pools to shrink back")
+            wait_for(lambda: _sizes(deployment) == {"prefill": 1, "decode": 1}, 60, "the pools to shrink back")
             recorder.stop()
             assert deployment.autoscaler is not None
             metrics = deployment.cluster.metrics.registry
@@ -150,13 +144,13 @@ def test_real_vllm_decode_pool_grows_under_load_and_drains_after(deployment, tmp
             with ThreadPoolExecutor(24) as pool:
                 futures = [pool.submit(stream, w) for w in range(24)]
                 try:
-                    _wait_for(added_worker_served, 240, "an added decode worker to serve")
+                    wait_for(added_worker_served, 240, "an added decode worker to serve")
                 finally:
                     stop.set()
                 for future in futures:
                     future.result()  # a lost request raises here
             assert recorder.peak("decode") == 2
-            _wait_for(lambda: _sizes(deployment)["decode"] == 1, 90, "the added decode worker to drain away")
+            wait_for(lambda: _sizes(deployment)["decode"] == 1, 90, "the added decode worker to drain away")
         assert {m.name for m in deployment.decode.members} == original, "the original worker should stay"
         by_prompt: dict[int, set[tuple[int, ...]]] = {}
         for index, ids, _ in results:

@@ -20,6 +20,7 @@ import ray
 
 from duet.cluster.actor_names import named_actors
 from duet.router.client import DuetClient, build_request
+from waiting import wait_for
 
 STREAMS = 8
 MAX_TOKENS = 300
@@ -35,14 +36,6 @@ def control_plane_apart(ray_session, duet_config, background_loop):
         yield control
     finally:
         background_loop.run(control.stop(), timeout=180)
-
-
-def _wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
-        time.sleep(0.2)
-    return result
 
 
 def test_control_plane_killed_under_load_fails_nothing_and_comes_back(control_plane_apart, reference):
@@ -86,7 +79,7 @@ def test_control_plane_killed_under_load_fails_nothing_and_comes_back(control_pl
     for index in range(STREAMS):
         assert results[index] == expected[index], f"stream {index} failed or changed: {results[index]!r}"[:300]
 
-    _wait_for(lambda: control.restarts >= 1, 300, "the control plane back")
+    wait_for(lambda: control.restarts >= 1, 300, "the control plane back")
     back_s = time.monotonic() - killed_at
     assert control.serving["adopted"], "the control plane started anew instead of taking over"
     assert named_actors(control.deployment_id) == actors_before, "a worker or front door was restarted"
@@ -96,7 +89,7 @@ def test_control_plane_killed_under_load_fails_nothing_and_comes_back(control_pl
         assert [door.state for door in status.front_ends] == ["ready", "ready"]
         # Scaling works again: the new control plane owns the pools.
         assert client.scale("decode", 2) == ["decode-1: starting"]
-    _wait_for(
+    wait_for(
         lambda: any(w.name == "decode-1" and w.state == "ready" for p in DuetClient(target).status().pools for w in p.workers),
         600, "decode-1 ready",
     )

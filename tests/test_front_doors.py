@@ -18,13 +18,13 @@ import os
 import signal
 import threading
 import time
-from typing import Any
 
 import grpc
 import pytest
 
 from duet.router.client import DuetClient, build_request
 from duet.router.proto import duet_api_pb2 as pb
+from waiting import front_doors, wait_for
 
 # Every fourth plain (it must end UNAVAILABLE if its front door dies), the rest resilient (they
 # must resume exactly); spread by the kernel over two front doors, some of each land on both.
@@ -69,19 +69,6 @@ class Stream(threading.Thread):
             self.client.close()
 
 
-def _front_doors(target: str) -> list[pb.FrontEnd]:
-    with DuetClient(target) as client:
-        return list(client.status().front_ends)
-
-
-def _wait_for(condition: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
-        time.sleep(0.2)
-    return result
-
-
 @pytest.fixture(scope="module")
 def two_front_doors(running_deployment, duet_config):
     config = duet_config.model_copy(update={"server": duet_config.server.model_copy(update={"front_ends": 2})})
@@ -90,7 +77,7 @@ def two_front_doors(running_deployment, duet_config):
 
 
 def test_status_lists_both_front_doors(two_front_doors):
-    doors = _front_doors(f"127.0.0.1:{two_front_doors.port}")
+    doors = front_doors(f"127.0.0.1:{two_front_doors.port}")
     assert [door.index for door in doors] == [1, 2]
     assert all(door.state == "ready" and door.pid > 0 for door in doors)
     assert len({door.pid for door in doors} | {os.getpid()}) == 3, "each front door is a process of its own"
@@ -101,7 +88,7 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
     target = f"127.0.0.1:{deployment.port}"
     workers = deployment.prefill.members + deployment.decode.members
     restarts_before = {member.name: member.restarts for member in workers}
-    victim, survivor = _front_doors(target)
+    victim, survivor = front_doors(target)
     prompts = [_prompt(index) for index in range(STREAMS)]
     expected = reference.greedy(prompts, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -112,10 +99,10 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
         assert stream.started.wait(300), "a stream never got its first token"
     # Both front doors must have streams in flight when one dies, or the test proves nothing.
     def both_streaming() -> list[pb.FrontEnd] | None:
-        doors = _front_doors(target)
+        doors = front_doors(target)
         return doors if all(door.requests_inflight > 0 for door in doors) else None
 
-    doors = _wait_for(both_streaming, 60, "both front doors streaming")
+    doors = wait_for(both_streaming, 60, "both front doors streaming")
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
 
@@ -125,7 +112,7 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
         held = [deployment.background.run(m.engine.requests_by_client(), timeout=30) for m in workers]
         return all(victim.index not in by_client for by_client in held)
 
-    _wait_for(dead_client_gone, ABORT_WITHIN_S, "the dead front door's requests aborted in the engines")
+    wait_for(dead_client_gone, ABORT_WITHIN_S, "the dead front door's requests aborted in the engines")
     aborted_s = time.monotonic() - killed_at
 
     # New connections are served at once, by the survivor (the kernel drops the dead listener).
@@ -146,22 +133,22 @@ def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_door
         assert stream.finish == pb.FINISH_REASON_LENGTH
         assert stream.tokens == expected[prompts.index(stream.prompt)], "a surviving or resumed stream changed"
 
-    assert _front_doors(target)[1].pid == survivor.pid, "the other front door was restarted"
+    assert front_doors(target)[1].pid == survivor.pid, "the other front door was restarted"
     assert {m.name: m.restarts for m in workers} == restarts_before, "an engine was restarted"
     assert all(m.state == "ready" for m in workers)
 
     def replacement_ready() -> pb.FrontEnd | None:
-        door = _front_doors(target)[0]
+        door = front_doors(target)[0]
         return door if door.state == "ready" else None
 
-    replacement = _wait_for(replacement_ready, 300, "the replacement front door ready")
+    replacement = wait_for(replacement_ready, 300, "the replacement front door ready")
     assert replacement.pid != victim.pid and replacement.restarts == 1
     # New connections until one lands on the replacement; it must serve exactly.
     for attempt in range(40):
         with DuetClient(target) as client:
             ids, _ = client.generate_ids(build_request(prompt_token_ids=prompts[1], max_tokens=16, ignore_eos=True), timeout=120)
         assert ids == expected[1][:16]
-        if _front_doors(target)[0].requests_served > 0:
+        if front_doors(target)[0].requests_served > 0:
             break
     else:
         pytest.fail("40 new connections, none served by the replacement front door")
@@ -183,7 +170,7 @@ def test_admin_and_status_answer_on_every_front_door(two_front_doors):
             (decode,) = [w for pool in client.status().pools if pool.role == "decode" for w in pool.workers]
         return decode.kv_transfers if decode.kv_transfer_bytes > 0 else 0
 
-    _wait_for(decode_transfers, 30, "the front doors' KV transfers counted by the control plane")
+    wait_for(decode_transfers, 30, "the front doors' KV transfers counted by the control plane")
     for _ in range(8):
         with DuetClient(target) as client:
             listed = client.list_workers()
@@ -204,7 +191,7 @@ def test_openai_http_is_served_by_every_front_door(two_front_doors):
     prompt = "the same prompt on every front door"
     with DuetClient(target) as client:
         expected, _ = client.generate_ids(build_request(prompt, max_tokens=8, ignore_eos=True), timeout=120)
-    served_before = [door.requests_served for door in _front_doors(target)]
+    served_before = [door.requests_served for door in front_doors(target)]
     for _ in range(12):
         reply = httpx.post(  # a new connection each time
             f"http://127.0.0.1:{two_front_doors.http_port}/v1/completions",
@@ -216,7 +203,7 @@ def test_openai_http_is_served_by_every_front_door(two_front_doors):
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["token_ids"] == expected
-    served = [door.requests_served - before for door, before in zip(_front_doors(target), served_before)]
+    served = [door.requests_served - before for door, before in zip(front_doors(target), served_before)]
     assert sum(served) == 12 and all(count > 0 for count in served), f"requests per front door: {served}"
 
 
@@ -229,8 +216,8 @@ def test_load_generator_spreads_its_connections_over_the_front_doors(two_front_d
     from duet.cluster.placement.trace import synthetic
 
     target = f"127.0.0.1:{two_front_doors.port}"
-    served_before = [door.requests_served for door in _front_doors(target)]
+    served_before = [door.requests_served for door in front_doors(target)]
     records = asyncio.run(replay(target, synthetic(24, 12.0, lengths="fixed:64:8", seed=3), seed=0, timeout_s=120, connections=8))
     assert all(not record.error for record in records) and len(records) == 24
-    served = [door.requests_served - before for door, before in zip(_front_doors(target), served_before)]
+    served = [door.requests_served - before for door, before in zip(front_doors(target), served_before)]
     assert sum(served) == 24 and all(count > 0 for count in served), f"requests per front door: {served}"

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 
 from duet.config import load_config, parse_config
 from duet.router.client import DuetClient, build_request
-from duet.router.proto import duet_api_pb2 as pb
 from duet.worker_runtime.simulated_engine import simulated_tokens
+from waiting import front_doors, wait_for
 
 STREAMS = 24
 MAX_TOKENS = 400  # several seconds of simulated decode steps: in flight when the front door dies
@@ -38,19 +36,6 @@ def simulated_front_doors(running_deployment):
     data["server"].update(metrics_port=None, http_port=None, front_ends=2)
     with running_deployment(parse_config(data, "simulated front doors test")) as deployment:
         yield deployment
-
-
-def _doors(target: str) -> list[pb.FrontEnd]:
-    with DuetClient(target) as client:
-        return list(client.status().front_ends)
-
-
-def _wait_for(condition: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
-        time.sleep(0.1)
-    return result
 
 
 def _stream(target: str, prompt: list[int]) -> tuple[list[int], int]:
@@ -67,13 +52,13 @@ def test_a_simulated_front_door_dies_and_its_replacement_is_dialled_again(simula
     vocab = deployment.service.limits.vocab_size
     workers = deployment.prefill.members + deployment.decode.members
     restarts_before = {member.name: member.restarts for member in workers}
-    victim, survivor = _doors(target)
+    victim, survivor = front_doors(target)
     prompts = [[(index * 13) % 500 + 3] * (30 + index) for index in range(STREAMS)]
 
     with ThreadPoolExecutor(STREAMS) as pool:
         streams = [pool.submit(_stream, target, prompt) for prompt in prompts]
-        doors = _wait_for(
-            lambda: (d := _doors(target)) and all(door.requests_inflight > 0 for door in d) and d,
+        doors = wait_for(
+            lambda: (d := front_doors(target)) and all(door.requests_inflight > 0 for door in d) and d,
             60, "both front doors streaming",
         )
         os.kill(victim.pid, signal.SIGKILL)
@@ -89,18 +74,18 @@ def test_a_simulated_front_door_dies_and_its_replacement_is_dialled_again(simula
         statuses = [deployment.background.run(m.engine.status(), timeout=30) for m in workers]
         return all(s.requests_inflight == 0 and s.engine_unfinished == 0 for s in statuses)
 
-    _wait_for(idle, 15, "no request left in the SIMULATED workers")
+    wait_for(idle, 15, "no request left in the SIMULATED workers")
     assert {m.name: m.restarts for m in workers} == restarts_before, "a worker was restarted"
-    assert _doors(target)[1].pid == survivor.pid
+    assert front_doors(target)[1].pid == survivor.pid
 
-    replacement = _wait_for(
-        lambda: (door := _doors(target)[0]).state == "ready" and door, 300, "the replacement front door ready"
+    replacement = wait_for(
+        lambda: (door := front_doors(target)[0]).state == "ready" and door, 300, "the replacement front door ready"
     )
     assert replacement.pid != victim.pid and replacement.restarts == 1
     for _ in range(40):  # new connections until one lands on the replacement
         tokens, _ = _stream(target, prompts[0])
         assert tokens == simulated_tokens(prompts[0], MAX_TOKENS, vocab)
-        if _doors(target)[0].requests_served > 0:
+        if front_doors(target)[0].requests_served > 0:
             break
     else:
         pytest.fail("40 new connections, none served by the replacement front door")

@@ -68,6 +68,16 @@ class _ScriptedWorker:
         self.aborted.append(request_id)
 
 
+async def _connected() -> tuple[ActorChannel, _ScriptedWorker]:
+    """A router end and a worker end, connected over loopback."""
+    channel = ActorChannel("127.0.0.1")
+    await channel.start()
+    worker = _ScriptedWorker()
+    await worker.link.connect(channel.address)
+    await channel.connected(5)
+    return channel, worker
+
+
 @pytest.mark.parametrize("run_loop", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
 def test_channel_carries_requests_and_answers_to_their_requests_only(run_loop):
     """A real router end and a real worker end over loopback, on both event loops duet runs
@@ -76,11 +86,7 @@ def test_channel_carries_requests_and_answers_to_their_requests_only(run_loop):
     and when the worker's connection goes, every request still waiting gets ``lost``."""
 
     async def scenario() -> None:
-        channel = ActorChannel("127.0.0.1")
-        await channel.start()
-        worker = _ScriptedWorker()
-        await worker.link.connect(channel.address)
-        await channel.connected(5)
+        channel, worker = await _connected()
         spec = sampling_to_wire(SamplingSpec(max_tokens=3))
 
         prefilled, failed = channel.subscribe("p"), channel.subscribe("boom")
@@ -162,11 +168,7 @@ def test_a_worker_dials_a_lost_channel_again_and_serves_whoever_listens_there():
     the replacement that listens there, as a vLLM engine core does for its clients."""
 
     async def scenario() -> None:
-        channel = ActorChannel("127.0.0.1")
-        await channel.start()
-        worker = _ScriptedWorker()
-        await worker.link.connect(channel.address)
-        await channel.connected(5)
+        channel, worker = await _connected()
         spec = sampling_to_wire(SamplingSpec(max_tokens=3))
         orphan = channel.subscribe("orphan")
         channel.send(["decode", "orphan", [1], spec, None, 1, ""])
@@ -186,8 +188,8 @@ def test_a_worker_dials_a_lost_channel_again_and_serves_whoever_listens_there():
         replacement.send(["decode", "fresh", [1], spec, None, 50, ""])
         got = [await asyncio.wait_for(fresh.get(), 10) for _ in range(3)]
         assert [m[2] for m in got] == [[50], [51], [52]]
-        messages, frames = worker.link.sent()
-        assert messages >= 4 and frames >= 1  # counted over both connections
+        outbox = worker.link.outbox
+        assert outbox.messages_sent >= 4 and outbox.frames_sent >= 1  # counted over both connections
         worker.link.close()
         replacement.close()
 

@@ -251,5 +251,4 @@ def _snapshot(member: PoolMember, pool: WorkerPool, index: int) -> WorkerSnapsho
         kv_endpoint=member.kv_endpoint,
         addresses=member.client_addresses[index],
         engine_config=member.engine_config,
-        simulated=member.engine_config is None,
     )

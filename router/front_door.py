@@ -63,8 +63,7 @@ class WorkerSnapshot:
     # Where this front door listens for the worker: its front end's client address pair for a
     # vLLM engine core, its channel's (host, port) for a SIMULATED engine.
     addresses: EngineAddresses | tuple[str, int]
-    engine_config: Any
-    simulated: bool = False
+    engine_config: Any  # the vLLM engine's config; None for a SIMULATED engine
 
 
 class WorkerLostByControlPlane(RuntimeError):
@@ -131,7 +130,8 @@ class FrontDoor:
         """Connect to ``worker``'s engine core (launched with this front door's addresses) and
         put it in its pool; a worker being replaced gets its new engine."""
         pool = self.pools[worker.pool]
-        engine = await (self._simulated_engine(worker) if worker.simulated else self._engine_front_end(worker))
+        simulated = worker.engine_config is None
+        engine = await (self._simulated_engine(worker) if simulated else self._engine_front_end(worker))
         member = pool.find(worker.name)
         if member is None:
             member = PoolMember(worker.name, worker.actor, state=worker.state)

@@ -67,9 +67,10 @@ class PoolMember:
     # What requests, health pings and status go through (router/worker_engines.py); set once
     # the worker's engine has started.
     engine: Any = None
-    # A vLLM worker's engine core: its resolved config (which every front end of it needs), and
-    # where each front door's front end listens for it (client i of the engine core at [i]; a
-    # replacement front door listens there again).
+    # A vLLM worker's engine core: its resolved config (which every front end of it needs; None
+    # for a SIMULATED engine), and where each front door listens for it (client i of the engine
+    # core, or the SIMULATED worker's channel i, at [i]; a replacement front door listens there
+    # again).
     engine_config: Any = None
     client_addresses: list[Any] = field(default_factory=list)
 

@@ -114,8 +114,8 @@ class SimulatedHost(WorkerHost):
             requests_served=self._served,
             requests_inflight=len(self._inflight),
             engine_unfinished=self.engine.output_processor.get_num_unfinished_requests() if self.engine is not None else 0,
-            channel_messages=sum(link.sent()[0] for link in self.links),
-            channel_frames=sum(link.sent()[1] for link in self.links),
+            channel_messages=sum(link.outbox.messages_sent for link in self.links),
+            channel_frames=sum(link.outbox.frames_sent for link in self.links),
         )
         status.state = f"{status.state} (SIMULATED engine)"
         return status

@@ -78,6 +78,11 @@ class Outbox:
         self._pending.append(message)
         self._ready.set()
 
+    def discard(self) -> None:
+        """Drop what is pending: it was for a connection that is gone."""
+        self._pending = []
+        self._ready.clear()
+
     async def batches(self) -> AsyncIterator[list[Message]]:
         """Every message put since the previous batch, as soon as there is at least one."""
         while True:
@@ -166,7 +171,6 @@ class RouterLink:
         self._address: tuple[str, int] | None = None
         self._redial: asyncio.Task[None] | None = None
         self._closed = False
-        self.messages_sent = self.frames_sent = 0  # over every connection this link had
 
     async def connect(self, address: tuple[str, int]) -> None:
         host, port = address
@@ -178,10 +182,6 @@ class RouterLink:
 
     def put(self, message: Message) -> None:
         self.outbox.put(message)
-
-    def sent(self) -> tuple[int, int]:
-        """(messages, frames) sent over this link."""
-        return self.messages_sent + self.outbox.messages_sent, self.frames_sent + self.outbox.frames_sent
 
     def close(self) -> None:
         self._closed = True
@@ -234,9 +234,7 @@ class RouterLink:
             self._abort(request_id)
         if self._sender is not None:
             self._sender.cancel()
-        self.messages_sent += self.outbox.messages_sent
-        self.frames_sent += self.outbox.frames_sent
-        self.outbox = Outbox()  # what was queued for the lost connection is not sent to the next
+        self.outbox.discard()  # what was queued for the lost connection is not sent to the next
         if not self._closed and self._address is not None:
             self._redial = asyncio.get_running_loop().create_task(self._dial_again())
 

@@ -208,6 +208,14 @@ class EngineFrontEnd:
         door's, not only this front end's (worker_runtime/engine_clients.py)."""
         return await self.engine.engine_core.call_utility_async("duet_requests_by_client")
 
+    async def move_client(self, client_index: int, addresses: EngineAddresses) -> None:
+        """Reconnect the engine core's client ``client_index`` to ``addresses``, where its
+        replacement front door listens on another host; what the old one left is aborted
+        (worker_runtime/engine_clients.py)."""
+        await self.engine.engine_core.call_utility_async(
+            "duet_readdress_client", client_index, addresses.input, addresses.output
+        )
+
     async def _worker_gone(self) -> bool:
         """Asked when the engine aborts a request the router did not abort. An engine core
         ends its requests that way when its worker dies (it watches its parent), often before

@@ -6,8 +6,9 @@ clients: front end 0 in this process and front end 1 in a process of its own
 (tests/engine_client_process.py), as two front doors hold them. Front end 1's process is
 SIGKILLed while it streams a long request; the engine must abort that request (its KV freed)
 while front end 0's stream goes on unchanged, and a new process that listens on the dead one's
-addresses must attach as client 1 and stream exactly what front end 0 does, the engine never
-restarted (worker_runtime/engine_clients.py).
+addresses must attach as client 1 and stream exactly what front end 0 does; so must one that
+listens elsewhere (a front door replaced on another host) once front end 0 moves client 1 there;
+the engine is never restarted (worker_runtime/engine_clients.py).
 """
 
 from __future__ import annotations
@@ -116,11 +117,20 @@ async def _front_door_dies_and_is_replaced(actor: Any, config_path: Path, own: F
             replaced = await asyncio.to_thread(replacement.tokens)
         finally:
             replacement.kill()
+        elsewhere = await asyncio.to_thread(ClientProcess, 1, 2)  # new ports: "another host"
+        try:
+            await front_end.move_client(1, elsewhere.addresses)
+            await asyncio.to_thread(elsewhere.stream, config_path, "moved", STREAM_TOKENS)
+            moved = await asyncio.to_thread(elsewhere.tokens)
+            after_move = await _collect(front_end, "after-move", STREAM_TOKENS)
+        finally:
+            elsewhere.kill()
         status = ray.get(actor.status.remote())
         return {
             "reference": reference, "survivor": survivor, "replaced": replaced, "before_kill": before_kill,
             "after": after, "aborted_s": aborted_s, "idle": await _requests_by_client(front_end),
-            "state": status.state, "addresses": replacement.addresses,
+            "state": status.state, "addresses": replacement.addresses, "moved": moved,
+            "moved_addresses": elsewhere.addresses, "after_move": after_move,
         }
     finally:
         front_end.close()
@@ -152,6 +162,9 @@ def test_front_door_killed_mid_stream_is_aborted_in_the_engine_and_replaced(ray_
     assert result["survivor"] == result["reference"], "the other front door's stream changed"
     assert result["addresses"] == dead.addresses, "the replacement listens where the dead front door did"
     assert result["replaced"] == result["reference"], "the replacement did not serve exactly"
+    assert result["moved_addresses"] != dead.addresses
+    assert result["moved"] == result["reference"], "the front door at new addresses did not serve exactly"
+    assert result["after_move"] == result["reference"], "client 0 was disturbed by the move"
     assert result["idle"] == {}, "a request was left in the engine"
     assert result["state"] == "ready", "the engine core was restarted or lost"
 

@@ -21,6 +21,13 @@ input loop, and this module's replacement of it fixes both:
   ``AsyncLLM`` waits for the engine's ready message, which vLLM sends only once, at start-up.
   ZeroMQ reconnects the engine's sockets by itself; here the engine greets again on each
   reconnection, so the replacement attaches without the engine restarting.
+- **Addresses fixed at start-up.** vLLM connects each client's sockets once, to the addresses
+  it was launched with. A front door on a host of its own (``server.front_end_placement:
+  nodes``) is replaced on whichever front-door host is free, at new addresses. The utility
+  call :data:`READDRESS_METHOD`, sent by client 0 (the control plane's front end), moves one
+  client's sockets there: the input loop reconnects the request socket and aborts what the
+  old client had left, and the output thread reconnects the output socket before its next
+  send to that client (:class:`OutputRoutes`).
 
 Messages are decoded and queued exactly as vLLM's loop does (text requests; the data-parallel
 coordinator, which duet does not use, keeps vLLM's own loop). duet's vLLM plugin installs this
@@ -49,6 +56,9 @@ ENV_CLIENT_RECONNECT = "DUET_CLIENT_RECONNECT"
 # The request type, on the engine core's input queue, that aborts one client's requests. Not a
 # vLLM request type: only the dispatch installed below knows it.
 ABORT_CLIENT = "duet-abort-client"
+# The utility call that moves one client to new addresses (:func:`_readdress`); its arguments
+# are the client's index and its new input and output addresses.
+READDRESS_METHOD = "duet_readdress_client"
 # How often client 0 gets a step's gauges (KV usage, running requests) with several clients.
 GAUGES_INTERVAL_S = 1.0
 # ZeroMQ heartbeats on each client connection: a front door whose host vanished (no FIN, no
@@ -62,6 +72,10 @@ class ClientConnections:
 
     def __init__(self, count: int) -> None:
         self._dropped = [False] * count
+
+    def moved(self, client_index: int) -> None:
+        """Client ``client_index`` was moved to new addresses: greet it when it connects there."""
+        self._dropped[client_index] = True
 
     def on_event(self, client_index: int, event: int) -> str | None:
         """What the input loop must do for a monitor ``event`` on client ``client_index``'s
@@ -101,6 +115,11 @@ def install() -> None:
             return
         vllm_dispatch(self, request_type, request)
 
+    def duet_readdress_client(self: Any, client_index: int, input_address: str, output_address: str) -> bool:
+        """Runs on the engine's thread after the input loop moved the client (:func:`_readdress`):
+        its answer tells the caller the move is done."""
+        return True
+
     def duet_requests_by_client(self: Any) -> dict[int, int]:
         """A utility call: how many requests the engine runs or queues for each client (front
         door). A prefill that finished and keeps its KV for a pull is not counted: the pull,
@@ -116,13 +135,60 @@ def install() -> None:
     def process_output_sockets(self: Any, output_paths: list[str], *args: Any, **kwargs: Any) -> Any:
         if len(output_paths) > 1:
             self.output_queue = StatsToFirstClient(self.output_queue)
+            OUTPUT_ROUTES.start(output_paths)
         return vllm_output_loop(self, output_paths, *args, **kwargs)
+
+    vllm_send = EngineCoreProc._send_msg_tracking_payload
+
+    def send_msg_tracking_payload(socket: Any, buffers: Any) -> Any:
+        OUTPUT_ROUTES.follow(socket)
+        return vllm_send(socket, buffers)
 
     EngineCoreProc.process_output_sockets = process_output_sockets  # type: ignore[method-assign]
     process_input_sockets._duet_original = vllm_input_loop  # type: ignore[attr-defined]
     EngineCoreProc.process_input_sockets = process_input_sockets  # type: ignore[method-assign]
     EngineCoreProc._handle_client_request = handle_client_request  # type: ignore[method-assign]
     EngineCoreProc.duet_requests_by_client = duet_requests_by_client  # type: ignore[attr-defined]
+    EngineCoreProc.duet_readdress_client = duet_readdress_client  # type: ignore[attr-defined]
+    EngineCoreProc._send_msg_tracking_payload = staticmethod(send_msg_tracking_payload)  # type: ignore[method-assign]
+
+
+class OutputRoutes:
+    """Where each client's output socket must be connected, for the engine's output thread.
+
+    vLLM's output loop owns the output sockets (ZeroMQ sockets belong to one thread), so a
+    client moved by :data:`READDRESS_METHOD` is only recorded here, from the input thread;
+    the output thread reconnects the socket when it next sends to that client (:meth:`follow`),
+    which is before anything reaches the new client: its requests come after the greeting.
+    """
+
+    def __init__(self) -> None:
+        self._client_of: dict[str, int] = {}  # every address a client's socket had, to its index
+        self._wanted: dict[int, str] = {}
+
+    def start(self, output_paths: list[str]) -> None:
+        self._client_of = {path: index for index, path in enumerate(output_paths)}
+        self._wanted = dict(enumerate(output_paths))
+
+    def move(self, client_index: int, output_address: str) -> None:
+        self._client_of[output_address] = client_index
+        self._wanted[client_index] = output_address
+
+    def follow(self, socket: Any) -> None:
+        """Reconnect ``socket`` (on the output thread, before a send) if its client moved."""
+        if not self._wanted:
+            return
+        import zmq
+
+        current = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        client_index = self._client_of.get(current)
+        if client_index is not None and self._wanted[client_index] != current:
+            socket.disconnect(current)
+            socket.connect(self._wanted[client_index])
+
+
+# The engine core's one set of routes (one engine core per process).
+OUTPUT_ROUTES = OutputRoutes()
 
 
 class StatsToFirstClient:
@@ -173,6 +239,24 @@ def _abort_client_requests(engine: Any, client_index: int) -> None:
     if request_ids:
         logger.warning("front end %d disconnected: aborting its %d request(s)", client_index, len(request_ids))
         engine.abort_requests(request_ids)
+
+
+def _readdress(engine: Any, sockets: list[Any], connections: ClientConnections,
+               client_index: int, input_address: str, output_address: str) -> None:
+    """Move client ``client_index`` to new addresses (on the input thread, which owns the
+    request sockets): what its old front door left is aborted, the request socket reconnects
+    to the new one, which is greeted once connected, and the output thread follows."""
+    import zmq
+
+    socket = sockets[client_index]
+    current = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    logger.warning("front end %d moved from %s to %s", client_index, current, input_address)
+    engine.input_queue.put_nowait((ABORT_CLIENT, client_index))
+    connections.moved(client_index)
+    OUTPUT_ROUTES.move(client_index, output_address)
+    if current != input_address:
+        socket.disconnect(current)
+        socket.connect(input_address)
 
 
 def _serve_clients(engine: Any, input_addresses: list[str], identity: bytes, ready_event: Any) -> None:
@@ -237,6 +321,8 @@ def _serve_clients(engine: Any, input_addresses: list[str], identity: bytes, rea
                         continue
                 else:
                     request = generic_decoder.decode(data_frames)
+                    if request_type == EngineCoreRequestType.UTILITY and request[2] == READDRESS_METHOD:
+                        _readdress(engine, sockets, connections, *request[3])
                     if request_type == EngineCoreRequestType.ABORT:
                         # Eager abort, and in order with the inputs (as vLLM does).
                         engine.aborts_queue.put_nowait(request)

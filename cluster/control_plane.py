@@ -26,12 +26,15 @@ import uuid
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.config import DuetConfig
 from duet.cluster.ray_runtime import start_ray
 
 logger = logging.getLogger(__name__)
 
+# Names the deployment's actors, so that a control plane started again finds them.
+DEPLOYMENT_ID_ENV = "DUET_DEPLOYMENT_ID"
 # How often the control plane may be restarted for one deployment (Ray's max_restarts).
 _MAX_RESTARTS = 100
 
@@ -71,7 +74,10 @@ class RemoteControlPlane:
 
     def __init__(self, config: DuetConfig) -> None:
         self.config = config
-        self.deployment_id = f"duet-{uuid.uuid4().hex[:12]}"
+        # A fixed id (on Kubernetes, the release's name) lets a `duet serve` started again after
+        # its host restarted take over the workers and front doors that outlived it (KubeRay's
+        # GCS fault tolerance keeps them); by default each `duet serve` is a deployment of its own.
+        self.deployment_id = os.environ.get(DEPLOYMENT_ID_ENV) or f"duet-{uuid.uuid4().hex[:12]}"
         self.actor: Any = None
         self.serving: dict[str, Any] = {}
         self.restarts = 0
@@ -79,9 +85,11 @@ class RemoteControlPlane:
 
     async def start(self) -> "RemoteControlPlane":
         start_ray(self.config)
+        here = ray.get_runtime_context().get_node_id()  # the control plane's host: this one
         self.actor = ray.remote(ControlPlane).options(
             name=f"control-plane/{self.deployment_id}", num_cpus=0, max_concurrency=64,
             max_restarts=_MAX_RESTARTS, enable_task_events=False,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(self.config, self.deployment_id)
         self.serving = await self.actor.start.remote()
         self._watch = asyncio.get_running_loop().create_task(self._restart_when_dead())

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -24,12 +25,12 @@ from duet.cluster.autoscaler.policy import load_policy
 from duet.config import DuetConfig
 from duet.cluster.cores import CoreAllocator
 from duet.worker_runtime.engine import is_cpu_only, resolve_model_path
-from duet.cluster.front_doors import FrontDoorSet
+from duet.cluster.front_doors import ControlEndpoint, FrontDoorSet
 from duet.cluster.actor_names import named_actors
 from duet.cluster.pool_manager import PoolManager, root_cause
 from duet.cluster.ray_runtime import start_ray
 from duet.decode_worker.worker import ColocatedWorker, DecodeWorker, SimulatedColocatedWorker, SimulatedDecodeWorker
-from duet.kv_transfer.ports import is_bindable
+from duet.kv_transfer.ports import free_port, is_bindable
 from duet.prefill_worker.worker import PrefillWorker, SimulatedPrefillWorker
 from duet.router.metrics import start_metrics_server
 from duet.cluster.health import HealthWatcher
@@ -37,7 +38,8 @@ from duet.router.pools import ScaleError, WorkerPool
 from duet.router.admin import AdminServicer
 from duet.router.assembly import chat_template, request_service, router_host
 from duet.router.auth import Gatekeeper
-from duet.router.front_ends import FrontEnds, check_exposure, start_control_server
+from duet.router.control_channel import start_control_server
+from duet.router.front_ends import FrontEnds, check_exposure
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
 
@@ -129,11 +131,9 @@ class Deployment:
                 ) from None
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
-        if server_config.front_ends > 1:
-            self._control_dir = _control_dir(self.deployment_id)
+        if server_config.front_doors_apart:
             self.front_doors = FrontDoorSet(
-                self.config, router_host(self.config), os.path.join(self._control_dir, "control.sock"), pools,
-                actor_prefix=self.deployment_id,
+                self.config, router_host(self.config), self._control_endpoint(), pools, actor_prefix=self.deployment_id,
             )
             if not self.adopted:
                 self.front_doors.create()  # they come up (a few seconds) while the engines do
@@ -170,8 +170,8 @@ class Deployment:
             )
             self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
         else:
-            self._control_server = await start_control_server(
-                self.front_doors.control_socket, AdminServicer(self.service, self, trusted=True)
+            self._control_server, _ = await start_control_server(
+                self.front_doors.control.address, AdminServicer(self.service, self, trusted=True), self.front_doors.control.token
             )
             if self.adopted:
                 self.port, self.http_port = await self.front_doors.adopt(engine_limits)
@@ -187,6 +187,15 @@ class Deployment:
         gc.collect()
         gc.freeze()
         return self
+
+    def _control_endpoint(self) -> ControlEndpoint:
+        """Where front doors reach this control plane: a private Unix socket on its host, or
+        TCP with a token for front doors on hosts of their own (router/control_channel.py)."""
+        if self.config.server.front_end_placement == "nodes":
+            host = router_host(self.config)
+            return ControlEndpoint(f"{host}:{free_port(host)}", secrets.token_hex(16))
+        self._control_dir = _control_dir(self.deployment_id)
+        return ControlEndpoint("unix:" + os.path.join(self._control_dir, "control.sock"))
 
     @property
     def serving(self) -> dict[str, Any]:

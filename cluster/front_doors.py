@@ -1,22 +1,27 @@
 """The control plane's side of the front doors, when each is a process of its own.
 
-With ``server.front_ends: N`` of 2 or more, the control plane serves no API itself: it starts
-N front-door actors on its own host (router/front_door.py), clients 1..N of every engine core
-(client 0 is the control plane's own front end, for health pings and status), tells
-each about every worker (:meth:`FrontDoorSet.listen` before an engine core starts, then
-:meth:`FrontDoorSet.connect`, then its state or its loss), and keeps one call pending on each
-(:meth:`FrontDoor.wait`), which Ray fails the moment the front door's process dies. A dead
-front door is replaced at once by a new actor with the same client index, which listens where
-the dead one did, so every engine core reconnects to it by itself (worker_runtime/engine_clients.py):
-no engine restarts. A worker that starts while a front door is down gets addresses picked here
-for that front door, where its replacement will listen.
+With ``server.front_ends: N`` of 2 or more (or ``server.front_end_placement: nodes``), the
+control plane serves no API itself: it starts N front-door actors (router/front_door.py), on
+its own host or one on each front-door host, clients 1..N of every engine core (client 0 is
+the control plane's own front end, for health pings and status), tells each about every worker
+(:meth:`FrontDoorSet.listen` before an engine core starts, then :meth:`FrontDoorSet.connect`,
+then its state or its loss), and keeps one call pending on each (:meth:`FrontDoor.wait`), which
+Ray fails the moment the front door's process dies. A dead front door is replaced at once by a
+new actor with the same client index, on the same host or (``nodes``) on any front-door host
+that is free; it listens for every running engine core at new addresses, to which the control
+plane moves that client of the engine core (worker_runtime/engine_clients.py): no engine
+restarts. A worker that starts while a front door is down is launched with addresses picked
+here, to be moved when the replacement comes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
+import json
 import logging
+import socket
+import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +44,27 @@ _FRONT_DOOR_CONCURRENCY = 64
 # A front door that does not answer a membership call within this is taken for dead (its
 # replacement gets the whole membership anyway).
 _CALL_TIMEOUT_S = 30.0
+# The Ray resource a front-door host advertises (one unit: one front door per host).
+FRONT_END_RESOURCE = "duet_front_end"
+
+
+def front_door_host_command(cluster: str, node_ip: str | None = None) -> list[str]:
+    """``ray start`` that joins ``cluster`` as a front-door host (``duet front-end``): it
+    advertises :data:`FRONT_END_RESOURCE` and offers no CPUs, so no worker lands there."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    resources = json.dumps({FRONT_END_RESOURCE: 1}, separators=(",", ":"))
+    command = [str(ray_cli), "start", f"--address={cluster}", f"--resources={resources}", "--num-cpus=0", "--block"]
+    return command + ([f"--node-ip-address={node_ip}"] if node_ip else [])
+
+
+@dataclass(frozen=True)
+class ControlEndpoint:
+    """Where the front doors reach the control plane's private gRPC server (Admin calls and
+    status): a Unix socket when they share its host, else TCP with a token that only the
+    deployment's own actors are given (over Ray, which authenticates its nodes)."""
+
+    address: str  # "unix:PATH" or "HOST:PORT"
+    token: str | None = None
 
 
 @dataclass
@@ -52,13 +78,15 @@ class _Door:
     restarts: int = 0
     error: str = ""
     watch: asyncio.Task[None] | None = None
+    # The workers whose engine cores this front door has a front end for, or listens for.
+    workers: set[str] = field(default_factory=set)
 
 
 @dataclass
 class FrontDoorSet:
     config: DuetConfig
-    host: str  # where front doors listen for engine cores (the control plane's router host)
-    control_socket: str  # the control plane's private gRPC socket (Admin, status)
+    host: str  # where addresses are picked for a front door that is down (the control plane's host)
+    control: ControlEndpoint  # the control plane's private gRPC server (Admin, status)
     pools: list[WorkerPool]
     doors: list[_Door] = field(default_factory=list)
     # With a control plane apart (cluster/control_plane.py): the deployment's id, which names
@@ -80,15 +108,23 @@ class FrontDoorSet:
         for door in self.doors:
             door.actor = self._actor(door.index)
 
+    @property
+    def on_nodes(self) -> bool:
+        """Whether each front door runs on a front-door host of its own."""
+        return self.config.server.front_end_placement == "nodes"
+
     def _actor(self, index: int) -> Any:
-        here = ray.get_runtime_context().get_node_id()  # the ports it shares are this host's
         options: dict[str, Any] = {}
+        if self.on_nodes:  # any front-door host that has none yet; Ray waits for one to join
+            options["resources"] = {FRONT_END_RESOURCE: 1}
+        else:  # the ports it shares are this host's
+            here = ray.get_runtime_context().get_node_id()
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
         if self.actor_prefix is not None:
             options.update(name=actor_name(self.actor_prefix, f"front-door-{index}"), lifetime="detached")
         return ray.remote(FrontDoor).options(
-            num_cpus=0, max_concurrency=_FRONT_DOOR_CONCURRENCY, enable_task_events=False,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False), **options,
-        ).remote(index, self.clients, self.config, self.control_socket)
+            num_cpus=0, max_concurrency=_FRONT_DOOR_CONCURRENCY, enable_task_events=False, **options,
+        ).remote(index, self.clients, self.config, self.control.address, self.control.token)
 
     async def adopt(self, limits: tuple[int, int, int]) -> tuple[int, int | None]:
         """Take over the front doors that run (a control plane started again): watch each
@@ -98,27 +134,34 @@ class FrontDoorSet:
             for full_name in named_actors(self.actor_prefix or "", f"front-door-{door.index}/"):
                 try:
                     door.actor = ray.get_actor(full_name)
+                    await asyncio.wait_for(door.actor.control_at.remote(self.control.address, self.control.token), _CALL_TIMEOUT_S)
                     shown, grpc_port, http_port = await asyncio.wait_for(door.actor.serving.remote(), _CALL_TIMEOUT_S)
                 except Exception as error:
                     logger.warning("front door %d could not be taken over: %s", door.index, error)
                     continue
                 door.state, door.pid, door.restarts = "ready", shown.pid, shown.restarts
+                door.workers = {member.name for pool in self.pools for member in pool.members}
                 self._serving = (grpc_port, http_port, limits)
                 break
-        if self._serving is None:
+        if self._serving is None and not self.on_nodes:
             raise RuntimeError("no front door of this deployment answers: start it anew")
+        self._serving = self._serving or (self.config.server.port, self.config.server.http_port, limits)
         for door in self.doors:
             if door.state != "ready":
-                await self._replace(door)
+                door.state = "restarting"
+                door.actor = door.actor or self._actor(door.index)
         return self._watch_all()
 
     async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> tuple[int, int | None]:
         """Serve both APIs on every front door; returns the ports they share (0 asks the first
-        front door to pick one, which the others then share). Then watch them."""
+        front door to pick one, which the others then share). Then watch them. Front doors on
+        hosts of their own are brought up by their watch as their hosts join: this returns at
+        once, with the configured ports."""
         self._serving = (grpc_port, http_port, limits)
-        first, *others = self.doors
-        self._serving = await self._serve(first)
-        await asyncio.gather(*(self._serve(door) for door in others))
+        if not self.on_nodes:
+            first, *others = self.doors
+            self._serving = await asyncio.wait_for(self._serve(first), self.config.server.worker_start_timeout_s)
+            await asyncio.gather(*(self._serve(door) for door in others))
         return self._watch_all()
 
     def _watch_all(self) -> tuple[int, int | None]:
@@ -132,9 +175,7 @@ class FrontDoorSet:
     async def _serve(self, door: _Door) -> tuple[int, int | None, tuple[int, int, int]]:
         assert self._serving is not None
         grpc_port, http_port, limits = self._serving
-        door.pid, bound_grpc, bound_http = await asyncio.wait_for(
-            door.actor.start.remote(grpc_port, http_port, limits), self.config.server.worker_start_timeout_s
-        )
+        door.pid, bound_grpc, bound_http = await door.actor.start.remote(grpc_port, http_port, limits)
         door.state, door.error = "ready", ""
         return bound_grpc, bound_http, limits
 
@@ -147,9 +188,13 @@ class FrontDoorSet:
         return list(await asyncio.gather(*(self._listen(door, worker, simulated) for door in self.doors)))
 
     async def _listen(self, door: _Door, worker: str, simulated: bool) -> EngineAddresses | tuple[str, int]:
-        if door.state in ("starting", "ready"):
+        # A front door on a host that has not joined yet is not waited for: it attaches to the
+        # worker when it comes up (_bring_up).
+        if door.state == "ready" or (door.state == "starting" and not self.on_nodes):
             try:
-                return await asyncio.wait_for(door.actor.listen.remote(worker, simulated), _CALL_TIMEOUT_S)
+                addresses = await asyncio.wait_for(door.actor.listen.remote(worker, simulated), _CALL_TIMEOUT_S)
+                door.workers.add(worker)
+                return addresses
             except Exception as error:  # dead or stuck: its watch replaces it
                 logger.warning("front door %d did not listen for %s: %s", door.index, worker, error)
         if simulated:
@@ -160,14 +205,37 @@ class FrontDoorSet:
         return picked.addresses
 
     async def connect(self, member: PoolMember, pool: WorkerPool) -> None:
-        """Every front door connects to ``member``'s engine core, which is running."""
-        await asyncio.gather(*(self._call(door, "connect", _snapshot(member, pool, door.index)) for door in self.doors))
+        """Every front door connects to ``member``'s engine core, which is running: where it
+        listened while the engine started, or (it came up since) where it listens now."""
+        await asyncio.gather(*(self._connect(door, member, pool) for door in self.doors))
+
+    async def _connect(self, door: _Door, member: PoolMember, pool: WorkerPool) -> None:
+        if member.name in door.workers:
+            await self._call(door, "connect", _snapshot(member, pool, door.index))
+        elif door.state == "ready":
+            try:
+                await self._attach(door, member, pool)
+            except Exception as error:  # dead or stuck: its watch replaces it
+                logger.warning("front door %d did not attach to %s: %s", door.index, member.name, error)
+
+    async def _attach(self, door: _Door, member: PoolMember, pool: WorkerPool) -> None:
+        """Give ``door`` a front end for ``member``'s running engine core: it listens at new
+        addresses, and the engine core's client ``door.index`` is moved there (a SIMULATED
+        worker dials its front door's address again by itself)."""
+        door.workers.add(member.name)
+        if member.engine_config is not None and member.engine is not None:
+            addresses = await asyncio.wait_for(door.actor.listen.remote(member.name), _CALL_TIMEOUT_S)
+            await asyncio.wait_for(member.engine.move_client(door.index, addresses), _CALL_TIMEOUT_S)
+            member.client_addresses[door.index] = addresses
+        await asyncio.wait_for(door.actor.connect.remote(_snapshot(member, pool, door.index)), _CALL_TIMEOUT_S)
 
     def tell(self, method: str, *args: Any) -> None:
         """Tell every front door a worker's ``set_state``, ``lost`` or ``remove`` (not waited
         for: a front door that misses it is replaced, and its replacement starts from the
         whole membership)."""
         for door in self.doors:
+            if method == "remove":
+                door.workers.discard(args[0])
             asyncio.get_running_loop().create_task(self._call(door, method, *args))
 
     async def _call(self, door: _Door, method: str, *args: Any) -> None:
@@ -181,8 +249,12 @@ class FrontDoorSet:
     # ---- failures ---------------------------------------------------------------------------
 
     async def _watch(self, door: _Door) -> None:
-        """Replace ``door``'s process whenever it dies, until the deployment stops."""
+        """Bring ``door`` up whenever it is not, and replace its process whenever it dies,
+        until the deployment stops."""
         while not self._stopping:
+            if door.state != "ready":
+                await self._bring_up(door)
+                continue
             try:
                 await door.actor.wait.remote()
             except Exception as error:  # RayActorError: its process died
@@ -190,25 +262,31 @@ class FrontDoorSet:
                     return
                 logger.warning("front door %d (pid %d) died: %s; starting its replacement", door.index, door.pid, error)
                 door.error = f"{type(error).__name__}: {error}"
-            await self._replace(door)
-
-    async def _replace(self, door: _Door) -> None:
-        door.state, door.pid = "restarting", 0
-        if door.actor is not None:
+            door.state, door.pid, door.workers = "restarting", 0, set()
+            door.restarts += 1
             ray.kill(door.actor, no_restart=True)
-        door.actor = self._actor(door.index)
+            door.actor = self._actor(door.index)
+
+    async def _bring_up(self, door: _Door) -> None:
+        """Attach ``door`` to every running worker, then serve; a failure leaves it ``failed``
+        with a new actor, for the next try a second later."""
         try:
-            for pool in self.pools:
-                for member in list(pool.members):
-                    if member.engine is not None and member.state in ("ready", "draining"):
-                        await door.actor.connect.remote(_snapshot(member, pool, door.index))
-            await self._serve(door)
+            await self._attach_all(door)
+            await asyncio.wait_for(self._serve(door), None if self.on_nodes else self.config.server.worker_start_timeout_s)
+            await self._attach_all(door)  # workers that came up while it started serving
         except Exception as error:
-            logger.error("front door %d could not be replaced: %s", door.index, error)
-            door.state, door.error = "failed", f"replacement failed: {type(error).__name__}: {error}"
-            ray.kill(door.actor, no_restart=True)  # its wait fails, and the watch tries again
+            logger.error("front door %d could not be brought up: %s", door.index, error)
+            door.state, door.error = "failed", f"start failed: {type(error).__name__}: {error}"
+            door.workers = set()
+            ray.kill(door.actor, no_restart=True)
+            door.actor = self._actor(door.index)
             await asyncio.sleep(1.0)
-        door.restarts += 1
+
+    async def _attach_all(self, door: _Door) -> None:
+        for pool in self.pools:
+            for member in list(pool.members):
+                if member.name not in door.workers and member.engine is not None and member.state in ("ready", "draining"):
+                    await self._attach(door, member, pool)
 
     # ---- status and stop --------------------------------------------------------------------
 

@@ -32,6 +32,14 @@ def register_commands(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument("--namespace", default="default")
     render.add_argument("--kind", choices=["raycluster", "rayservice"], default="raycluster")
     render.add_argument("--gpu-label", default="duet/gpu-type", help="node label holding the GPU type")
+    render.add_argument(
+        "--front-doors", type=int, default=0, metavar="N",
+        help="serve the APIs from a group of N front-door pods apart from the head (default 0: the head serves)",
+    )
+    render.add_argument(
+        "--gcs-redis", metavar="HOST:PORT",
+        help="external Redis for KubeRay's GCS fault tolerance: a restarted head keeps the workers (and front doors)",
+    )
     render.add_argument("--out", type=Path, help="write the manifests here (default: standard output)")
     render.set_defaults(handler=_render)
 
@@ -42,7 +50,9 @@ def _render(args: argparse.Namespace) -> int:
             raise PlanError(f"--plan {args.plan}: no such file (write one with `duet plan ... --out {args.plan}`)")
         plan = Plan.load(args.plan)
         cluster = ClusterSpec.load(args.cluster) if args.cluster else None
-        options = RenderOptions(args.name, args.namespace, args.image, args.kind, args.gpu_label)
+        options = RenderOptions(
+            args.name, args.namespace, args.image, args.kind, args.gpu_label, args.front_doors, args.gcs_redis
+        )
         launch = plan_launch(plan, options, args.config, cluster)
     except (PlanError, ClusterSpecError, DeployError) as error:
         print(f"duet deploy: error: {error}", file=sys.stderr)
@@ -83,6 +93,11 @@ def _header(path: Path, launch: ClusterLaunch) -> str:
                 f"--from-file={API_KEYS_FILE_KEY}=KEYS_FILE"
                 if launch.api_keys_file
                 else f"--from-literal={API_KEYS_ENV_KEY}=NAME:KEY,..."
+            ),
+            *(
+                [f"  kubectl {namespace}create secret generic {options.redis_secret} --from-literal=password=REDIS_PASSWORD"]
+                if options.gcs_redis
+                else []
             ),
         ]
     )

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from duet.deploy.launch import GCS_PORT, GPU_RESOURCE, GroupLaunch
-from duet.deploy.render import API_KEYS_FILE_KEY, CONFIG_DIR, CONFIG_FILE, ClusterLaunch
+from duet.deploy.render import API_KEYS_FILE_KEY, CONFIG_DIR, CONFIG_FILE, FRONT_DOOR_GROUP, ClusterLaunch
 from duet.router.server import LIVENESS_SERVICE
 
 Manifest = dict[str, Any]
@@ -35,7 +35,7 @@ _AUTOSCALER_SIZE = {"cpu": "500m", "memory": "512Mi"}  # KubeRay's own default s
 
 
 def manifests(launch: ClusterLaunch) -> list[Manifest]:
-    """ConfigMap, RayCluster or RayService, and Service, in the order to apply them."""
+    """ConfigMap, RayCluster or RayService, and the Service(s), in the order to apply them."""
     cluster_spec = _cluster_spec(launch)
     if launch.options.kind == "rayservice":
         # duet's front end is not a Ray Serve application, and KubeRay switches a RayService to
@@ -45,7 +45,10 @@ def manifests(launch: ClusterLaunch) -> list[Manifest]:
     else:
         ray = _object("ray.io/v1", "RayCluster", launch, {"spec": cluster_spec})
     config_map = _object("v1", "ConfigMap", launch, {"data": {CONFIG_FILE: launch.head_config.yaml()}}, "-config")
-    return [config_map, ray, _service(launch)]
+    services = [_service(launch, launch.serving, "")]
+    if launch.serving is not launch.head and any(port.name == "duet-metrics" for port in launch.head.ports):
+        services.append(_service(launch, launch.head, "-metrics"))  # the control plane's metrics
+    return [config_map, ray, *services]
 
 
 def to_yaml(documents: list[Manifest], header: str = "") -> str:
@@ -81,7 +84,7 @@ def _object(api: str, kind: str, launch: ClusterLaunch, body: Manifest, suffix: 
 
 def _cluster_spec(launch: ClusterLaunch) -> Manifest:
     head = launch.head
-    return {
+    spec: Manifest = {
         "rayVersion": version("ray"),
         "enableInTreeAutoscaling": True,
         "autoscalerOptions": {
@@ -101,11 +104,37 @@ def _cluster_spec(launch: ClusterLaunch) -> Manifest:
                 "minReplicas": group.min_replicas,
                 "maxReplicas": group.max_replicas,
                 "rayStartParams": group.ray_start_params,
-                "template": _pod_template(launch, group, _container(launch, group, "ray-worker"), []),
+                "template": _pod_template(launch, group, *_worker_container(launch, group)),
             }
             for group in launch.workers
         ],
     }
+    if launch.options.gcs_redis:
+        # KubeRay's GCS fault tolerance: the head's state lives in Redis, so worker and
+        # front-door pods (and their detached actors) outlive a head restart, and the
+        # restarted `duet serve` takes them over (DUET_DEPLOYMENT_ID, docs/deploy.md).
+        redis_password = {"secretKeyRef": {"name": launch.options.redis_secret, "key": "password"}}
+        spec["gcsFaultToleranceOptions"] = {
+            "redisAddress": launch.options.gcs_redis,
+            "redisPassword": {"valueFrom": redis_password},
+            "externalStorageNamespace": launch.options.name,
+        }
+    return spec
+
+
+def _worker_container(launch: ClusterLaunch, group: GroupLaunch) -> tuple[Manifest, list[Manifest]]:
+    """A worker group's container and volumes; a front door's serves the APIs, taken into the
+    Service once its gRPC server reports healthy."""
+    container = _container(launch, group, "ray-worker")
+    if group.name != FRONT_DOOR_GROUP:
+        return container, []
+    grpc_port = next(port.number for port in group.ports if port.name == "grpc")
+    container["ports"] = [{"name": port.name, "containerPort": port.number} for port in group.ports]
+    container["readinessProbe"] = {"grpc": {"port": grpc_port}, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 2}
+    volumes = _keys_volumes(launch)
+    if volumes:
+        container["volumeMounts"] = _keys_mounts(launch)
+    return container, volumes
 
 
 def _pod_template(launch: ClusterLaunch, group: GroupLaunch, container: Manifest, volumes: list[Manifest]) -> Manifest:
@@ -139,13 +168,18 @@ def _container(launch: ClusterLaunch, group: GroupLaunch, name: str) -> Manifest
 
 def _head_container(launch: ClusterLaunch) -> Manifest:
     head = launch.head
-    grpc_port = next(port.number for port in head.ports if port.name == "grpc")
-    period_s = 10
-    return {
+    container = {
         **_container(launch, head, "ray-head"),
         "ports": [{"name": name, "containerPort": number} for name, number in _RAY_HEAD_PORTS]
         + [{"name": port.name, "containerPort": port.number} for port in head.ports],
         "volumeMounts": _head_mounts(launch),
+    }
+    grpc_port = next((port.number for port in head.ports if port.name == "grpc"), None)
+    if grpc_port is None:  # the front doors serve; the head runs Ray and the control plane
+        return container
+    period_s = 10
+    return {
+        **container,
         # The gRPC server starts once every worker is ready: allow that long, then restart only
         # a server that stops answering (liveness) and take it out of the Service while a pool
         # has no ready worker (readiness, grpc.health.v1's overall status).
@@ -171,22 +205,30 @@ def _head_container(launch: ClusterLaunch) -> Manifest:
 
 
 def _head_volumes(launch: ClusterLaunch) -> list[Manifest]:
-    volumes = [{"name": _CONFIG_VOLUME, "configMap": {"name": f"{launch.options.name}-config"}}]
-    if launch.api_keys_file is not None:
-        items = [{"key": API_KEYS_FILE_KEY, "path": launch.api_keys_file.name}]
-        volumes.append({"name": _KEYS_VOLUME, "secret": {"secretName": launch.options.api_keys_secret, "items": items}})
-    return volumes
+    return [{"name": _CONFIG_VOLUME, "configMap": {"name": f"{launch.options.name}-config"}}, *_keys_volumes(launch)]
 
 
 def _head_mounts(launch: ClusterLaunch) -> list[Manifest]:
-    mounts = [{"name": _CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}]
-    if launch.api_keys_file is not None:
-        mounts.append({"name": _KEYS_VOLUME, "mountPath": str(launch.api_keys_file.parent), "readOnly": True})
-    return mounts
+    return [{"name": _CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}, *_keys_mounts(launch)]
 
 
-def _service(launch: ClusterLaunch) -> Manifest:
-    """duet's APIs (gRPC, OpenAI HTTP, Prometheus metrics) on the head pod; only ready heads."""
+def _keys_volumes(launch: ClusterLaunch) -> list[Manifest]:
+    """The API keys file from its Secret, where the config names one."""
+    if launch.api_keys_file is None:
+        return []
+    items = [{"key": API_KEYS_FILE_KEY, "path": launch.api_keys_file.name}]
+    return [{"name": _KEYS_VOLUME, "secret": {"secretName": launch.options.api_keys_secret, "items": items}}]
+
+
+def _keys_mounts(launch: ClusterLaunch) -> list[Manifest]:
+    if launch.api_keys_file is None:
+        return []
+    return [{"name": _KEYS_VOLUME, "mountPath": str(launch.api_keys_file.parent), "readOnly": True}]
+
+
+def _service(launch: ClusterLaunch, group: GroupLaunch, suffix: str) -> Manifest:
+    """``group``'s ports (gRPC, OpenAI HTTP, Prometheus metrics) on its ready pods: duet's APIs
+    on the head or the front doors, and the control plane's metrics on the head."""
     service_names = {"grpc": "grpc", "http": "http", "duet-metrics": "metrics"}
     protocols = {"grpc": "kubernetes.io/h2c", "http": "http", "duet-metrics": "http"}
     ports = [
@@ -197,7 +239,7 @@ def _service(launch: ClusterLaunch) -> Manifest:
             "protocol": "TCP",
             "appProtocol": protocols[port.name],
         }
-        for port in launch.head.ports
+        for port in group.ports
     ]
-    spec = {"type": "ClusterIP", "selector": _labels(launch, "head"), "ports": ports}
-    return _object("v1", "Service", launch, {"spec": spec})
+    spec = {"type": "ClusterIP", "selector": _labels(launch, group.name), "ports": ports}
+    return _object("v1", "Service", launch, {"spec": spec}, suffix)

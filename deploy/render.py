@@ -1,7 +1,11 @@
 """A placement plan as the Ray node groups that run it (:class:`ClusterLaunch`).
 
-One head group runs duet's front end (``duet serve``, which joins the cluster and places the
-workers); one worker group per plan pool, each pod one replica: the pool's GPUs (tensor x
+One head group runs duet's control plane (``duet serve``, which joins the cluster and places the
+workers) and, by default, its one front door; with ``--front-doors N`` a front-door group of N
+pods serves the APIs instead (each a Ray node advertising ``duet_front_end``, on which the
+control plane starts a front door), so that the head's restart, with KubeRay's GCS fault
+tolerance (``--gcs-redis``), leaves serving and the workers running. One worker group per plan
+pool, each pod one replica: the pool's GPUs (tensor x
 pipeline parallel) on a node of the pool's GPU type, advertising a Ray resource named after the
 role, which that pool's workers request. Prefill and decode can so run on different GPU types,
 and Ray's autoscaler (through KubeRay) knows which group to grow for a waiting worker.
@@ -16,6 +20,8 @@ from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from duet.config import DuetConfig, PoolConfig
+from duet.cluster.control_plane import DEPLOYMENT_ID_ENV
+from duet.cluster.front_doors import FRONT_END_RESOURCE
 from duet.cluster.placement.cluster_spec import ClusterSpec
 from duet.cluster.placement.plan import Plan, PlanError, Pool, validate_against
 from duet.cluster.plan_deploy import CPU_GPU_TYPES
@@ -32,6 +38,9 @@ API_KEYS_ENV_KEY = "keys"
 API_KEYS_FILE_KEY = "keys.yaml"
 # The head runs the router, tokenizer and Ray's control plane; no engine.
 HEAD_SIZE = PodSize(cpus=2, memory_gib=8)
+# A front-door pod: the APIs, the tokenizer, and a front end (vLLM's output processing) per engine.
+FRONT_DOOR_SIZE = PodSize(cpus=2, memory_gib=4)
+FRONT_DOOR_GROUP = "front-door"
 # Per GPU of a GPU worker pod: host threads of the engine and KV transfer, and pinned buffers.
 CPUS_PER_GPU = 8
 MEMORY_GIB_PER_GPU = 64
@@ -74,6 +83,11 @@ class RenderOptions:
     # Node label whose value is the plan's GPU type (label nodes to match, or pick a label the
     # nodes already carry whose values are the cluster.yaml's GPU type names).
     gpu_label: str = "duet/gpu-type"
+    # Front doors in a group of their own (0: the head serves the APIs itself).
+    front_doors: int = 0
+    # An external Redis (HOST:PORT) for KubeRay's GCS fault tolerance: a restarted head keeps
+    # the workers and front doors (its password in the <name>-redis Secret, key "password").
+    gcs_redis: str | None = None
 
     @property
     def ray_token_secret(self) -> str:
@@ -82,6 +96,10 @@ class RenderOptions:
     @property
     def api_keys_secret(self) -> str:
         return f"{self.name}-api-keys"
+
+    @property
+    def redis_secret(self) -> str:
+        return f"{self.name}-redis"
 
 
 @dataclass(frozen=True)
@@ -99,7 +117,13 @@ class ClusterLaunch:
 
     @property
     def workers(self) -> list[GroupLaunch]:
+        """Every group but the head's: the front doors' (if any) and the pools'."""
         return self.groups[1:]
+
+    @property
+    def serving(self) -> GroupLaunch:
+        """The group whose pods serve the APIs: the front doors', or the head."""
+        return next((group for group in self.groups if group.name == FRONT_DOOR_GROUP), self.head)
 
     @property
     def api_keys_file(self) -> PurePosixPath | None:
@@ -123,8 +147,10 @@ def plan_launch(
         )
     if cluster is not None:
         validate_against(plan, cluster)
+    if options.front_doors < 0:
+        raise DeployError(f"--front-doors {options.front_doors}: give a number of front-door pods, or 0 for none")
     pools = plan.pools()  # (role, pool): prefill and decode, or colocated
-    config = head_config(plan, [role for role, _ in pools], base_config)
+    config = head_config(plan, [role for role, _ in pools], base_config, options.front_doors)
     keys_file = config.config.server.auth.api_keys_file
     if keys_file and PurePosixPath(keys_file).parent == PurePosixPath(CONFIG_DIR):
         raise DeployError(
@@ -136,7 +162,8 @@ def plan_launch(
         for role, pool in pools
     ]
     image = options.image or ("duet:gpu" if any(group.size.gpus for group in workers) else "duet:cpu")
-    return ClusterLaunch(options, image, config, [_head(config.config, options), *workers])
+    front_doors = [_front_doors(config.config, options)] if options.front_doors else []
+    return ClusterLaunch(options, image, config, [_head(config.config, options), *front_doors, *workers])
 
 
 def _ray_auth(options: RenderOptions) -> tuple[dict[str, str], dict[str, SecretKey]]:
@@ -145,16 +172,30 @@ def _ray_auth(options: RenderOptions) -> tuple[dict[str, str], dict[str, SecretK
     return {"RAY_AUTH_MODE": "token"}, {"RAY_AUTH_TOKEN": SecretKey(options.ray_token_secret, "auth_token")}
 
 
-def _head(config: DuetConfig, options: RenderOptions) -> GroupLaunch:
+def _api_keys(config: DuetConfig, options: RenderOptions) -> tuple[dict[str, str], dict[str, SecretKey]]:
+    """What a pod that serves the APIs needs: Ray's token and, unless the config names a keys
+    file (mounted from the same Secret, see manifests.py), the keys as NAME:KEY,... in one
+    variable (a keys file is needed for admin keys and per-key quotas)."""
     env, secrets = _ray_auth(options)
+    if config.server.auth.api_keys_file is None:
+        secrets[config.server.auth.api_keys_env] = SecretKey(options.api_keys_secret, API_KEYS_ENV_KEY)
+    return env, secrets
+
+
+def _api_ports(config: DuetConfig) -> list[Port]:
+    ports = [Port("grpc", config.server.port)]
+    if config.server.http_port is not None:
+        ports.append(Port("http", config.server.http_port))
+    return ports
+
+
+def _head(config: DuetConfig, options: RenderOptions) -> GroupLaunch:
+    env, secrets = _api_keys(config, options)
     server = config.server
-    if server.auth.api_keys_file is None:
-        # Keys as NAME:KEY,... in one variable; a keys file (mounted from the same Secret, see
-        # manifests.py) is needed for admin keys and per-key quotas.
-        secrets[server.auth.api_keys_env] = SecretKey(options.api_keys_secret, API_KEYS_ENV_KEY)
-    ports = [Port("grpc", server.port)]
-    if server.http_port is not None:
-        ports.append(Port("http", server.http_port))
+    ports = _api_ports(config)
+    if options.front_doors:  # the APIs are the front doors'; a restarted head takes them over
+        env[DEPLOYMENT_ID_ENV] = options.name
+        ports = []
     if server.metrics_port is not None:
         # Not "metrics": KubeRay names Ray's own metrics port (8080) so unless one exists.
         ports.append(Port("duet-metrics", server.metrics_port))
@@ -167,6 +208,26 @@ def _head(config: DuetConfig, options: RenderOptions) -> GroupLaunch:
         size=HEAD_SIZE,
         ray_cpus=0,
         ports=ports,
+    )
+
+
+def _front_doors(config: DuetConfig, options: RenderOptions) -> GroupLaunch:
+    """The front-door group: pods that join as Ray nodes advertising FRONT_END_RESOURCE (and no
+    CPUs: no worker lands there); the control plane starts a front door on each."""
+    env, secrets = _api_keys(config, options)
+    return GroupLaunch(
+        name=FRONT_DOOR_GROUP,
+        head=False,
+        command=["/bin/bash", "-c", _WORKER_SCRIPT],
+        env=env,
+        secret_env=secrets,
+        size=FRONT_DOOR_SIZE,
+        ray_cpus=0,
+        ray_resources={FRONT_END_RESOURCE: 1},
+        replicas=options.front_doors,
+        min_replicas=options.front_doors,
+        max_replicas=options.front_doors,
+        ports=_api_ports(config),
     )
 
 

@@ -34,9 +34,10 @@ class HeadConfig:
         return yaml.safe_dump(data, sort_keys=False)
 
 
-def head_config(plan: Plan, roles: list[str], base: Path | None = None) -> HeadConfig:
+def head_config(plan: Plan, roles: list[str], base: Path | None = None, front_doors: int = 0) -> HeadConfig:
     """``base`` (default: the embedded config) with ``plan`` applied, set up to join the Ray
-    cluster it runs in and to place each pool's workers on the node group of its role."""
+    cluster it runs in and to place each pool's workers on the node group of its role; with
+    ``front_doors``, that many front doors, each on a pod of the front-door group."""
     path = base or DEFAULT_CONFIG_PATH
     data = read_yaml(path, "config", DeployError)
     model = data.get("model") if isinstance(data, dict) else None
@@ -49,6 +50,8 @@ def head_config(plan: Plan, roles: list[str], base: Path | None = None) -> HeadC
         config["ray"].update(address="auto", autoscaling=True)
         config["server"]["host"] = "0.0.0.0"  # the pod's address: the Service and probes reach it
         config["kv_transfer"]["side_channel_host"] = "auto"  # each worker's own pod address
+        if front_doors:
+            config["server"].update(front_ends=front_doors, front_end_placement="nodes")
         for role in roles:
             # Kubernetes, not the plan's node indices, decides the nodes: each group's pods
             # advertise the resource named after their role.

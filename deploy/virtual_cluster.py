@@ -3,9 +3,10 @@
 Every node runs its group's own container command with its group's own environment, plus what
 KubeRay would add (:meth:`GroupLaunch.kuberay_env`) and the Secrets' values: the same processes
 the manifests start in pods, here one per host of a :class:`~duet.deploy.hosts.HostNetwork`.
-The head host runs Ray's head and duet's front end; each worker group's replicas get hosts of
-their own (``prefill-0``, ``decode-0``, ...), so KV between prefill and decode crosses the
-shaped links.
+The head host runs Ray's head and duet's control plane (and its front door, unless the
+front doors are a group of their own); each other group's replicas get hosts of their own
+(``front-door-0``, ``prefill-0``, ``decode-0``, ...), so KV between prefill and decode, and
+every token between a worker and a front door, crosses the shaped links.
 
 Two things differ from a pod, both because the "hosts" share one kernel and file system:
 
@@ -105,9 +106,19 @@ class VirtualCluster:
         return self.network[HEAD].address
 
     @property
+    def serving_hosts(self) -> list[str]:
+        """The hosts that serve duet's APIs: the head, or each front-door host."""
+        return [host for host, group in self._groups.items() if group is self.launch.serving]
+
+    @property
+    def targets(self) -> list[str]:
+        """duet's gRPC API on each serving host, as a client outside the hosts reaches it."""
+        port = self.launch.head_config.config.server.port
+        return [f"{self.network[host].address}:{port}" for host in self.serving_hosts]
+
+    @property
     def target(self) -> str:
-        """duet's gRPC API, as a client outside the hosts reaches it."""
-        return f"{self.head_address}:{self.launch.head_config.config.server.port}"
+        return self.targets[0]
 
     @property
     def metrics_url(self) -> str | None:
@@ -141,21 +152,28 @@ class VirtualCluster:
         for host in self._groups:
             if host != HEAD:
                 self.start_node(host)
-        self._wait(self.ready, "duet's front end (every pool ready)", HEAD, deadline)
+        self._wait(self.ready, "duet's front door(s) (every pool ready)", HEAD, deadline)
         return self
 
     def ready(self) -> bool:
+        """Whether every serving host's front door reports every pool ready."""
+        return all(self.serves(target) for target in self.targets)
+
+    @staticmethod
+    def serves(target: str) -> bool:
         from duet.router.client import DuetClient
 
-        if not _port_open(self.head_address, self.launch.head_config.config.server.port):
+        host, port = target.rsplit(":", 1)
+        if not _port_open(host, int(port)):
             return False
-        with DuetClient(self.target) as client:
+        with DuetClient(target) as client:
             return client.is_serving(timeout=2.0)
 
     def client(self) -> DuetClient:
+        """A client of every serving host (it resumes a broken stream on another)."""
         from duet.router.client import DuetClient
 
-        return DuetClient(self.target, api_key=self.secrets.api_key)
+        return DuetClient(self.targets, api_key=self.secrets.api_key)
 
     def _wait(self, check: Callable[[], bool], what: str, host: str, deadline: float) -> None:
         while not check():
@@ -178,15 +196,16 @@ def _port_open(host: str, port: int) -> bool:
 
 @contextmanager
 def serve_on_hosts(
-    settings: dict[str, Any], shape: LinkShape = LinkShape(), plan: Path = TWO_HOSTS_PLAN, timeout_s: float = 600.0
+    settings: dict[str, Any], shape: LinkShape = LinkShape(), plan: Path = TWO_HOSTS_PLAN, timeout_s: float = 600.0,
+    options: RenderOptions = RenderOptions(),
 ) -> Iterator[VirtualCluster]:
-    """``plan`` rendered over a base config of ``settings`` (e.g. ``{"kv_transfer":
-    {"transport": "nccl"}}``) and running on fresh virtual hosts whose links are ``shape``;
-    every host, link and process is gone on exit. Raises HostsUnavailable where network
-    namespaces cannot be made."""
+    """``plan`` rendered (with ``options``, e.g. ``front_doors=2``) over a base config of
+    ``settings`` (e.g. ``{"kv_transfer": {"transport": "nccl"}}``) and running on fresh
+    virtual hosts whose links are ``shape``; every host, link and process is gone on exit.
+    Raises HostsUnavailable where network namespaces cannot be made."""
     with tempfile.TemporaryDirectory(prefix=PREFIX) as scratch:  # read once, by plan_launch
         base = Path(scratch) / "base.yaml"
         base.write_text(yaml.safe_dump(settings))
-        launch = plan_launch(Plan.load(plan), RenderOptions(), base)
+        launch = plan_launch(Plan.load(plan), options, base)
     with HostNetwork(list(host_groups(launch)), shape) as network:
         yield VirtualCluster(launch, network).start(timeout_s)

@@ -116,7 +116,7 @@ async def _run_deployment(config: "DuetConfig") -> int:
     print(f"duet: starting {workers} for {config.model.name} (this takes about a minute on CPU)...", flush=True)
     # One front door: this process serves and controls. Several: each front door and the
     # control plane are processes of their own, none of which this one is.
-    deployment = RemoteControlPlane(config) if config.server.front_ends > 1 else Deployment(config)
+    deployment = RemoteControlPlane(config) if config.server.front_doors_apart else Deployment(config)
     try:
         await deployment.start()
     except (WorkerStartError, ConfigError, OSError, TimeoutError) as error:
@@ -150,6 +150,20 @@ async def _run_deployment(config: "DuetConfig") -> int:
     print("duet: stopping...", flush=True)
     await deployment.stop()
     return 0
+
+
+# ---- front-end ---------------------------------------------------------------------------
+
+
+def _front_end(args: argparse.Namespace) -> int:
+    from duet.cluster.front_doors import front_door_host_command
+
+    command = front_door_host_command(args.cluster, args.node_ip_address)
+    print(f"duet: joining {args.cluster} as a front-door host (Ctrl-C leaves)", flush=True)
+    try:
+        os.execv(command[0], command)  # `ray start --block`: its signals, its exit status
+    except OSError as error:
+        return _fail(f"cannot run {command[0]}: {error}")
 
 
 # ---- generate ----------------------------------------------------------------------------
@@ -356,6 +370,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", help="the certificate's private key (PEM)")
     serve.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
     serve.set_defaults(handler=_serve)
+
+    front_end = commands.add_parser(
+        "front-end",
+        help="make this host a front-door host of a running duet (server.front_end_placement: nodes)",
+        description="Join the Ray cluster at ADDRESS as a front-door host: the control plane starts a "
+        "front door here (or keeps this host as a standby) and it serves both APIs on this host's "
+        "server.port and server.http_port. Ctrl-C leaves the cluster.",
+    )
+    front_end.add_argument("--cluster", required=True, metavar="ADDRESS", help="the Ray cluster's head, HOST:PORT (port 6379 by default)")
+    front_end.add_argument("--node-ip-address", help="this host's address as the cluster reaches it (default: Ray's guess)")
+    front_end.set_defaults(handler=_front_end)
 
     generate = commands.add_parser("generate", help="stream a completion from a running duet")
     generate.add_argument("prompt")

@@ -207,6 +207,18 @@ class ServerConfig(_Strict):
     # end to every engine core; one that dies loses only its own requests and is replaced
     # without restarting any engine (router/front_door.py). More use more cores for the APIs.
     front_ends: int = Field(default=1, ge=1, le=64)
+    # Where the front doors run. "local": on the control plane's host, sharing its ports.
+    # "nodes": each on a Ray node of its own that advertises the duet_front_end resource (a
+    # host joined with `duet front-end --cluster ADDRESS`, or a pod of the Kubernetes
+    # front-door group), serving on that host's ports; a front door whose host is lost is
+    # replaced on another such host, and a host beyond front_ends waits as a standby. With
+    # "nodes" the front doors run apart from the control plane even with front_ends: 1.
+    front_end_placement: Literal["local", "nodes"] = "local"
+
+    @property
+    def front_doors_apart(self) -> bool:
+        """Whether the front doors are processes of their own (router/front_door.py)."""
+        return self.front_ends > 1 or self.front_end_placement == "nodes"
 
 
 class RouterConfig(_Strict):
@@ -272,10 +284,29 @@ class DuetConfig(_Strict):
 
     @model_validator(mode="after")
     def _autoscaler_sees_the_load(self) -> "DuetConfig":
-        if self.autoscale is not None and self.server.front_ends > 1:
+        if self.autoscale is not None and self.server.front_doors_apart:
             raise ValueError(
                 "server.front_ends: the autoscaler reads the request load of the control plane's own "
                 "front door, and front doors of their own do not report theirs yet; use 1 with autoscale"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _front_door_hosts_can_join(self) -> "DuetConfig":
+        server = self.server
+        if server.front_end_placement != "nodes":
+            return self
+        if self.ray.address == "local":
+            raise ValueError(
+                "server.front_end_placement: front doors on hosts of their own join a Ray cluster; "
+                "set ray.address (e.g. auto, with `ray start --head` on this host) or use local"
+            )
+        if server.port == 0 or server.http_port == 0:
+            raise ValueError("server.port/http_port: front doors on several hosts serve on the same, fixed ports; 0 is not allowed")
+        if any(pool.engine == "simulated" for pool in (self.prefill, self.decode, self.colocated)):
+            raise ValueError(
+                "server.front_end_placement: SIMULATED workers reach their front doors at fixed addresses; "
+                "use nodes with vLLM workers only"
             )
         return self
 

@@ -51,6 +51,14 @@ def is_bindable(host: str, port: int) -> bool:
     return True
 
 
+def free_port(host: str) -> int:
+    """A port nothing listens on at ``host`` now (for a server that must know its port before
+    it starts, and keep it across restarts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def _try_lock(port: int) -> IO[bytes] | None:
     _LOCK_DIR.mkdir(parents=True, exist_ok=True)
     handle = open(_LOCK_DIR / f"{port}.lock", "wb")

@@ -39,6 +39,7 @@ from duet.router.actor_channel import ActorChannel
 from duet.router.admin import ForwardingAdmin
 from duet.router.assembly import chat_template, request_service, router_host
 from duet.router.auth import Gatekeeper
+from duet.router.control_channel import control_stub
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.front_ends import FrontEnds
 from duet.router.pools import PoolMember, WorkerPool
@@ -91,7 +92,7 @@ class ControlledClusterView(ClusterView):
 class FrontDoor:
     """One front door in a process of its own (an async Ray actor; module docstring)."""
 
-    def __init__(self, index: int, count: int, config: DuetConfig, control_socket: str) -> None:
+    def __init__(self, index: int, count: int, config: DuetConfig, control_address: str, control_token: str | None) -> None:
         self.index = index
         self.count = count
         self.config = config
@@ -101,12 +102,14 @@ class FrontDoor:
             self.pools["prefill"] = WorkerPool("prefill")
         for pool in self.pools.values():
             pool.restart = self._await_replacement
-        self._control_channel = grpc.aio.insecure_channel(f"unix:{control_socket}")
-        control = pb_grpc.AdminStub(self._control_channel)
+        self._control_channel, control = control_stub(control_address, control_token)
+        self._admin: ForwardingAdmin | None = None
         transport = "none (colocated)" if colocated else config.kv_transfer.transport
         ordered = [self.pools[role] for role in ("prefill", "decode") if role in self.pools]
         self.cluster = ControlledClusterView(config.model.name, transport, ordered, control)
         self.cluster.index, self.cluster.forwards_status = index, True
+        if config.server.front_end_placement == "nodes":  # hosts share names less often than addresses
+            self.cluster.host = router_host(config)
         self.service: RequestService | None = None
         self.front_ends: FrontEnds | None = None
         self._listening: dict[str, FrontEndListeners | ActorChannel] = {}
@@ -216,13 +219,23 @@ class FrontDoor:
         gatekeeper = Gatekeeper.from_config(self.config.server.auth)
         prefill, decode = self.pools.get("prefill"), self.pools["decode"]
         self.service = request_service(self.config, prefill, decode, limits, self.cluster, gatekeeper)
-        admin = ForwardingAdmin(self.service, self.cluster.control)
+        admin = self._admin = ForwardingAdmin(self.service, self.cluster.control)
         self.front_ends = await FrontEnds.start(
             self.service, self.config.server, grpc_port, http_port, chat_template(self.config), admin
         )
         gc.collect()
         gc.freeze()  # as in the control plane's process (cluster/deployment.py says why)
         return os.getpid(), self.front_ends.grpc_port, self.front_ends.http_port
+
+    async def control_at(self, address: str, token: str | None) -> None:
+        """Reach the control plane at ``address`` from now on (a control plane started again
+        on another port takes this front door over)."""
+        old = self._control_channel
+        self._control_channel, control = control_stub(address, token)
+        self.cluster.control = control
+        if self._admin is not None:
+            self._admin.control = control
+        await old.close()
 
     async def serving(self) -> tuple[pb.FrontEnd, int, int | None]:
         """What a restarted control plane takes over: this front door and its ports."""

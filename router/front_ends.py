@@ -76,7 +76,7 @@ class FrontEnds:
         """Start gRPC on ``grpc_port`` and HTTP on ``http_port`` (None: no HTTP; 0: any port);
         with ``admin`` the gRPC server also serves the Admin service. With several front doors
         (``server.front_ends``) every one listens on the same ports."""
-        reuse_port = server.front_ends > 1
+        reuse_port = server.front_ends > 1 and server.front_end_placement == "local"
         grpc_server, bound_grpc, health_service = await start_server(
             DuetServicer(service), server.host, grpc_port, server.tls, admin, reuse_port
         )
@@ -100,18 +100,3 @@ class FrontEnds:
         await self.grpc_server.stop(grace=2)
         if self.http_runner is not None:
             await self.http_runner.cleanup()
-
-
-async def start_control_server(socket_path: str, admin: AdminServicer) -> Any:
-    """The control plane's private gRPC server, on a Unix socket only its own user can reach:
-    the other front doors carry Admin calls and status there, after authorizing the caller
-    themselves (router/front_door.py)."""
-    import grpc
-
-    from duet.router.proto import duet_api_pb2_grpc as pb_grpc
-
-    server = grpc.aio.server()
-    pb_grpc.add_AdminServicer_to_server(admin, server)
-    server.add_insecure_port(f"unix:{socket_path}")
-    await server.start()
-    return server

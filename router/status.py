@@ -39,6 +39,7 @@ class ClusterView:
         self.front_doors: Callable[[], Awaitable[list[pb.FrontEnd]]] | None = None
         self.index = 0  # this process's client index in every engine core
         self.forwards_status = False  # a front door apart, whose status is the control plane's
+        self.host = socket.gethostname()  # what status shows as this front door's host
 
     def admit(self) -> None:
         self.inflight += 1
@@ -88,7 +89,7 @@ class ClusterView:
         return pb.FrontEnd(
             index=index,
             pid=os.getpid(),
-            host=socket.gethostname(),
+            host=self.host,
             state="ready",
             requests_served=self.outcomes["served"],
             requests_inflight=self.inflight,

@@ -232,6 +232,49 @@ def test_probes_use_grpc_health_and_the_service_exposes_three_ports(raycluster: 
     assert service["selector"].items() <= labels.items()
 
 
+def test_front_doors_get_a_group_of_their_own_and_the_head_keeps_the_control_plane(
+    gpu_inputs: tuple[Path, Path], tmp_path: Path
+):
+    """--front-doors 2: two front-door pods (Ray nodes advertising duet_front_end, no CPUs)
+    serve the APIs behind the Service, ready on gRPC health; the head runs the control plane,
+    its metrics behind a Service of their own; --gcs-redis turns on KubeRay's GCS fault
+    tolerance, the restarted head taking over by a fixed deployment id."""
+    plan, base = gpu_inputs
+    args = ["--plan", str(plan), "--config", str(base), "--front-doors", "2", "--gcs-redis", "redis.db:6379"]
+    documents = _render(args, tmp_path / "front-doors.yaml")
+    cluster = next(d for d in documents if d["kind"] == "RayCluster")
+    _validate_crd(cluster)
+    spec = cluster["spec"]
+    groups = _groups(spec)
+    assert list(groups) == ["head", "front-door", "prefill", "decode"]
+    doors = groups["front-door"]
+    assert (doors["replicas"], doors["minReplicas"], doors["maxReplicas"]) == (2, 2, 2)
+    assert json.loads(doors["rayStartParams"]["resources"].strip("'")) == {"duet_front_end": 1}
+    assert doors["rayStartParams"]["num-cpus"] == "0"  # no worker lands on a front-door host
+    container = doors["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"] == {"port": 50051}
+    env = {e["name"] for e in container["env"]}
+    assert {"DUET_API_KEYS", "RAY_AUTH_TOKEN"} <= env, "front doors authorize callers themselves"
+    head = groups["head"]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in head and "livenessProbe" not in head, "the head serves no API to probe"
+    assert {e["name"]: e.get("value") for e in head["env"]}["DUET_DEPLOYMENT_ID"] == "duet"
+    services = {d["metadata"]["name"]: d for d in documents if d["kind"] == "Service"}
+    assert set(services) == {"duet", "duet-metrics"}
+    for name, group, ports in (("duet", doors, {"grpc", "http"}), ("duet-metrics", groups["head"], {"metrics"})):
+        service = services[name]
+        _validate_model(service, "V1Service")
+        assert {p["name"] for p in service["spec"]["ports"]} == ports
+        assert service["spec"]["selector"].items() <= group["template"]["metadata"]["labels"].items()
+    _validate_model(doors["template"], "V1PodTemplateSpec")
+    config = yaml.safe_load(next(d for d in documents if d["kind"] == "ConfigMap")["data"]["duet.yaml"])
+    assert (config["server"]["front_ends"], config["server"]["front_end_placement"]) == (2, "nodes")
+    assert spec["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis.db:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "duet-redis", "key": "password"}}},
+        "externalStorageNamespace": "duet",
+    }
+
+
 def test_ray_token_auth_comes_from_a_secret_in_every_pod(raycluster: list[dict]):
     spec = _by_kind(raycluster)["RayCluster"]["spec"]
     assert spec["authOptions"] == {"mode": "token", "secretName": "duet-ray-token"}

@@ -30,6 +30,7 @@ SERVING_PATH_INTERFACE = {
     "admin",
     "assembly",
     "auth",
+    "control_channel",
     "engine_front_end",
     "front_door",
     "front_ends",

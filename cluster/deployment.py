@@ -214,7 +214,8 @@ class Deployment:
         policy = load_policy(policy_name)
         metrics = AutoscalerMetrics(self.cluster.metrics.registry, policy.slo_profile()) if self.cluster.metrics else None
         pools = {"prefill": self.prefill, "decode": self.decode}
-        self.autoscaler = LiveAutoscaler(policy, pools, self.service.load, self, metrics)
+        load = self.front_doors if self.front_doors is not None else self.service.load
+        self.autoscaler = LiveAutoscaler(policy, pools, load, self, metrics)
         self.autoscaler.start()
         slo = policy.slo_profile()
         self.cluster.routing_notes.append(

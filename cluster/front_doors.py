@@ -33,6 +33,7 @@ from duet.worker_runtime.worker_api import EngineAddresses
 from duet.cluster.actor_names import actor_name, named_actors
 from duet.router.engine_front_end import FrontEndListeners
 from duet.router.front_door import FrontDoor, WorkerSnapshot
+from duet.router.load_meter import LoadWindow
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.proto import duet_api_pb2 as pb
 
@@ -287,6 +288,26 @@ class FrontDoorSet:
             for member in list(pool.members):
                 if member.name not in door.workers and member.engine is not None and member.state in ("ready", "draining"):
                     await self._attach(door, member, pool)
+
+    # ---- load, for the autoscaler ------------------------------------------------------------
+
+    async def sample(self, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
+        """Every serving front door's load since the last call, summed (the autoscaler's
+        :class:`~duet.cluster.autoscaler.live.LoadSource`). A front door that does not answer
+        is left out: its requests are missing from this interval, as they would be from a
+        door that was just replaced."""
+        samples = await asyncio.gather(
+            *(asyncio.wait_for(door.actor.load_sample.remote(waiting_longer_than_s), 5.0) for door in self.doors if door.state == "ready"),
+            return_exceptions=True,
+        )
+        total, overdue = LoadWindow(), 0
+        for sample in samples:
+            if isinstance(sample, BaseException):
+                logger.warning("a front door's load could not be read: %s", sample)
+                continue
+            total.add(sample[0])
+            overdue += sample[1]
+        return total, overdue
 
     # ---- status and stop --------------------------------------------------------------------
 

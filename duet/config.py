@@ -283,15 +283,6 @@ class DuetConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _autoscaler_sees_the_load(self) -> "DuetConfig":
-        if self.autoscale is not None and self.server.front_doors_apart:
-            raise ValueError(
-                "server.front_ends: the autoscaler reads the request load of the control plane's own "
-                "front door, and front doors of their own do not report theirs yet; use 1 with autoscale"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _front_door_hosts_can_join(self) -> "DuetConfig":
         server = self.server
         if server.front_end_placement != "nodes":

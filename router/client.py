@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -145,7 +146,22 @@ class DuetClient:
         return ids, last
 
     def status(self, timeout: float = 10.0) -> pb.ClusterStatus:
-        return self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata)
+        """The cluster's status, from another front door if this one cannot be reached."""
+        return self._read(lambda: self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata))
+
+    def _read(self, call: Callable[[], Any]) -> Any:
+        """A call that changes nothing, tried on each address in turn while they are
+        UNAVAILABLE (an Admin call that changes the cluster is not repeated: its error is the
+        caller's)."""
+        for attempt in range(len(self.targets)):
+            channel = self._channel
+            try:
+                return call()
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt == len(self.targets) - 1:
+                    raise
+                self._reconnect(channel)
+        raise AssertionError("unreachable")  # every attempt returns or raises
 
     def scale(self, role: str, replicas: int, timeout: float = 30.0) -> list[str]:
         """Admin: grow or shrink pool ``role`` to ``replicas`` workers; what changed, a line each."""
@@ -158,7 +174,7 @@ class DuetClient:
         return list(self._admin.DrainWorker(request, timeout=timeout, metadata=self._metadata).changes)
 
     def list_workers(self, timeout: float = 10.0) -> pb.ClusterStatus:
-        return self._admin.ListWorkers(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata)
+        return self._read(lambda: self._admin.ListWorkers(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata))
 
     def is_serving(self, timeout: float = 2.0) -> bool:
         """Whether the standard gRPC health service reports duet as SERVING."""

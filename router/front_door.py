@@ -42,6 +42,7 @@ from duet.router.auth import Gatekeeper
 from duet.router.control_channel import control_stub
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.front_ends import FrontEnds
+from duet.router.load_meter import LoadWindow
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
@@ -242,6 +243,12 @@ class FrontDoor:
         if self.front_ends is None:
             raise RuntimeError(f"front door {self.index} is not serving yet")
         return self.cluster.front_door(self.index), self.front_ends.grpc_port, self.front_ends.http_port
+
+    async def load_sample(self, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
+        """This front door's load since the control plane's last call (its autoscaler)."""
+        if self.service is None:
+            return LoadWindow(), 0
+        return await self.service.load.sample(waiting_longer_than_s)
 
     async def status(self) -> pb.FrontEnd:
         """This front door for ``duet status``."""

@@ -26,6 +26,14 @@ class LoadWindow:
     # (TPOT, output tokens) of each request that finished.
     finished: list[tuple[float, int]] = field(default_factory=list)
 
+    def add(self, other: "LoadWindow") -> None:
+        """Count ``other``'s requests too (another front door's window of the same interval)."""
+        self.arrivals += other.arrivals
+        self.prompt_tokens += other.prompt_tokens
+        self.prompt_tokens_sq += other.prompt_tokens_sq
+        self.ttfts_s.extend(other.ttfts_s)
+        self.finished.extend(other.finished)
+
 
 class LoadMeter:
     def __init__(self) -> None:
@@ -64,3 +72,8 @@ class LoadMeter:
         """Everything since the previous call, and start a new window."""
         window, self._current = self._current, LoadWindow()
         return window
+
+    async def sample(self, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
+        """What the autoscaler takes each interval: the window, and how many requests wait
+        for a first token longer than ``waiting_longer_than_s`` (cluster/autoscaler/live.py)."""
+        return self.window(), self.waiting_longer_than(waiting_longer_than_s)

@@ -83,6 +83,20 @@ def test_status_lists_both_front_doors(two_front_doors):
     assert len({door.pid for door in doors} | {os.getpid()}) == 3, "each front door is a process of its own"
 
 
+def test_the_autoscaler_sees_every_front_doors_load(two_front_doors):
+    """The control plane serves no request itself: its autoscaler's load is every front
+    door's window, summed (cluster/front_doors.py, FrontDoorSet.sample)."""
+    deployment = two_front_doors
+    deployment.background.run(deployment.front_doors.sample(60.0), timeout=30)  # a fresh window
+    sent = 6
+    for index in range(sent):  # a connection each: the kernel spreads them over both front doors
+        with DuetClient(f"127.0.0.1:{deployment.port}") as client:
+            client.generate_ids(build_request(prompt_token_ids=_prompt(index), max_tokens=4, ignore_eos=True), timeout=120)
+    window, overdue = deployment.background.run(deployment.front_doors.sample(60.0), timeout=30)
+    assert (window.arrivals, len(window.ttfts_s), len(window.finished), overdue) == (sent, sent, sent, 0)
+    assert window.prompt_tokens == sum(len(_prompt(index)) for index in range(sent))
+
+
 def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_doors, reference):
     deployment = two_front_doors
     target = f"127.0.0.1:{deployment.port}"

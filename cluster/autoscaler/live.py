@@ -1,7 +1,8 @@
 """The autoscaler driving a running deployment, on the wall clock.
 
-Every ``interval_s`` it builds an :class:`Observation` from the router (the load meter's window,
-the pools' states, queued prompt tokens, the decode workers' KV usage from their health
+Every ``interval_s`` it builds an :class:`Observation` from the serving path (the requests'
+load since the last interval, of the one front door or summed over every front door,
+:class:`LoadSource`), the pools' states, queued prompt tokens, the decode workers' KV usage from their health
 reports), asks the :class:`Autoscaler` for targets, and carries them out through the pool
 managers, the same calls as ``duet scale``: growing starts workers that join rotation once their
 engines are ready; shrinking drains. Metrics count as stale when a ready worker's last health
@@ -20,7 +21,7 @@ from duet.cluster.autoscaler.capacity import CapacityModel
 from duet.cluster.autoscaler.core import Autoscaler, Decision, Observation, PoolObservation
 from duet.cluster.autoscaler.metrics import AutoscalerMetrics
 from duet.cluster.autoscaler.policy import ROLES, AutoscalePolicy
-from duet.router.load_meter import LoadMeter
+from duet.router.load_meter import LoadWindow
 from duet.router.pools import ScaleError, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -41,12 +42,19 @@ def capacity_model(policy: AutoscalePolicy) -> CapacityModel | None:
     return CapacityModel(prefill, decode, policy.slo_profile(), policy.headroom)
 
 
+class LoadSource(Protocol):
+    """The serving path's load since the last interval: a front door's
+    :class:`~duet.router.load_meter.LoadMeter`, or every front door's (cluster/front_doors.py)."""
+
+    async def sample(self, waiting_longer_than_s: float) -> tuple[LoadWindow, int]: ...
+
+
 class LiveAutoscaler:
     def __init__(
         self,
         policy: AutoscalePolicy,
         pools: dict[str, WorkerPool],
-        load: LoadMeter,
+        load: LoadSource,
         operator: PoolOperator,
         metrics: AutoscalerMetrics | None = None,
     ) -> None:
@@ -72,14 +80,16 @@ class LiveAutoscaler:
         while True:
             await asyncio.sleep(self.policy.interval_s)
             try:
-                self.tick()
+                window, overdue = await self.load.sample(self.autoscaler.slo.ttft_s)
+                self.tick(window, overdue)
             except Exception:  # the autoscaler must outlive any one bad interval
                 logger.exception("autoscaler interval failed; pools left as they are")
 
-    def tick(self) -> list[Decision]:
-        """One interval: observe, decide, act. Returns the decisions."""
+    def tick(self, window: LoadWindow, ttft_overdue: int) -> list[Decision]:
+        """One interval: observe (the serving path's ``window`` and its requests waiting past
+        the TTFT target), decide, act. Returns the decisions."""
         now = time.monotonic()
-        observation = self.observe(now)
+        observation = self.observe(now, window, ttft_overdue)
         self._last_tick = now
         decisions = self.autoscaler.decide(observation)
         holding = not observation.fresh or observation.metrics_age_s > self.policy.stale_after_s
@@ -91,9 +101,8 @@ class LiveAutoscaler:
         self.last = decisions
         return decisions
 
-    def observe(self, now: float) -> Observation:
+    def observe(self, now: float, window: LoadWindow, ttft_overdue: int) -> Observation:
         slo = self.autoscaler.slo
-        window = self.load.window()
         ttft_met = sum(1 for ttft in window.ttfts_s if ttft <= slo.ttft_s)
         tpot_met = sum(1 for tpot, _ in window.finished if tpot <= slo.tpot_s)
         if self.metrics is not None:
@@ -110,7 +119,7 @@ class LiveAutoscaler:
             finished=len(window.finished),
             output_tokens=sum(tokens for _, tokens in window.finished),
             tpot_met=tpot_met,
-            ttft_overdue=self.load.waiting_longer_than(slo.ttft_s),
+            ttft_overdue=ttft_overdue,
             pools={role: _pool_observation(self.pools[role]) for role in ROLES},
             metrics_age_s=self._metrics_age(now),
         )

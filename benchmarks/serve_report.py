@@ -48,9 +48,18 @@ DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
 DISAGG_HTTP = "duet-disagg-http"
 # duet disaggregated with two front doors apart from the control plane (server.front_ends: 2).
 DISAGG_FRONT_DOORS = "duet-disagg-2fd"
+# The systems users would pick instead (benchmarks/peer_systems.py); "-tuned": with duet's NIXL
+# progress-thread setting, which neither peer exposes.
+VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG = "vllm-pd", "dynamo-agg", "dynamo-disagg"
+VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED = "vllm-pd-tuned", "dynamo-disagg-tuned"
+PEERS = (VLLM_PD, VLLM_PD_TUNED, DYNAMO_AGG, DYNAMO_DISAGG, DYNAMO_DISAGG_TUNED)
 GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
-# The comparisons the table reports, for the systems a run included.
-RATIOS = ((DISAGG, VLLM), (DISAGG_HTTP, VLLM), (DISAGG, COLOCATED), (DISAGG_FRONT_DOORS, DISAGG))
+# The comparisons the table reports, for the systems a run included: duet against each peer
+# over the same protocol (OpenAI HTTP).
+RATIOS = (
+    (DISAGG, VLLM), (DISAGG_HTTP, VLLM), (DISAGG, COLOCATED), (DISAGG_FRONT_DOORS, DISAGG),
+    *((DISAGG_HTTP, peer) for peer in PEERS),
+)
 
 
 def _pct(values: Sequence[float], q: float) -> float:

@@ -9,6 +9,10 @@
 - ``duet-disagg-2fd``: ``duet serve --front-ends 2``, the same workers behind two front doors
   apart from the control plane; the client spreads its requests over 8 connections, which the
   kernel spreads over the front doors.
+- ``vllm-pd``, ``dynamo-agg``, ``dynamo-disagg``: the systems users would pick instead, as
+  their documentation sets them up (benchmarks/peer_systems.py); ``vllm-pd-tuned`` and
+  ``dynamo-disagg-tuned`` with duet's NIXL progress-thread setting, which neither exposes.
+  Dynamo needs ``make peers``.
 
 Every system gets the same model, dtype, step token budget and sequence limit, so that they
 differ only in how they serve. Each runs in its own session (process group), so stopping it
@@ -29,14 +33,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from duet.benchmarks.serve_report import COLOCATED, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, VLLM
+from duet.benchmarks.peer_systems import PEERS_PYTHON
+from duet.benchmarks.serve_report import (
+    COLOCATED, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, DYNAMO_DISAGG_TUNED, PEERS, VLLM, VLLM_PD, VLLM_PD_TUNED,
+)
 from duet.config import COLOCATED_CONFIG_PATH, DuetConfig
 from duet.worker_runtime.engine import resolve_model_path
 
-SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, DISAGG_FRONT_DOORS)
-DEFAULT_SYSTEMS = SYSTEMS[:4]  # the front-door comparison on request
+SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, DISAGG_FRONT_DOORS, *PEERS)
+DEFAULT_SYSTEMS = SYSTEMS[:4]  # the front-door comparison and the peers on request
 # Systems measured through the OpenAI HTTP API (the others through duet's gRPC API).
-_HTTP = (VLLM, DISAGG_HTTP)
+_HTTP = (VLLM, DISAGG_HTTP, *PEERS)
+_TUNED = (VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED)
 _START_TIMEOUT_S = 600.0
 
 
@@ -75,6 +83,8 @@ def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[
         return duet + ["--config", str(COLOCATED_CONFIG_PATH)], {}
     if name == DISAGG_FRONT_DOORS:
         return duet + ["--front-ends", "2"], {}
+    if name in PEERS:
+        return _peer_command(name, config, port), {}
     return (
         [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -92,8 +102,29 @@ def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[
     )
 
 
+def _peer_command(name: str, config: DuetConfig, port: int) -> list[str]:
+    """``python -m duet.benchmarks.peer_systems`` for peer ``name``, on duet's engine terms."""
+    system = name.removesuffix("-tuned")
+    python = sys.executable if system == VLLM_PD else str(PEERS_PYTHON)
+    if not Path(python).exists():
+        raise SystemStartError(f"{name}: Dynamo is not installed; run `make peers` (it installs into .venv-peers)")
+    return [
+        python, "-m", "duet.benchmarks.peer_systems", system,
+        "--model", str(resolve_model_path(config.model)), "--served-model-name", config.model.name,
+        "--dtype", config.model.dtype, "--seed", str(config.model.seed),
+        "--max-num-seqs", str(config.decode.max_num_seqs),
+        "--max-num-batched-tokens", str(config.decode.max_num_batched_tokens),
+        "--kv-cache-gib", str(round(config.decode.kv_cache_gib)),
+        "--nixl-progress", "wait" if name in _TUNED else "poll",
+        "--port", str(port),
+        *(["--enforce-eager"] if config.model.enforce_eager else []),
+    ]
+
+
 def _ready(name: str, port: int, log: Path) -> bool:
-    if name == VLLM:
+    if name in PEERS and not name.startswith(VLLM_PD):
+        return "dynamo: serving" in log.read_text(errors="replace")
+    if name == VLLM or name.startswith(VLLM_PD):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
                 return reply.status == 200
@@ -133,12 +164,15 @@ def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSys
 
 def _front_door_pid(name: str, pid: int) -> int:
     """`duet serve` runs its deployment (the router) in its one child and only reaps
-    (cluster/process_reaper.py); vLLM's server serves in its own process."""
-    if name == VLLM:
+    (cluster/process_reaper.py); vLLM's server serves in its own process, as vLLM's P/D proxy
+    does in the peer's; Dynamo's frontend is the peer's child that runs ``dynamo.frontend``."""
+    if name == VLLM or name.startswith(VLLM_PD):
         return pid
     import psutil
 
     children = psutil.Process(pid).children()
+    if name in PEERS:
+        return next((child.pid for child in children if "dynamo.frontend" in " ".join(child.cmdline())), pid)
     return children[0].pid if len(children) == 1 else pid
 
 

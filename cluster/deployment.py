@@ -158,6 +158,7 @@ class Deployment:
             [self.prefill, self.decode] if not colocated else [self.decode],
             self.config.router.health_interval_s,
             self.config.router.health_timeout_s,
+            self.config.router.health_failures,
         )
         self.health.start()
         self.service = request_service(

@@ -8,8 +8,12 @@ Two checks, each for what it catches cheaply:
   CPU than anything else it did);
 - a ping on a fixed period: a round trip to the engine core (through the engine's front end for
   vLLM workers, the actor for SIMULATED ones), which a hung engine never completes within the
-  timeout. Each answer also carries the worker's load (KV cache usage, running requests), which
-  the decode routing policy uses.
+  timeout. A worker is taken for hung after ``failures`` such pings in a row (Kubernetes'
+  probes count the same way): one slow answer is not a hang. With three systems' engines
+  sharing two cores (`duet bench serve` beside its peers), a healthy idle decode engine missed
+  one 5-s ping three times in 15 minutes, and each time its replacement cost the requests
+  arriving meanwhile a cold start (TTFT p90 9.4 s for a round). Each answer also carries the
+  worker's load (KV cache usage, running requests), which the decode routing policy uses.
 
 A worker that fails either is taken out of rotation and replaced at once, before any request
 finds it; with another ready worker in its pool, no request waits for the replacement.
@@ -36,10 +40,12 @@ class WorkerExited(RuntimeError):
 
 
 class HealthWatcher:
-    def __init__(self, pools: list[WorkerPool], interval_s: float, timeout_s: float) -> None:
+    def __init__(self, pools: list[WorkerPool], interval_s: float, timeout_s: float, failures: int = 1) -> None:
         self.pools = pools
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.failures = failures
+        self._missed: dict[str, int] = {}  # worker name -> pings missed in a row
         self._task: asyncio.Task[None] | None = None
         self._checking: set[str] = set()
         # Worker name -> (the engine its watch is on, the task awaiting that watch).
@@ -77,8 +83,16 @@ class HealthWatcher:
         try:
             member.kv_usage, member.running = await asyncio.wait_for(engine.ping(), self.timeout_s)
             member.reported_at = time.monotonic()
+            self._missed.pop(member.name, None)
         except TimeoutError:
-            pool.mark_failed(member, WorkerUnresponsive(f"no answer to a health ping in {self.timeout_s:g} s"), engine)
+            missed = self._missed[member.name] = self._missed.get(member.name, 0) + 1
+            if missed >= self.failures:
+                self._missed.pop(member.name, None)
+                pool.mark_failed(
+                    member, WorkerUnresponsive(f"no answer to {missed} health ping(s) in a row, {self.timeout_s:g} s each"), engine
+                )
+            else:
+                logger.warning("%s did not answer a health ping in %g s (%d of %d)", member.name, self.timeout_s, missed, self.failures)
         except Exception as error:
             pool.mark_failed(member, error, engine)
         finally:

@@ -240,9 +240,12 @@ class RouterConfig(_Strict):
     # serves the TTFT the prefill pool cannot. 0 never does.
     local_prefill_queue_tokens: int = Field(default=0, ge=0)
     # Health watching: every worker is pinged (a round trip to its engine) this often; one that
-    # is dead, or does not answer within the timeout (a hung engine), is replaced at once.
+    # is dead is replaced at once, one that misses health_failures pings in a row (each not
+    # answered within the timeout: a hung engine) too. One miss is not enough: on a host whose
+    # cores are oversubscribed, a healthy engine's answer can take seconds (cluster/health.py).
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=5.0, gt=0)
+    health_failures: int = Field(default=3, ge=1)
     # Removing a worker waits this long for its requests to finish; the rest resume elsewhere.
     drain_timeout_s: float = Field(default=60.0, ge=0)
 

@@ -95,7 +95,8 @@ def test_decode_killed_during_handoff_resumes_on_replacement(client, deployment,
 def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, deployment, reference):
     """A stream spares its decode engine the health ping's round trip (its outputs show that it
     steps). An engine core that stops stepping while alive (SIGSTOP: hung, not exited) stops
-    delivering; the pings resume, time out, and the worker is replaced; the stream resumes on
+    delivering; the pings resume, time out (router.health_failures in a row), and the worker is
+    replaced; the stream resumes on
     the replacement, token-exact."""
     prompt = _prompt(300, seed=5)
     decode = deployment.decode.members[0]
@@ -103,7 +104,7 @@ def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, d
     router = deployment.config.router
     # Found by design within the recent-output window (the stream's last output must age), the
     # next ping and its timeout; the slack is for a loaded machine. The error says a ping found it.
-    notice_bound_s = _RECENT_OUTPUT_S + router.health_interval_s + router.health_timeout_s + 10
+    notice_bound_s = _RECENT_OUTPUT_S + router.health_failures * (router.health_interval_s + router.health_timeout_s) + 10
     engine_pid = ray.get(decode.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
     request = build_request(prompt_token_ids=prompt, max_tokens=160, ignore_eos=True)
     received: list[int] = []

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from duet.kv_transfer.metrics import metric_total
+from duet.kv_transfer.ports import free_port
 
 EXIT_BAD_INPUT = 2
 SIZES = {"1k": 1024, "8k": 8192, "32k": 32768}
@@ -193,7 +194,7 @@ def _gloo_receiver(outbox: Any, inbox: Any, nbytes: int, reps: int, port: int, r
 
 def raw_gloo_seconds(nbytes: int, reps: int) -> float:
     """Best time of a plain gloo send/recv of ``nbytes`` between two processes (loopback)."""
-    return _two_processes(_gloo_sender, _gloo_receiver, nbytes, reps, _free_port())
+    return _two_processes(_gloo_sender, _gloo_receiver, nbytes, reps, free_port("127.0.0.1"))
 
 
 def _nixl_agent(name: str, nbytes: int, descriptors: int, fill: float) -> tuple[Any, Any, Any]:
@@ -314,15 +315,7 @@ def _link_sender(outbox: Any, inbox: Any, geometry: KVGeometry, tokens: int, rep
 def p2p_link_seconds(geometry: KVGeometry, tokens: int, reps: int) -> float:
     """Best wire time of the nccl transport's own link (duet's sender and listener, gloo)
     moving a prompt's KV between two bare processes: the transport without the deployment."""
-    return _two_processes(_link_sender, _link_receiver, geometry, tokens, reps, _free_port())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return _two_processes(_link_sender, _link_receiver, geometry, tokens, reps, free_port("127.0.0.1"))
 
 
 @dataclass(frozen=True)

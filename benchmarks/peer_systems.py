@@ -47,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD
+from duet.kv_transfer.ports import free_port
 
 VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG = "vllm-pd", "dynamo-agg", "dynamo-disagg"
 PEERS = (VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG)
@@ -67,12 +68,6 @@ class Engine:
     role: str  # prefill | decode | agg
     cores: str
     kv_cache_gib: int
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((_LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 _GIVEN_LOW_PORTS: set[int] = set()
@@ -111,7 +106,7 @@ def engine_environment(args: argparse.Namespace, engine: Engine, plugins: list[s
         "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_gib),
         "VLLM_HOST_IP": _LOOPBACK,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": _LOOPBACK,
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(_LOOPBACK)),
     }
     if engine.cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = engine.cores
@@ -168,7 +163,7 @@ def run_vllm_pd(args: argparse.Namespace) -> int:
 
     processes, ports = Processes(), []
     for engine in _engines(args, disaggregated=True):
-        port = _free_port()
+        port = free_port(_LOOPBACK)
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_arguments(args),
             "--host", _LOOPBACK, "--port", str(port), "--kv-transfer-config", json.dumps(_NIXL_CONNECTOR),

@@ -46,7 +46,6 @@ import itertools
 import json
 import math
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -81,6 +80,7 @@ from duet.cluster.placement.optimizer import optimize
 from duet.cluster.placement.plan import Plan
 from duet.cluster.placement.simulator import SimConfig, Slo
 from duet.cluster.placement.trace import Trace, load_trace
+from duet.kv_transfer.ports import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results" / "placement_crossval.json"
 TRACES = {
@@ -164,12 +164,6 @@ def error_summary(points: list[dict], errors_key: str = "errors") -> dict[str, d
         values = np.array([abs(p[errors_key][key]) for p in points if math.isfinite(p[errors_key][key])])
         summary[key] = {"mean": float(values.mean()), "worst": float(values.max())} if len(values) else {}
     return summary
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def predicted_knee(cluster: ClusterSpec, plan: Plan, trace: Trace, slo: Slo, sim: SimConfig, floor: float) -> float:
@@ -342,7 +336,7 @@ def main() -> None:
 
     seeds = itertools.count(1)  # a new seed per replay: prompts are never reused from the cache
     results = []
-    metrics_port = free_port()
+    metrics_port = free_port("127.0.0.1")
     config = write_deploy_config(workdir, args.requests, metrics_port)
     with serving(config, plan_path, workdir / "serve.log") as (target, pid):
         wait_for_quiet(args.max_load, args.quiet_timeout)

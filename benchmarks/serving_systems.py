@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from duet.benchmarks.serve_report import (
     COLOCATED, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, DYNAMO_DISAGG_TUNED, PEERS, VLLM, VLLM_PD, VLLM_PD_TUNED,
 )
 from duet.config import COLOCATED_CONFIG_PATH, DuetConfig
+from duet.kv_transfer.ports import free_port
 from duet.worker_runtime.engine import resolve_model_path
 
 SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, DISAGG_FRONT_DOORS, *PEERS)
@@ -45,6 +45,8 @@ DEFAULT_SYSTEMS = SYSTEMS[:4]  # the front-door comparison and the peers on requ
 # Systems measured through the OpenAI HTTP API (the others through duet's gRPC API).
 _HTTP = (VLLM, DISAGG_HTTP, *PEERS)
 _TUNED = (VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED)
+# Served by the started process itself and ready on GET /health: vLLM's server, vLLM's P/D proxy.
+_SELF_SERVED = (VLLM, VLLM_PD, VLLM_PD_TUNED)
 _START_TIMEOUT_S = 600.0
 
 
@@ -65,12 +67,6 @@ class RunningSystem:
     front_door_pid: int = 0
     front_door_process: str = ""
     connections: int = 1  # the gRPC client's
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[str, str]]:
@@ -122,21 +118,20 @@ def _peer_command(name: str, config: DuetConfig, port: int) -> list[str]:
 
 
 def _ready(name: str, port: int, log: Path) -> bool:
-    if name in PEERS and not name.startswith(VLLM_PD):
-        return "dynamo: serving" in log.read_text(errors="replace")
-    if name == VLLM or name.startswith(VLLM_PD):
+    if name in _SELF_SERVED:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
                 return reply.status == 200
         except OSError:
             return False
-    return "duet: serving" in log.read_text(errors="replace")
+    ready_line = "dynamo: serving" if name in PEERS else "duet: serving"  # peer_systems.py prints Dynamo's
+    return ready_line in log.read_text(errors="replace")
 
 
 @contextmanager
 def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSystem]:
     """Start ``name``, wait until it serves, yield it, and stop its whole process group."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     command, env = _command(name, config, port)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
@@ -166,7 +161,7 @@ def _front_door_pid(name: str, pid: int) -> int:
     """`duet serve` runs its deployment (the router) in its one child and only reaps
     (cluster/process_reaper.py); vLLM's server serves in its own process, as vLLM's P/D proxy
     does in the peer's; Dynamo's frontend is the peer's child that runs ``dynamo.frontend``."""
-    if name == VLLM or name.startswith(VLLM_PD):
+    if name in _SELF_SERVED:
         return pid
     import psutil
 

@@ -171,7 +171,7 @@ class Deployment:
             )
             self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
         else:
-            self._control_server, _ = await start_control_server(
+            self._control_server = await start_control_server(
                 self.front_doors.control.address, AdminServicer(self.service, self, trusted=True), self.front_doors.control.token
             )
             if self.adopted:

@@ -198,6 +198,7 @@ class FrontDoorSet:
                 return addresses
             except Exception as error:  # dead or stuck: its watch replaces it
                 logger.warning("front door %d did not listen for %s: %s", door.index, worker, error)
+        door.workers.discard(worker)  # an engine launched elsewhere: attached (moved) when it connects
         if simulated:
             with socket.create_server((self.host, 0)) as picked_port:
                 return self.host, picked_port.getsockname()[1]

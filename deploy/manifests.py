@@ -130,7 +130,7 @@ def _worker_container(launch: ClusterLaunch, group: GroupLaunch) -> tuple[Manife
         return container, []
     grpc_port = next(port.number for port in group.ports if port.name == "grpc")
     container["ports"] = [{"name": port.name, "containerPort": port.number} for port in group.ports]
-    container["readinessProbe"] = {"grpc": {"port": grpc_port}, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 2}
+    container["readinessProbe"] = _readiness_probe(grpc_port)
     volumes = _keys_volumes(launch)
     if volumes:
         container["volumeMounts"] = _keys_mounts(launch)
@@ -195,13 +195,14 @@ def _head_container(launch: ClusterLaunch) -> Manifest:
             "timeoutSeconds": 5,
             "failureThreshold": 6,
         },
-        "readinessProbe": {
-            "grpc": {"port": grpc_port},
-            "periodSeconds": 5,
-            "timeoutSeconds": 5,
-            "failureThreshold": 2,
-        },
+        "readinessProbe": _readiness_probe(grpc_port),
     }
+
+
+def _readiness_probe(grpc_port: int) -> Manifest:
+    """In the Service only while grpc.health.v1's overall status is SERVING (every pool has a
+    ready worker): the head's with one front door, each front-door pod's with several."""
+    return {"grpc": {"port": grpc_port}, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 2}
 
 
 def _head_volumes(launch: ClusterLaunch) -> list[Manifest]:

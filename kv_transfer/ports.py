@@ -52,8 +52,8 @@ def is_bindable(host: str, port: int) -> bool:
 
 
 def free_port(host: str) -> int:
-    """A port nothing listens on at ``host`` now (for a server that must know its port before
-    it starts, and keep it across restarts)."""
+    """A port nothing listens on at ``host`` now, for a server that must be told its port
+    before it starts (another process's, or one whose clients are configured first)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]

@@ -71,24 +71,25 @@ class AdminServicer:
 class ForwardingAdmin(AdminServicer):
     """The Admin service of a front door in a process of its own: it authorizes the
     caller as every front door does, then carries the call to the control plane over its
-    private socket (the pools are changed there). Errors come back with the control plane's
-    status code and message."""
+    private channel (the pools are changed there). Errors come back with the control plane's
+    status code and message. ``control`` gives the channel's current stub: a control plane
+    started again may be reached at another address (router/front_door.py, ``control_at``)."""
 
-    def __init__(self, service: RequestService, control: "pb_grpc.AdminStub") -> None:
+    def __init__(self, service: RequestService, control: Callable[[], "pb_grpc.AdminStub"]) -> None:
         super().__init__(service, operator=None)  # type: ignore[arg-type]
         self.control = control
 
     async def ScalePool(self, request: pb.ScalePoolRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
         await self._authorize(context)
-        return await _forward(context, self.control.ScalePool(request))
+        return await _forward(context, self.control().ScalePool(request))
 
     async def DrainWorker(self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
         await self._authorize(context)
-        return await _forward(context, self.control.DrainWorker(request))
+        return await _forward(context, self.control().DrainWorker(request))
 
     async def ListWorkers(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         await self._authorize(context)
-        return await _forward(context, self.control.ListWorkers(request))
+        return await _forward(context, self.control().ListWorkers(request))
 
 
 async def _forward(context: grpc.aio.ServicerContext, call: Awaitable[Any]) -> Any:

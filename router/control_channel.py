@@ -45,14 +45,14 @@ class _AddToken(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(details._replace(metadata=metadata), request)
 
 
-async def start_control_server(address: str, admin: Any, token: str | None) -> tuple[Any, int]:
+async def start_control_server(address: str, admin: Any, token: str | None) -> Any:
     """The control plane's private gRPC server at ``address`` (``unix:PATH``, or ``HOST:PORT``
-    with a ``token``); returns the server and its port (0 for a Unix socket)."""
+    with a ``token``)."""
     server = grpc.aio.server(interceptors=[_RequireToken(token)] if token else None)
     pb_grpc.add_AdminServicer_to_server(admin, server)
-    port = server.add_insecure_port(address)
+    server.add_insecure_port(address)
     await server.start()
-    return server, port
+    return server
 
 
 def control_stub(address: str, token: str | None) -> tuple[grpc.aio.Channel, pb_grpc.AdminStub]:

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from duet.config import KVTransferConfig
 from duet.worker_runtime.engine_host import WATCH_HOLD_S
+from duet.worker_runtime.engine_clients import READDRESS_METHOD
 from duet.worker_runtime.worker_api import DecodeChunk, EngineAborted, EngineAddresses, PrefillResult, SamplingSpec, WorkerStatus
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
@@ -212,9 +213,7 @@ class EngineFrontEnd:
         """Reconnect the engine core's client ``client_index`` to ``addresses``, where its
         replacement front door listens on another host; what the old one left is aborted
         (worker_runtime/engine_clients.py)."""
-        await self.engine.engine_core.call_utility_async(
-            "duet_readdress_client", client_index, addresses.input, addresses.output
-        )
+        await self.engine.engine_core.call_utility_async(READDRESS_METHOD, client_index, addresses.input, addresses.output)
 
     async def _worker_gone(self) -> bool:
         """Asked when the engine aborts a request the router did not abort. An engine core

@@ -104,7 +104,6 @@ class FrontDoor:
         for pool in self.pools.values():
             pool.restart = self._await_replacement
         self._control_channel, control = control_stub(control_address, control_token)
-        self._admin: ForwardingAdmin | None = None
         transport = "none (colocated)" if colocated else config.kv_transfer.transport
         ordered = [self.pools[role] for role in ("prefill", "decode") if role in self.pools]
         self.cluster = ControlledClusterView(config.model.name, transport, ordered, control)
@@ -150,7 +149,11 @@ class FrontDoor:
         pool.changed()
 
     async def _engine_front_end(self, worker: WorkerSnapshot) -> EngineFrontEnd:
-        listeners = self._listening.pop(worker.name, None) or FrontEndListeners.rebind(worker.addresses)
+        """A front end on the listeners :meth:`listen` bound for ``worker``: the control plane
+        always has a front door listen before it connects it (cluster/front_doors.py)."""
+        listeners = self._listening.pop(worker.name, None)
+        if listeners is None:
+            raise RuntimeError(f"front door {self.index} was asked to connect to {worker.name} without listening for it")
         return await EngineFrontEnd.connect(
             worker.name, worker.actor, worker.engine_config, listeners, self.config.kv_transfer, (self.index, self.count)
         )
@@ -220,7 +223,7 @@ class FrontDoor:
         gatekeeper = Gatekeeper.from_config(self.config.server.auth)
         prefill, decode = self.pools.get("prefill"), self.pools["decode"]
         self.service = request_service(self.config, prefill, decode, limits, self.cluster, gatekeeper)
-        admin = self._admin = ForwardingAdmin(self.service, self.cluster.control)
+        admin = ForwardingAdmin(self.service, lambda: self.cluster.control)
         self.front_ends = await FrontEnds.start(
             self.service, self.config.server, grpc_port, http_port, chat_template(self.config), admin
         )
@@ -232,10 +235,7 @@ class FrontDoor:
         """Reach the control plane at ``address`` from now on (a control plane started again
         on another port takes this front door over)."""
         old = self._control_channel
-        self._control_channel, control = control_stub(address, token)
-        self.cluster.control = control
-        if self._admin is not None:
-            self._admin.control = control
+        self._control_channel, self.cluster.control = control_stub(address, token)
         await old.close()
 
     async def serving(self) -> tuple[pb.FrontEnd, int, int | None]:

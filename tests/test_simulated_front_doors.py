@@ -57,9 +57,14 @@ def test_a_simulated_front_door_dies_and_its_replacement_is_dialled_again(simula
 
     with ThreadPoolExecutor(STREAMS) as pool:
         streams = [pool.submit(_stream, target, prompt) for prompt in prompts]
+        # Every stream placed (so none can still land on the victim after the count is read),
+        # and both front doors carrying some.
         doors = wait_for(
-            lambda: (d := front_doors(target)) and all(door.requests_inflight > 0 for door in d) and d,
-            60, "both front doors streaming",
+            lambda: (d := front_doors(target))
+            and sum(door.requests_inflight for door in d) == STREAMS
+            and all(door.requests_inflight > 0 for door in d)
+            and d,
+            60, "every stream in flight, on both front doors",
         )
         os.kill(victim.pid, signal.SIGKILL)
         results = [stream.result() for stream in streams]

@@ -1,6 +1,6 @@
 # The two README commands. Both install everything first (scripts/install.sh, a no-op when
 # nothing changed).
-.PHONY: install serve test proto peers
+.PHONY: install serve test proto peers docs
 
 install:
 	@bash scripts/install.sh
@@ -17,3 +17,8 @@ proto: install
 # Benchmark-only: the peers `duet bench serve` compares duet with (scripts/install_peers.sh).
 peers: install
 	@bash scripts/install_peers.sh
+
+# The documentation site (mkdocs.yml) into site/: references regenerated from the code first.
+docs: install
+	.venv/bin/python -m duet.reference_pages
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict

@@ -25,20 +25,30 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A field's docstring is its description: the configuration reference
+    # (docs/reference/configuration.md) is generated from them.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(_Strict):
     """Which model every worker serves, and the engine settings that must match across roles."""
 
     name: str = Field(default="duet-tiny-llama", min_length=1)
+    """The name clients use for this model (the OpenAI API's `model`); checked against each
+    request's."""
     path: str = Field(default=BUILTIN_MODEL, description="'builtin' or a local HF model directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights' and activations' type. float32 makes disaggregated generation equal colocated
+    generation token for token."""
     max_model_len: int | None = Field(default=None, ge=16)
+    """Longest context (prompt plus output) in tokens; null takes the model's own."""
     enforce_eager: bool = True
+    """Run the model eagerly (no CUDA graphs / torch.compile): faster engine starts, the only mode
+    tested on CPU."""
     seed: int = 0
-    # Jinja chat template file for /v1/chat/completions, for models whose tokenizer has none.
+    """Sampling seed of every engine, so seeded requests repeat."""
     chat_template: str | None = None
+    """Jinja chat template file for /v1/chat/completions, for models whose tokenizer has none."""
 
     @field_validator("path")
     @classmethod
@@ -59,38 +69,46 @@ class PoolConfig(_Strict):
     """One pool of identical workers (prefill or decode)."""
 
     replicas: int = Field(default=1, ge=1)
+    """Workers in the pool."""
     tensor_parallel: int = Field(default=1, ge=1)
+    """GPUs each worker's model is split over, layer by layer (vLLM's tensor parallelism)."""
     pipeline_parallel: int = Field(default=1, ge=1)
+    """Pipeline stages each worker's model is split into (vLLM's pipeline parallelism)."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
+    """KV cache each worker's engine reserves, in GiB (vLLM's kv_cache_memory_bytes)."""
     num_cpus: float = Field(default=1.0, ge=0)
+    """CPUs Ray reserves for each worker actor."""
     num_gpus: float = Field(default=0.0, ge=0)
-    # CPU only: the core each worker's forward pass is pinned to (replica i gets cpu_cores[i]).
-    # vLLM would otherwise pin every engine to the machine's last core.
+    """GPUs Ray reserves for each worker actor (0 on CPU machines)."""
     cpu_cores: list[int] | None = None
-    # Cluster node (index into the Ray cluster's nodes, sorted by address) for each replica, as
-    # a placement plan assigns them; None lets Ray choose.
+    """CPU only: the core each worker's forward pass is pinned to (replica i gets cpu_cores[i]).
+    vLLM would otherwise pin every engine to the machine's last core."""
     nodes: list[int] | None = None
-    # Ray custom resources each worker requests, e.g. {prefill: 1}: on a cluster whose node
-    # groups advertise them (Kubernetes, docs/deploy.md) they put each worker on its own group's
-    # nodes, and Ray's autoscaler knows which group to grow for a pending worker.
+    """Cluster node (index into the Ray cluster's nodes, sorted by address) for each replica, as a
+    placement plan assigns them; None lets Ray choose."""
     resources: dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources each worker requests, e.g. {prefill: 1}: on a cluster whose node groups
+    advertise them (Kubernetes, docs/deploy.md) they put each worker on its own group's nodes,
+    and Ray's autoscaler knows which group to grow for a pending worker."""
     max_num_seqs: int = Field(default=64, ge=1)
-    # Tokens one engine step may compute (vLLM's chunked-prefill budget), set explicitly so that
-    # the engines and the planner's simulator (SimConfig.prefill_max_batch_tokens) agree.
+    """Requests one engine runs at once (vLLM's max_num_seqs); more wait in its queue."""
     max_num_batched_tokens: int = Field(default=2048, ge=1)
-    # vllm: a real engine. simulated: SIMULATED timing from a latency model, no model computed
-    # (control-plane scale tests and what-if runs only; worker_runtime/simulated_engine.py).
+    """Tokens one engine step may compute (vLLM's chunked-prefill budget), set explicitly so that
+    the engines and the planner's simulator (SimConfig.prefill_max_batch_tokens) agree."""
     engine: Literal["vllm", "simulated"] = "vllm"
-    # simulated: "distserve:MODEL" (DistServe's A100 profiles in ../shared/traces) or the path of
-    # a `duet profile` output.
+    """vllm: a real engine. simulated: SIMULATED timing from a latency model, no model computed
+    (control-plane scale tests and what-if runs only; worker_runtime/simulated_engine.py)."""
     simulated_profile: str = "distserve:opt-13b"
-    # The shortest time between two output messages of a worker's engine to the router, in ms;
-    # outputs produced meanwhile travel together (worker_runtime/engine_output.py). The default is the
-    # tight TPOT target of `duet bench serve`, so a token waits at most what that target allows
-    # for one token. Each message costs the router about 2 ms of CPU on a small host whatever it carries, so a
-    # decode engine stepping every 10 ms cost it about 1.6 ms per token alone. A request's
-    # first and last tokens never wait; the others arrive in twos or threes. 0: every step.
+    """simulated: "distserve:MODEL" (DistServe's A100 profiles in ../shared/traces) or the path of
+    a `duet profile` output."""
     output_interval_ms: float = Field(default=40.0, ge=0)
+    """The shortest time between two output messages of a worker's engine to the router, in ms;
+    outputs produced meanwhile travel together (worker_runtime/engine_output.py). The default is
+    the tight TPOT target of `duet bench serve`, so a token waits at most what that target
+    allows for one token. Each message costs the router about 2 ms of CPU on a small host
+    whatever it carries, so a decode engine stepping every 10 ms cost it about 1.6 ms per token
+    alone. A request's first and last tokens never wait; the others arrive in twos or threes. 0:
+    every step."""
 
     @model_validator(mode="after")
     def _one_entry_per_replica(self) -> "PoolConfig":
@@ -107,31 +125,37 @@ class PoolConfig(_Strict):
 class KVTransferConfig(_Strict):
     """How KV moves from prefill to decode workers."""
 
-    # nixl: vLLM's NixlConnector (UCX; pull). nccl: duet's P2pConnector (torch.distributed
-    # send/recv, NCCL on GPUs and gloo on CPUs; pushes each layer during prefill).
     transport: Literal["nixl", "nccl"] = "nixl"
+    """nixl: vLLM's NixlConnector (UCX; pull). nccl: duet's P2pConnector (torch.distributed
+    send/recv, NCCL on GPUs and gloo on CPUs; pushes each layer during prefill)."""
     buffer_device: Literal["cpu", "cuda"] = "cpu"
-    # The address workers' KV channels listen on; "auto" is each worker's own node address
-    # (multi-node clusters, where no single address fits every worker).
+    """Where the KV staging buffer lives: cpu (host memory; the only choice on CPU machines) or
+    cuda."""
     side_channel_host: str = "127.0.0.1"
+    """The address workers' KV channels listen on; "auto" is each worker's own node address (multi-
+    node clusters, where no single address fits every worker)."""
     side_channel_base_port: int = Field(default=5600, ge=1024, le=65000)
-    # nccl: first port a decode worker tries for its receiver (one port per rank).
+    """First port of the workers' KV side channels (NIXL handshakes); each worker takes its own
+    from here."""
     p2p_base_port: int = Field(default=18600, ge=1024, le=65000)
-    # Bound on a KV hand-off (from launching decode to its first tokens); past it the decode
-    # worker recomputes the prompt itself.
+    """nccl: first port a decode worker tries for its receiver (one port per rank)."""
     handoff_timeout_s: float = Field(default=30.0, gt=0)
-    # NIXL's UCX progress thread in each engine: "wait" sleeps until UCX has work (a KV pull
-    # completes while the prefill engine computes its next prompt); "poll" is NIXL's default,
-    # which busy-polls a whole core per engine; "off" progresses UCX only between engine steps,
-    # so a pull waits out the prefill step in progress (docs/kv_transfer.md).
+    """Bound on a KV hand-off (from launching decode to its first tokens); past it the decode
+    worker recomputes the prompt itself."""
     nixl_progress_thread: Literal["wait", "poll", "off"] = "wait"
+    """NIXL's UCX progress thread in each engine: "wait" sleeps until UCX has work (a KV pull
+    completes while the prefill engine computes its next prompt); "poll" is NIXL's default,
+    which busy-polls a whole core per engine; "off" progresses UCX only between engine steps, so
+    a pull waits out the prefill step in progress (docs/kv_transfer.md)."""
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
-    # Seconds a prefill worker keeps KV for a decode worker that never pulls it (the decode side
-    # extends the lease by heartbeats while it is still waiting to pull).
+    """What a decode worker does when a KV pull fails: recompute the prompt itself, or fail the
+    request."""
     kv_lease_s: int = Field(default=30, ge=6)
-    # nccl: stream each layer's KV while prefill computes the next (False: send it all after
-    # the prefill, the baseline `duet bench transfer` compares against).
+    """Seconds a prefill worker keeps KV for a decode worker that never pulls it (the decode side
+    extends the lease by heartbeats while it is still waiting to pull)."""
     layerwise: bool = True
+    """nccl: stream each layer's KV while prefill computes the next (False: send it all after the
+    prefill, the baseline `duet bench transfer` compares against)."""
 
     @field_validator("nixl_progress_thread", mode="before")
     @classmethod
@@ -146,12 +170,13 @@ class RayConfig(_Strict):
         description="'local' starts a private instance; 'auto' joins the cluster of this node ($RAY_ADDRESS)",
     )
     num_cpus: int | None = Field(default=None, ge=1)
-    # vLLM logs a lot from every worker; errors reach the user through duet's own messages.
+    """CPUs a private Ray instance (address: local) offers; null: all of the machine's."""
     worker_logs_to_driver: bool = False
-    # The cluster adds nodes for workers that wait for resources (KubeRay's autoscaler): growing
-    # a pool is then not refused for lack of free resources, the new workers wait for their nodes
-    # (up to server.worker_start_timeout_s).
+    """vLLM logs a lot from every worker; errors reach the user through duet's own messages."""
     autoscaling: bool = False
+    """The cluster adds nodes for workers that wait for resources (KubeRay's autoscaler): growing a
+    pool is then not refused for lack of free resources, the new workers wait for their nodes
+    (up to server.worker_start_timeout_s)."""
 
 
 class TlsConfig(_Strict):
@@ -175,45 +200,53 @@ class AuthConfig(_Strict):
     each key gets. With no key configured, duet serves without authentication (loopback only,
     unless ``server.allow_unauthenticated``)."""
 
-    # YAML list of {name, key, requests_per_minute?, max_concurrent_requests?}; see docs/security.md.
     api_keys_file: str | None = None
-    # Environment variable holding comma-separated keys (optionally NAME:KEY), default quotas.
+    """YAML list of {name, key, requests_per_minute?, max_concurrent_requests?}; see
+    docs/security.md."""
     api_keys_env: str = "DUET_API_KEYS"
-    # Per-key quotas (a key's own entry in the keys file overrides them); null is unlimited.
+    """Environment variable holding comma-separated keys (optionally NAME:KEY), default quotas."""
     requests_per_minute: float | None = Field(default=None, gt=0)
+    """Per-key quotas (a key's own entry in the keys file overrides them); null is unlimited."""
     max_concurrent_requests: int | None = Field(default=None, ge=1)
+    """Per-key limit on requests in flight at once; null is unlimited."""
 
 
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
+    """Address both APIs listen on. A non-loopback address needs API keys or allow_unauthenticated."""
     port: int = Field(default=50051, ge=0, le=65535)
-    # OpenAI-compatible HTTP API on the same host; 0 picks a free port; null disables it.
+    """gRPC port; 0 picks a free port."""
     http_port: int | None = Field(default=8000, ge=0, le=65535)
-    # Largest HTTP request body accepted (413 beyond it).
+    """OpenAI-compatible HTTP API on the same host; 0 picks a free port; null disables it."""
     http_max_body_bytes: int = Field(default=4 * 2**20, ge=1024)
+    """Largest HTTP request body accepted (413 beyond it)."""
     tls: TlsConfig | None = None
+    """Serve both APIs over TLS (null: plaintext)."""
     auth: AuthConfig = AuthConfig()
-    # Serving a non-loopback address without API keys must be asked for explicitly.
+    """API keys and per-key quotas."""
     allow_unauthenticated: bool = False
-    # Admission limit: requests beyond it get RESOURCE_EXHAUSTED instead of queueing unbounded.
+    """Serving a non-loopback address without API keys must be asked for explicitly."""
     max_inflight_requests: int = Field(default=128, ge=1)
-    # Prometheus endpoint (/metrics): request metrics and every worker's vLLM metrics.
-    # 0 picks a free port; null disables it.
+    """Admission limit: requests beyond it get RESOURCE_EXHAUSTED instead of queueing unbounded."""
     metrics_port: int | None = Field(default=9400, ge=0, le=65535)
+    """Prometheus endpoint (/metrics): request metrics and every worker's vLLM metrics. 0 picks a
+    free port; null disables it."""
     worker_start_timeout_s: float = Field(default=600.0, gt=0)
-    # Front doors: processes that serve both APIs. With 1, the control plane's process serves.
-    # With more, each is a Ray actor of its own on the control plane's host, all on the same
-    # ports (SO_REUSEPORT: the kernel spreads connections among them), each with its own front
-    # end to every engine core; one that dies loses only its own requests and is replaced
-    # without restarting any engine (router/front_door.py). More use more cores for the APIs.
+    """Seconds a worker may take to start (load weights, warm up) before the start counts as
+    failed."""
     front_ends: int = Field(default=1, ge=1, le=64)
-    # Where the front doors run. "local": on the control plane's host, sharing its ports.
-    # "nodes": each on a Ray node of its own that advertises the duet_front_end resource (a
-    # host joined with `duet front-end --cluster ADDRESS`, or a pod of the Kubernetes
-    # front-door group), serving on that host's ports; a front door whose host is lost is
-    # replaced on another such host, and a host beyond front_ends waits as a standby. With
-    # "nodes" the front doors run apart from the control plane even with front_ends: 1.
+    """Front doors: processes that serve both APIs. With 1, the control plane's process serves.
+    With more, each is a Ray actor of its own on the control plane's host, all on the same ports
+    (SO_REUSEPORT: the kernel spreads connections among them), each with its own front end to
+    every engine core; one that dies loses only its own requests and is replaced without
+    restarting any engine (router/front_door.py). More use more cores for the APIs."""
     front_end_placement: Literal["local", "nodes"] = "local"
+    """Where the front doors run. "local": on the control plane's host, sharing its ports. "nodes":
+    each on a Ray node of its own that advertises the duet_front_end resource (a host joined
+    with `duet front-end --cluster ADDRESS`, or a pod of the Kubernetes front-door group),
+    serving on that host's ports; a front door whose host is lost is replaced on another such
+    host, and a host beyond front_ends waits as a standby. With "nodes" the front doors run
+    apart from the control plane even with front_ends: 1."""
 
     @property
     def front_doors_apart(self) -> bool:
@@ -225,47 +258,62 @@ class RouterConfig(_Strict):
     """How the router picks workers, watches them, and removes them (router/policies.py)."""
 
     prefill_policy: Literal["least_requests", "least_prompt_tokens", "prefix_affinity"] = "least_prompt_tokens"
+    """How a prefill worker is picked: fewest requests, fewest outstanding prompt tokens, or the
+    one that holds the prompt's longest cached prefix (with a load guard)."""
     decode_policy: Literal["least_requests", "least_kv_load"] = "least_kv_load"
-    # prefix_affinity: tokens per hashed block (null: the engines' KV block size), and the load
-    # guard: a worker whose outstanding prompt tokens exceed load_factor x the pool mean (and the
-    # mean by more than one engine step) is skipped.
+    """How a decode worker is picked: fewest requests, or the lowest KV-cache load."""
     prefix_block_size: int | None = Field(default=None, ge=1)
+    """prefix_affinity: tokens per hashed block (null: the engines' KV block size), and the load
+    guard: a worker whose outstanding prompt tokens exceed load_factor x the pool mean (and the
+    mean by more than one engine step) is skipped."""
     load_factor: float = Field(default=1.5, ge=1.0)
-    # Conditional disaggregation: a prompt shorter than this is prefilled by the decode worker
-    # itself (no KV transfer); 0 disaggregates every request.
+    """prefix_affinity's load guard (see prefix_block_size): how far above the pool's mean load a
+    worker may be and still be picked for its cached prefix."""
     local_prefill_max_tokens: int = Field(default=0, ge=0)
-    # ... and, whatever its length, when every ready prefill worker already has more than this
-    # many prompt tokens queued or running while the decode worker's own queue of prompts is
-    # shorter (Dynamo's "prefill queue" condition): the decode engine's spare capacity then
-    # serves the TTFT the prefill pool cannot. 0 never does.
+    """Conditional disaggregation: a prompt shorter than this is prefilled by the decode worker
+    itself (no KV transfer); 0 disaggregates every request."""
     local_prefill_queue_tokens: int = Field(default=0, ge=0)
-    # Health watching: every worker is pinged (a round trip to its engine) this often; one that
-    # is dead is replaced at once, one that misses health_failures pings in a row (each not
-    # answered within the timeout: a hung engine) too. One miss is not enough: on a host whose
-    # cores are oversubscribed, a healthy engine's answer can take seconds (cluster/health.py).
+    """... and, whatever its length, when every ready prefill worker already has more than this
+    many prompt tokens queued or running while the decode worker's own queue of prompts is
+    shorter (Dynamo's "prefill queue" condition): the decode engine's spare capacity then serves
+    the TTFT the prefill pool cannot. 0 never does."""
     health_interval_s: float = Field(default=1.0, gt=0)
+    """Health watching: every worker is pinged (a round trip to its engine) this often; one that is
+    dead is replaced at once, one that misses health_failures pings in a row (each not answered
+    within the timeout: a hung engine) too. One miss is not enough: on a host whose cores are
+    oversubscribed, a healthy engine's answer can take seconds (cluster/health.py)."""
     health_timeout_s: float = Field(default=5.0, gt=0)
+    """Seconds a health ping may take before it counts as missed."""
     health_failures: int = Field(default=3, ge=1)
-    # Removing a worker waits this long for its requests to finish; the rest resume elsewhere.
+    """Missed pings in a row after which a worker counts as hung and is replaced."""
     drain_timeout_s: float = Field(default=60.0, ge=0)
+    """Removing a worker waits this long for its requests to finish; the rest resume elsewhere."""
 
 
 class DuetConfig(_Strict):
-    # disaggregated: prefill and decode pools with KV transfer between them. colocated: one pool
-    # of workers that each run whole requests (the ``colocated`` section), behind the same
-    # router: the baseline disaggregation is measured against on the same hardware.
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: prefill and decode pools with KV transfer between them. colocated: one pool
+    of workers that each run whole requests (the ``colocated`` section), behind the same router:
+    the baseline disaggregation is measured against on the same hardware."""
     model: ModelConfig = ModelConfig()
+    """The model every worker serves."""
     prefill: PoolConfig = PoolConfig(cpu_cores=[0])
+    """The prefill pool (mode: disaggregated)."""
     decode: PoolConfig = PoolConfig(cpu_cores=[1])
+    """The decode pool (mode: disaggregated)."""
     colocated: PoolConfig = PoolConfig(replicas=2, cpu_cores=[0, 1])
+    """The one pool of whole-request workers (mode: colocated)."""
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    """How KV moves from prefill to decode workers."""
     router: RouterConfig = RouterConfig()
+    """Routing policies, health watching and draining."""
     ray: RayConfig = RayConfig()
+    """Which Ray cluster duet runs on."""
     server: ServerConfig = ServerConfig()
-    # An autoscaling policy (a name under configs/autoscale, or a YAML path) that sizes the
-    # prefill and decode pools to its SLO while serving; None keeps the sizes above.
+    """The front doors: APIs, ports, TLS, keys, admission."""
     autoscale: str | None = None
+    """An autoscaling policy (a name under configs/autoscale, or a YAML path) that sizes the
+    prefill and decode pools to its SLO while serving; None keeps the sizes above."""
 
     @field_validator("autoscale")
     @classmethod

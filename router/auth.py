@@ -41,20 +41,26 @@ class QuotaExceeded(Exception):
 
 
 class _KeyEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
+    """The key's name: it labels the key's metrics and logs (the key itself never appears)."""
     key: SecretStr = Field(min_length=8)
+    """The secret the client sends as `Authorization: Bearer KEY` (at least 8 characters)."""
     requests_per_minute: float | None = Field(default=None, gt=0)
+    """This key's request rate limit (overrides auth.requests_per_minute); null is unlimited."""
     max_concurrent_requests: int | None = Field(default=None, ge=1)
-    # May call the Admin service (scale pools, drain workers).
+    """This key's limit on requests in flight (overrides auth.max_concurrent_requests); null is
+    unlimited."""
     admin: bool = False
+    """May call the Admin service (scale pools, drain workers)."""
 
 
 class _KeysFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     keys: list[_KeyEntry] = Field(min_length=1)
+    """One entry per API key."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ class PolicyError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class SloProfile(_Strict):
@@ -40,9 +40,14 @@ class PoolLimits(_Strict):
     """Bounds on one pool, and the size of one worker in budget units (GPUs, or cores on CPU)."""
 
     min: int = Field(default=1, ge=1)
+    """Fewest workers the autoscaler keeps in the pool."""
     max: int = Field(default=8, ge=1)
+    """Most workers the autoscaler grows the pool to."""
     tensor_parallel: int = Field(default=1, ge=1)
+    """Tensor-parallel size of each worker (a worker holds tensor_parallel x pipeline_parallel
+    units)."""
     pipeline_parallel: int = Field(default=1, ge=1)
+    """Pipeline-parallel size of each worker."""
 
     @model_validator(mode="after")
     def _min_below_max(self) -> PoolLimits:
@@ -59,39 +64,42 @@ class ScaleDown(_Strict):
     """Scale-down is slow on purpose: a worker removed in a lull must be restarted (minutes on
     a GPU) when the next burst comes, and every removal drains first."""
 
-    # How far back the pools' reserve looks (the load must stay low this long before the pool
-    # comes down) and how long sizes that observed misses asked for are kept.
     delay_s: float = Field(default=300.0, ge=0)
-    # Workers removed from a pool per decision.
+    """How far back the pools' reserve looks (the load must stay low this long before the pool
+    comes down) and how long sizes that observed misses asked for are kept."""
     step: int = Field(default=1, ge=1)
+    """Workers removed from a pool per decision."""
 
 
 class AutoscalePolicy(_Strict):
     slo: str | SloProfile = Field(default="chat", description="a profile under configs/slo, or the targets")
     interval_s: float = Field(default=10.0, gt=0, description="seconds between decisions")
-    # Predictive sizing from a latency model: "distserve:MODEL" (DistServe's A100 profiles) or
-    # the path of a `duet profile` output. None: reactive correction only.
     latency_model: str | None = "distserve:opt-13b"
+    """Predictive sizing from a latency model: "distserve:MODEL" (DistServe's A100 profiles) or the
+    path of a `duet profile` output. None: reactive correction only."""
     prefill: PoolLimits = PoolLimits()
+    """Bounds on the prefill pool."""
     decode: PoolLimits = PoolLimits()
-    # Total units (GPUs, or cores on CPU) both pools may hold, starting workers included.
+    """Bounds on the decode pool."""
     budget: int | None = Field(default=None, ge=1)
-    # Capacity is planned at this share of what the latency model says a worker sustains.
+    """Total units (GPUs, or cores on CPU) both pools may hold, starting workers included."""
     headroom: float = Field(default=0.8, gt=0, le=1)
-    # How long a new worker takes to serve; the forecast looks this far ahead.
+    """Capacity is planned at this share of what the latency model says a worker sustains."""
     startup_s: float = Field(default=60.0, ge=0)
-    # After a pool gains a worker, its SLO shortfall is given this long to clear before the
-    # reactive correction asks for another.
+    """How long a new worker takes to serve; the forecast looks this far ahead."""
     settle_s: float = Field(default=30.0, ge=0)
-    # Attainment is judged per period of this length; each interval is planned for the misses
-    # the rest of the period still allows (cluster/autoscaler/error_budget.py). 0 plans every
-    # interval for the target itself.
+    """After a pool gains a worker, its SLO shortfall is given this long to clear before the
+    reactive correction asks for another."""
     error_budget_window_s: float = Field(default=3600.0, ge=0)
-    # Metrics older than this (or missing) freeze every pool at its current size.
+    """Attainment is judged per period of this length; each interval is planned for the misses the
+    rest of the period still allows (cluster/autoscaler/error_budget.py). 0 plans every interval
+    for the target itself."""
     stale_after_s: float = Field(default=30.0, gt=0)
-    # The forecast never falls below the mean arrival rate of this long a window.
+    """Metrics older than this (or missing) freeze every pool at its current size."""
     forecast_window_s: float = Field(default=60.0, gt=0)
+    """The forecast never falls below the mean arrival rate of this long a window."""
     scale_down: ScaleDown = ScaleDown()
+    """How fast pools come down."""
 
     @model_validator(mode="after")
     def _budget_covers_minimums(self) -> AutoscalePolicy:

@@ -16,7 +16,7 @@ from duet.config import DuetConfig
 RAY_NAMESPACE = "duet"
 
 # Periodic work of the raylet, the GCS and every Ray process that duet's job never needs at
-# Ray's default pace (docs/benchmarks.md measures each step):
+# Ray's default pace (docs/benchmarks/serving.md measures each step):
 # - the raylet's memory monitor (every 250 ms), idle task workers to kill (200 ms; duet runs no
 #   tasks) and object-store GC (100 ms; duet keeps nothing in it);
 # - the object manager's timer (100 ms; duet moves no objects between nodes) and the raylet's

@@ -3,5 +3,5 @@
 ``launch`` is the model (what each Ray node group runs: command, environment, resources),
 ``render`` builds it from a plan, ``manifests`` turns it into KubeRay and Kubernetes objects, and
 ``commands`` is ``duet deploy render``. The model is separate from the YAML so that a test
-harness can start the very same commands outside Kubernetes (docs/deploy.md).
+harness can start the very same commands outside Kubernetes (docs/guides/kubernetes.md).
 """

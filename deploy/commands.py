@@ -1,4 +1,4 @@
-"""``duet deploy render``: a placement plan as KubeRay manifests (docs/deploy.md)."""
+"""``duet deploy render``: a placement plan as KubeRay manifests (docs/guides/kubernetes.md)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _header(path: Path, launch: ClusterLaunch) -> str:
         [
             f"Rendered by `duet deploy render` from {path.name}:",
             *(f"  {line}" for line in _describe(launch)),
-            "Create the Secrets it reads first (docs/deploy.md):",
+            "Create the Secrets it reads first (docs/guides/kubernetes.md):",
             f"  kubectl {namespace}create secret generic {options.ray_token_secret} "
             "--from-literal=auth_token=$(openssl rand -hex 32)",
             f"  kubectl {namespace}create secret generic {options.api_keys_secret} "

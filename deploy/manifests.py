@@ -4,7 +4,7 @@ the RayCluster (or a RayService wrapping it) and the Service in front of duet's 
 Secrets are referenced, never rendered: the Ray token (``<name>-ray-token``, key
 ``auth_token``) and duet's API keys (``<name>-api-keys``: key ``keys`` for ``$DUET_API_KEYS``, or
 ``keys.yaml`` mounted as the config's ``server.auth.api_keys_file``) are created once by the
-operator (docs/deploy.md), so the manifests can be kept in version control.
+operator (docs/guides/kubernetes.md), so the manifests can be kept in version control.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _cluster_spec(launch: ClusterLaunch) -> Manifest:
     if launch.options.gcs_redis:
         # KubeRay's GCS fault tolerance: the head's state lives in Redis, so worker and
         # front-door pods (and their detached actors) outlive a head restart, and the
-        # restarted `duet serve` takes them over (DUET_DEPLOYMENT_ID, docs/deploy.md).
+        # restarted `duet serve` takes them over (DUET_DEPLOYMENT_ID, docs/guides/kubernetes.md).
         redis_password = {"secretKeyRef": {"name": launch.options.redis_secret, "key": "password"}}
         spec["gcsFaultToleranceOptions"] = {
             "redisAddress": launch.options.gcs_redis,

@@ -33,7 +33,7 @@ Kind = Literal["raycluster", "rayservice"]
 CONFIG_DIR = "/etc/duet"
 CONFIG_FILE = "duet.yaml"
 # Keys of the <name>-api-keys Secret: NAME:KEY,... for $DUET_API_KEYS, or a whole keys file
-# (docs/security.md) when the config names server.auth.api_keys_file.
+# (docs/guides/security.md) when the config names server.auth.api_keys_file.
 API_KEYS_ENV_KEY = "keys"
 API_KEYS_FILE_KEY = "keys.yaml"
 # The head runs the router, tokenizer and Ray's control plane; no engine.
@@ -167,7 +167,7 @@ def plan_launch(
 
 
 def _ray_auth(options: RenderOptions) -> tuple[dict[str, str], dict[str, SecretKey]]:
-    """Ray 2.60 token authentication, the same token in every pod (docs/security.md); the key is
+    """Ray 2.60 token authentication, the same token in every pod (docs/guides/security.md); the key is
     the one KubeRay's authOptions.secretName expects."""
     return {"RAY_AUTH_MODE": "token"}, {"RAY_AUTH_TOKEN": SecretKey(options.ray_token_secret, "auth_token")}
 
@@ -233,7 +233,7 @@ def _front_doors(config: DuetConfig, options: RenderOptions) -> GroupLaunch:
 
 # UCX's TCP transport, used by NIXL between hosts without RDMA: with its default 8 KiB send
 # segments and the kernel's socket buffers it moved a prompt's KV at about 55% of a 10 Gbit/s
-# link on these CPU hosts; with these, at the link's rate (docs/multinode.md). RDMA and
+# link on these CPU hosts; with these, at the link's rate (docs/benchmarks/multinode.md). RDMA and
 # same-host transports ignore them.
 UCX_TCP_TUNING = {
     "UCX_TCP_TX_SEG_SIZE": "256k",

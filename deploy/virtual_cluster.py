@@ -58,7 +58,7 @@ def host_groups(launch: ClusterLaunch) -> dict[str, GroupLaunch]:
 
 @dataclass(frozen=True)
 class ClusterSecrets:
-    """The values of the two Secrets the manifests reference (docs/deploy.md)."""
+    """The values of the two Secrets the manifests reference (docs/guides/kubernetes.md)."""
 
     ray_token: str
     api_key: str

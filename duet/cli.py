@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--front-ends", type=int, metavar="N",
         help="front doors serving both APIs on the same ports, each a process of its own (default: from the config, 1)",
     )
-    serve.add_argument("--api-keys-file", help="YAML file of API keys and their quotas (docs/security.md)")
+    serve.add_argument("--api-keys-file", help="YAML file of API keys and their quotas (docs/guides/security.md)")
     serve.add_argument(
         "--allow-unauthenticated", action="store_true", help="serve a non-loopback --host without API keys"
     )

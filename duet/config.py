@@ -88,7 +88,7 @@ class PoolConfig(_Strict):
     placement plan assigns them; None lets Ray choose."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Ray custom resources each worker requests, e.g. {prefill: 1}: on a cluster whose node groups
-    advertise them (Kubernetes, docs/deploy.md) they put each worker on its own group's nodes,
+    advertise them (Kubernetes, docs/guides/kubernetes.md) they put each worker on its own group's nodes,
     and Ray's autoscaler knows which group to grow for a pending worker."""
     max_num_seqs: int = Field(default=64, ge=1)
     """Requests one engine runs at once (vLLM's max_num_seqs); more wait in its queue."""
@@ -146,7 +146,7 @@ class KVTransferConfig(_Strict):
     """NIXL's UCX progress thread in each engine: "wait" sleeps until UCX has work (a KV pull
     completes while the prefill engine computes its next prompt); "poll" is NIXL's default,
     which busy-polls a whole core per engine; "off" progresses UCX only between engine steps, so
-    a pull waits out the prefill step in progress (docs/kv_transfer.md)."""
+    a pull waits out the prefill step in progress (docs/concepts/kv-transfer.md)."""
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     """What a decode worker does when a KV pull fails: recompute the prompt itself, or fail the
     request."""
@@ -202,7 +202,7 @@ class AuthConfig(_Strict):
 
     api_keys_file: str | None = None
     """YAML list of {name, key, requests_per_minute?, max_concurrent_requests?}; see
-    docs/security.md."""
+    docs/guides/security.md."""
     api_keys_env: str = "DUET_API_KEYS"
     """Environment variable holding comma-separated keys (optionally NAME:KEY), default quotas."""
     requests_per_minute: float | None = Field(default=None, gt=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import types
@@ -234,17 +235,19 @@ def cli_page() -> str:
 
 
 def _proto_descriptor() -> Any:
-    """duet_api.proto parsed by protoc with its comments (source info)."""
+    """duet_api.proto parsed by protoc with its comments (source info). protoc runs in a process
+    of its own: its C++ libraries, loaded into a process that later loads NIXL's, abort it."""
     from google.protobuf import descriptor_pb2
-    from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "api.pb"
-        include = Path(protoc.__file__).parent / "_proto"
-        status = protoc.main(["protoc", f"-I{PROTO.parent}", f"-I{include}", "--include_source_info",
-                              f"--descriptor_set_out={out}", PROTO.name])
-        if status != 0:
-            raise RuntimeError(f"protoc could not parse {PROTO}")
+        protoc = subprocess.run(
+            [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO.parent}", "--include_source_info",
+             f"--descriptor_set_out={out}", PROTO.name],
+            capture_output=True, text=True,
+        )
+        if protoc.returncode != 0:
+            raise RuntimeError(f"protoc could not parse {PROTO}: {protoc.stderr.strip()}")
         files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     return files.file[0]
 

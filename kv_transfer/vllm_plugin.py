@@ -7,7 +7,7 @@ variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinni
 :func:`duet.worker_runtime.engine.cpu_engine_environment` for the shared gloo device, the engine host
 for the output interval), so plain vLLM use in the same environment is unaffected.
 
-Five adjustments, the first four measured on CPU (docs/kv_transfer.md, docs/benchmarks.md,
+Five adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, docs/benchmarks/serving.md,
 ../shared/ENVIRONMENT.md):
 - NIXL's UCX progress thread. NIXL's Python API always asks for a poll timeout of 0, so the
   thread busy-polls a whole core per engine even when idle (a 1,500-token request took 639 ms

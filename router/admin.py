@@ -7,6 +7,7 @@ only keys marked ``admin: true`` may call it (PERMISSION_DENIED otherwise).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
@@ -14,7 +15,7 @@ import grpc
 from duet.router.pools import ScaleError
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
-from duet.router.server import authenticated_caller
+from duet.router.server import authenticated_caller, refuse_malformed
 from duet.router.serving import RequestService
 
 
@@ -34,28 +35,29 @@ class AdminServicer:
         self.operator = operator
         self.trusted = trusted
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.trusted:
-            return
-        caller = await authenticated_caller(self.service, context)
-        if not caller.admin:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"API key {caller.name!r} is not an admin key")
+    async def _authorize(self, request: object, context: grpc.aio.ServicerContext) -> None:
+        """The caller must hold an admin key; then a request that did not parse is refused."""
+        if not self.trusted:
+            caller = await authenticated_caller(self.service, context)
+            if not caller.admin:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"API key {caller.name!r} is not an admin key")
+        await refuse_malformed(request, context)
 
     async def ScalePool(self, request: pb.ScalePoolRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
-        await self._authorize(context)
+        await self._authorize(request, context)
         return await self._change(context, lambda: self.operator.scale(request.role, request.replicas))
 
     async def DrainWorker(self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
-        await self._authorize(context)
+        await self._authorize(request, context)
         if not request.worker:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker: required (a name from ListWorkers)")
         timeout = request.timeout_s if request.HasField("timeout_s") else None
-        if timeout is not None and timeout < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {timeout}")
+        if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be a finite number >= 0, got {timeout}")
         return await self._change(context, lambda: [self.operator.drain(request.worker, timeout)])
 
     async def ListWorkers(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
-        await self._authorize(context)
+        await self._authorize(request, context)
         return await self.service.cluster.status()
 
     @staticmethod
@@ -80,15 +82,15 @@ class ForwardingAdmin(AdminServicer):
         self.control = control
 
     async def ScalePool(self, request: pb.ScalePoolRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
-        await self._authorize(context)
+        await self._authorize(request, context)
         return await _forward(context, self.control().ScalePool(request))
 
     async def DrainWorker(self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
-        await self._authorize(context)
+        await self._authorize(request, context)
         return await _forward(context, self.control().DrainWorker(request))
 
     async def ListWorkers(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
-        await self._authorize(context)
+        await self._authorize(request, context)
         return await _forward(context, self.control().ListWorkers(request))
 
 

@@ -6,7 +6,7 @@ process that serves clients. duet puts the split where vLLM's own server puts it
 actor launches and owns the engine core (worker_runtime/engine_host.py), and the router runs the front
 end, so every token goes from the engine core to the client's stream through this one process.
 With the front end in the actor instead, each token crossed two processes (actor, then
-router), which cost duet several times plain vLLM's CPU per token (docs/benchmarks.md).
+router), which cost duet several times plain vLLM's CPU per token (docs/benchmarks/router.md).
 
 The engine core connects to this front end's ZeroMQ sockets (tcp, so workers on other hosts can
 reach the router). vLLM's front end does not watch an engine core it did not start; the health

@@ -19,7 +19,7 @@ that listens where the dead one did, so the engine cores reconnect to it without
 
 What the front doors share: nothing on the request path. Each routes on its own count of the
 requests it sent to each worker (outstanding prompt tokens, requests in flight) and its own
-prefix index (docs/architecture.md says what that means for routing).
+prefix index (docs/concepts/front-doors.md says what that means for routing).
 """
 
 from __future__ import annotations

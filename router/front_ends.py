@@ -46,7 +46,7 @@ def check_exposure(server: ServerConfig, gatekeeper: Gatekeeper) -> str | None:
         raise ConfigError(
             f"server.host {server.host} is reachable from other machines and no API keys are configured: "
             "set server.auth.api_keys_file or $DUET_API_KEYS, or require client certificates "
-            "(server.tls.client_ca_file; docs/security.md), or pass "
+            "(server.tls.client_ca_file; docs/guides/security.md), or pass "
             "--allow-unauthenticated to serve anyone who can connect"
         )
     return (

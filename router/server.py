@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -27,7 +27,6 @@ from duet.config import TlsConfig
 from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import StreamEvent
 from duet.router.proto import duet_api_pb2 as pb
-from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.serving import Overloaded, RequestService, Unavailable
 from duet.router.tls import grpc_server_credentials
 from duet.router.validation import InvalidRequest, validate
@@ -60,11 +59,40 @@ class MalformedRequest:
     problem: str
 
 
-def _parse_generate_request(data: bytes) -> pb.GenerateRequest | MalformedRequest:
-    try:
-        return pb.GenerateRequest.FromString(data)
-    except DecodeError:
-        return MalformedRequest(describe_decode_error(pb.GenerateRequest.DESCRIPTOR, data))
+def _parser(message_type: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
+    """A request deserializer that never raises: bytes that are not a ``message_type`` become a
+    MalformedRequest, which the method refuses with INVALID_ARGUMENT (gRPC's own deserializer
+    would end the call with UNKNOWN or INTERNAL before duet's code runs)."""
+
+    def parse(data: bytes) -> Message | MalformedRequest:
+        try:
+            return message_type.FromString(data)
+        except DecodeError:
+            return MalformedRequest(describe_decode_error(message_type.DESCRIPTOR, data))
+
+    return parse
+
+
+async def refuse_malformed(request: object, context: grpc.aio.ServicerContext) -> None:
+    """Abort INVALID_ARGUMENT, naming what could not be parsed, if ``request`` did not parse.
+    Called after authentication, so an unauthenticated caller learns nothing more."""
+    if isinstance(request, MalformedRequest):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+
+
+def parsing_handler(service_name: str, servicer: object) -> grpc.GenericRpcHandler:
+    """Every method of a duet.v1 service, its requests parsed by :func:`_parser`: the generic
+    handler that stands in for the generated ``add_*Servicer_to_server``."""
+    service = pb.DESCRIPTOR.services_by_name[service_name.rsplit(".", 1)[-1]]
+    handlers = {}
+    for method in service.methods:
+        kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service_name, handlers)
 
 
 async def authenticated_caller(service: RequestService, context: grpc.aio.ServicerContext) -> Caller:
@@ -92,7 +120,7 @@ class DuetServicer:
         caller = await authenticated_caller(self.service, context)
         if isinstance(request, MalformedRequest):
             self.service.cluster.reject("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+            await refuse_malformed(request, context)
         try:
             validated = validate(request, self.service.limits, self.service.tokenizer)
         except InvalidRequest as error:
@@ -116,6 +144,7 @@ class DuetServicer:
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         await authenticated_caller(self.service, context)
+        await refuse_malformed(request, context)
         return await self.service.cluster.status()
 
 
@@ -126,23 +155,6 @@ def _response(request_id: str, event: StreamEvent) -> pb.GenerateResponse:
     if event.usage is not None:
         response.usage.CopyFrom(pb.Usage(**vars(event.usage)))
     return response
-
-
-def _generic_handler(servicer: DuetServicer) -> grpc.GenericRpcHandler:
-    """The service's handlers, with our own request parser for Generate."""
-    handlers: dict[str, grpc.RpcMethodHandler] = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate,
-            request_deserializer=_parse_generate_request,
-            response_serializer=pb.GenerateResponse.SerializeToString,
-        ),
-        "GetStatus": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStatus,
-            request_deserializer=pb.GetStatusRequest.FromString,
-            response_serializer=pb.ClusterStatus.SerializeToString,
-        ),
-    }
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 async def start_server(
@@ -162,10 +174,10 @@ async def start_server(
     second server on a taken port fails instead of sharing it silently.
     """
     server = grpc.aio.server(options=[("grpc.so_reuseport", int(reuse_port))])
-    server.add_generic_rpc_handlers((_generic_handler(servicer),))
+    server.add_generic_rpc_handlers((parsing_handler(SERVICE_NAME, servicer),))
     services = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     if admin is not None:
-        pb_grpc.add_AdminServicer_to_server(admin, server)
+        server.add_generic_rpc_handlers((parsing_handler(ADMIN_SERVICE_NAME, admin),))
         services.append(ADMIN_SERVICE_NAME)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

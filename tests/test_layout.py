@@ -1,4 +1,4 @@
-"""The layout keeps the control plane and the serving path apart (docs/architecture.md).
+"""The layout keeps the control plane and the serving path apart (docs/concepts/architecture.md).
 
 - router/ is the serving path (front doors: APIs, validation, admission, routing, the request
   lifecycle). It imports nothing of the control plane, so a front door runs without it.

@@ -68,7 +68,7 @@ def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None, one_proces
     for single-rank engines: the model runs inside the engine core's process instead of a
     separate worker process. That worker reads its shared-memory queue by spinning
     (``sched_yield``) for a second after every message, which on a CPU host burns the very
-    cores the engines and the serving path share (docs/benchmarks.md). ``AsyncLLM`` still
+    cores the engines and the serving path share (docs/benchmarks/serving.md). ``AsyncLLM`` still
     runs its engine core in a process of its own, so the actor's event loop never waits on a
     forward pass. Multi-rank engines need vLLM's multiprocess executor and keep it. An offline
     ``vllm.LLM`` must not get it (``one_process_executor=False``): there the variable would run the

@@ -7,7 +7,7 @@ processing, detokenization, output processing: what vLLM's API server does) runs
 which connects to the engine core at the addresses it passes to :meth:`EngineCoreHost.start`.
 Tokens then go from the engine core to the client's stream through one process, as in a plain
 vLLM server, instead of through a front end in the actor and a second hop to the router
-(docs/benchmarks.md measures why that matters).
+(docs/benchmarks/serving.md measures why that matters).
 
 Once the engine core runs, the actor has nothing to do but notice that it exited, and it is
 built to cost nothing while it waits. Every Ray actor's main thread wakes every 10 ms to check

@@ -5,7 +5,7 @@ A vLLM engine core sends its front end one ZeroMQ message per engine step, and t
 ``duet bench front-end``, about 2 ms in the serving router here (every message also wakes each
 request's stream). A decode engine steps every 10-25 ms at the batches disaggregation gives it,
 more often than one engine doing both phases, so one stream of 96 tokens cost the router 1.6 ms
-of CPU per token, more than vLLM's whole API server (docs/benchmarks.md).
+of CPU per token, more than vLLM's whole API server (docs/benchmarks/router.md).
 
 With an interval set, the engine core's output thread sends what the busy loop produced, then
 holds later outputs until ``interval`` has passed since that send, merging each request's new

@@ -5,7 +5,7 @@ device and once for the CPU) with ``torch.distributed``, and on a CPU host every
 a gloo group: 13 in an engine with one rank. PyTorch gives each gloo group a transport device of
 its own, and each device runs a loop thread that wakes every 10 ms whether or not anything is
 sent (gloo's ``epoll_wait`` timeout). An idle engine therefore woke about 1,300 times a second
-and spent 1.3 s of CPU a minute doing it (measured per thread, docs/benchmarks.md): on a CPU host
+and spent 1.3 s of CPU a minute doing it (measured per thread, docs/benchmarks/serving.md): on a CPU host
 that is taken from the engines' own cores, and duet runs one engine core per worker.
 
 A group of one rank never talks to a peer, so its device only has to exist. This module makes

@@ -12,7 +12,7 @@ Why not Ray for the data: a Ray actor call round trip measured 2-4 ms on the two
 (each crosses the caller's core-worker thread, the actor's and its event loop), and a Ray
 streaming-generator item costs an object, an owner notification and a poll per token. Two calls
 per request were most of what the serving path added to an unloaded request with SIMULATED
-workers (docs/cluster.md). Ray stays the control plane: actor lifecycle, health, status.
+workers (docs/benchmarks/router.md). Ray stays the control plane: actor lifecycle, health, status.
 
 Messages, router to worker:
 

@@ -155,7 +155,7 @@ def load_mooncake_jsonl(path: Path) -> Trace:
 
 
 def sharegpt_like_lengths(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Chatbot lengths shaped like DistServe's ShareGPT preprocessing (see docs/placement.md).
+    """Chatbot lengths shaped like DistServe's ShareGPT preprocessing (see docs/concepts/placement.md).
 
     Long-tailed (lognormal) prompts around a mean of ~750 tokens and outputs around ~200, with
     DistServe's filters applied: prompt + output < 2048 and at least 4 tokens each. The means

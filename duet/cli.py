@@ -414,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_arguments(drain)
     drain.set_defaults(handler=_drain)
 
+    from duet.benchmarks.chaos import register_command as register_bench_chaos
     from duet.benchmarks.front_end_cost import register_command as register_bench_front_end
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
@@ -439,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_autoscale(benches)  # bench autoscale
     register_bench_multinode(benches)  # bench multinode
     register_bench_front_end(benches)  # bench front-end
+    register_bench_chaos(benches)  # bench chaos
     return parser
 
 

@@ -7,7 +7,6 @@ between them, the gRPC server on a free loopback port).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from contextlib import contextmanager
@@ -16,24 +15,9 @@ from typing import Any
 
 import pytest
 
+from duet.background_loop import BackgroundLoop
 from duet.config import DuetConfig, load_config, parse_config
 from duet.router.client import DuetClient
-
-
-class BackgroundLoop:
-    """An asyncio loop in a thread, so sync tests can drive the async deployment."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coroutine: Any, timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="session")

@@ -96,3 +96,27 @@ def test_control_plane_killed_under_load_fails_nothing_and_comes_back(control_pl
     with DuetClient(target) as client:
         assert client.scale("decode", 1) == ["decode-1: draining"]
     print(f"control plane killed: {STREAMS} streams completed exactly; back and in charge {back_s:.1f} s later")
+
+
+def test_a_short_chaos_run_loses_duplicates_and_alters_nothing(control_plane_apart):
+    """``duet bench chaos`` in small (benchmarks/chaos.py): 30 requests replayed without faults,
+    then again while a front door and then the decode engine are SIGKILLed. Every request ends
+    with the fault-free run's tokens or an explicit status, none lost or altered; the cluster is
+    back at full capacity after each fault, and no process is left stopped."""
+    from duet.benchmarks.chaos import Cluster, run_chaos
+    from duet.benchmarks.loadgen import build_requests
+    from duet.cluster.placement.trace import synthetic
+
+    control = control_plane_apart
+    target = f"127.0.0.1:{control.serving['port']}"
+    trace = synthetic(30, rate=1.0, lengths="uniform:300:40", seed=3)
+    arrivals = [float(t - trace.arrival_s[0]) for t in trace.arrival_s]
+    schedule = [(3.0, "kill-front-door"), (2.0, "kill-decode-engine")]
+    report = run_chaos(target, Cluster(control, target), build_requests(trace, seed=3), arrivals, schedule, recovery_timeout_s=300)
+
+    assert sum(report.outcomes.values()) == 30
+    assert report.altered_or_lost == 0, report.outcomes
+    assert [fault.kind for fault in report.faults] == ["kill-front-door", "kill-decode-engine"], "the load ended too soon"
+    assert all(fault.recovered_s is not None for fault in report.faults), report.faults
+    assert report.stopped_processes_left == []
+    print(f"chaos: {report.outcomes}, {report.resumed} resumed; recovered in {[f.recovered_s for f in report.faults]} s")

@@ -1,0 +1,387 @@
+"""Chaos under load: a real trace through real vLLM workers while processes are killed and hung.
+
+``duet bench chaos`` starts duet as ``duet serve --front-ends 2`` runs it (the control plane in
+a Ray actor, two front-door actors, a prefill and a decode worker with real vLLM engines) and
+replays a trace twice through it with resuming clients (``DuetClient.stream``): once with no
+fault, which gives every request's reference tokens (greedy, float32: a request's tokens do not
+depend on what else runs), then again while faults are injected one after another from a seeded
+schedule. Each fault waits for the cluster to be back at full capacity (every worker and front
+door ready, the victim replaced) before the next, and the time that took is reported per fault.
+
+Every request of the faulted replay ends in one of: ``exact`` (the reference tokens), an
+explicit gRPC error status, ``altered`` (other tokens: a duplicated, missing or wrong token) or
+``lost`` (no tokens and no status). The goal is 0 altered and 0 lost. At the end no process of
+the deployment may be left stopped (a hung engine that was replaced must be gone, not frozen).
+
+Fault kinds (``--kinds``):
+  kill-prefill-engine, kill-decode-engine   SIGKILL of a worker's vLLM engine-core process
+  hang-prefill-engine, hang-decode-engine   SIGSTOP of it, never continued (found by health pings)
+  kill-prefill-actor, kill-decode-actor     SIGKILL of the worker's Ray actor process
+  delay-kv                                  the prefill engine stopped for 2 s then continued:
+                                            KV pulls and first tokens wait
+  kill-front-door                           SIGKILL of a front door (its streams resume on the other)
+  kill-control-plane                        SIGKILL of the control plane (Ray restarts it; it
+                                            takes the running deployment over)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+
+RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
+KINDS = (
+    "kill-prefill-engine", "kill-decode-engine", "hang-prefill-engine", "hang-decode-engine",
+    "kill-prefill-actor", "kill-decode-actor", "delay-kv", "kill-front-door", "kill-control-plane",
+)
+DELAY_KV_S = 2.0
+
+
+@dataclass
+class Outcome:
+    """What became of one request of the faulted replay."""
+
+    index: int
+    result: str  # exact | altered | lost | an error status name
+    tokens: int
+    resumes: int
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    at_s: float  # since the faulted replay started
+    victim: str
+    recovered_s: float | None  # to full capacity; None: not within the bound given
+    detail: str = ""
+
+
+@dataclass
+class ChaosReport:
+    seed: int
+    requests: int
+    rate: float
+    outcomes: dict[str, int] = field(default_factory=dict)
+    resumed: int = 0
+    faults: list[FaultRecord] = field(default_factory=list)
+    stopped_processes_left: list[int] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def altered_or_lost(self) -> int:
+        return self.outcomes.get("altered", 0) + self.outcomes.get("lost", 0)
+
+
+# ---- the deployment's processes --------------------------------------------------------------
+
+
+class Cluster:
+    """The running deployment as the fault injector sees it: processes by role, and whether it
+    is at full capacity."""
+
+    def __init__(self, control: Any, target: str) -> None:
+        self.control = control
+        self.target = target
+
+    def status(self) -> Any:
+        from duet.router.client import DuetClient
+
+        with DuetClient(self.target) as client:
+            return client.status(timeout=10)
+
+    def worker(self, role: str) -> tuple[str, int, int]:
+        """A ready worker of ``role``: its name, its actor's process and its engine core's."""
+        import ray
+
+        from duet.cluster.actor_names import named_actors
+        from duet.cluster.ray_runtime import RAY_NAMESPACE
+
+        ready = [w.name for pool in self.status().pools if pool.role == role for w in pool.workers if w.state == "ready"]
+        for name in ready:
+            # Named "<deployment>/<worker>/<unique>": a predecessor's name can linger a moment.
+            for actor_name in named_actors(self.control.deployment_id, f"{name}/"):
+                actor = ray.get_actor(actor_name, namespace=RAY_NAMESPACE)
+                try:
+                    pids = ray.get(actor.__ray_call__.remote(
+                        lambda host: (os.getpid(), host._engine_processes.processes[0].pid)), timeout=10)
+                except Exception:  # noqa: BLE001 - the predecessor, dying
+                    continue
+                return name, *pids
+        raise RuntimeError(f"no ready {role} worker found")
+
+    def restarts(self) -> dict[str, int]:
+        """Every worker's and front door's restart count, the control plane's under ``control``."""
+        status = self.status()
+        counts = {w.name: w.restarts for pool in status.pools for w in pool.workers}
+        counts.update({f"front-door-{door.index}": door.restarts for door in status.front_ends})
+        counts["control"] = self.control.restarts
+        return counts
+
+    def missing_capacity(self) -> str:
+        """What keeps the cluster from full capacity now ("" when nothing does)."""
+        try:
+            status = self.status()
+        except Exception as error:  # noqa: BLE001 - a front door or the control plane still coming back
+            return f"status: {type(error).__name__}"
+        waiting = [f"{w.name} {w.state}" for pool in status.pools for w in pool.workers if w.state != "ready"]
+        waiting += [f"front door {door.index} {door.state}" for door in status.front_ends if door.state != "ready"]
+        if status.control_plane_pid == 0:
+            waiting.append("control plane unreachable")
+        return ", ".join(waiting)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def inject(cluster: Cluster, kind: str) -> tuple[str, str, Callable[[dict[str, int]], bool]]:
+    """Inject one fault: (victim, detail, recovered) where ``recovered(restarts)`` says whether
+    the cluster has dealt with it, given the restart counts read now."""
+    before = cluster.restarts()
+    if kind == "kill-front-door":
+        door = random.choice([d for d in cluster.status().front_ends if d.state == "ready"])
+        _signal(door.pid, signal.SIGKILL)
+        key = f"front-door-{door.index}"
+        return key, f"pid {door.pid}", lambda now: now.get(key, 0) > before[key]
+    if kind == "kill-control-plane":
+        import ray
+
+        pid = ray.get(cluster.control.actor.pid.remote(), timeout=30)
+        _signal(pid, signal.SIGKILL)
+        return "control plane", f"pid {pid}", lambda now: now["control"] > before["control"]
+    role = "decode" if "decode" in kind else "prefill"
+    name, actor_pid, engine_pid = cluster.worker(role)
+    if kind == "delay-kv":
+        _signal(engine_pid, signal.SIGSTOP)
+        time.sleep(DELAY_KV_S)
+        _signal(engine_pid, signal.SIGCONT)
+        return name, f"engine pid {engine_pid} stopped {DELAY_KV_S:g} s", lambda now: True
+    victim = actor_pid if kind.endswith("actor") else engine_pid
+    _signal(victim, signal.SIGSTOP if kind.startswith("hang") else signal.SIGKILL)
+    return name, f"pid {victim}", lambda now: now.get(name, 0) > before[name]
+
+
+def stopped_processes() -> list[int]:
+    """Processes of this user left stopped (state T): a hung engine nobody cleaned up."""
+    me = os.getuid()
+    stopped = []
+    for process in psutil.process_iter(["pid", "status", "uids"]):
+        try:
+            if process.info["status"] == psutil.STATUS_STOPPED and process.info["uids"].real == me:
+                stopped.append(process.info["pid"])
+        except (psutil.Error, AttributeError):
+            continue
+    return stopped
+
+
+# ---- load ------------------------------------------------------------------------------------
+
+
+def _send(target: str, request: Any, timeout_s: float) -> tuple[list[int], int, str]:
+    """One request through a resuming client: (tokens, resumes, error status or "")."""
+    import grpc
+
+    from duet.router.client import DuetClient
+
+    with DuetClient(target) as client:
+        tokens: list[int] = []
+        try:
+            for message in client.stream(request, timeout=timeout_s):
+                tokens.extend(message.token_ids)
+        except grpc.RpcError as error:
+            return tokens, client.resumes, error.code().name
+        return tokens, client.resumes, ""
+
+
+def replay(target: str, requests: list[Any], arrivals: list[float], timeout_s: float) -> list[tuple[list[int], int, str]]:
+    """Send each request at its arrival time (open loop); every result, in request order."""
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        start = time.monotonic()
+        futures = []
+        for request, at in zip(requests, arrivals):
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            futures.append(pool.submit(_send, target, request, timeout_s))
+        return [future.result() for future in futures]
+
+
+def classify(reference: list[int] | None, tokens: list[int], error: str) -> str:
+    if error:
+        return error
+    if not tokens:
+        return "lost"
+    return "exact" if tokens == reference else "altered"
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+def fault_schedule(kinds: list[str], faults: int, seed: int) -> list[tuple[float, str]]:
+    """``faults`` faults drawn from ``kinds``, each after a pause of 2-8 s (counted from the
+    cluster's recovery from the one before): (pause, kind), seeded."""
+    rng = random.Random(seed)
+    return [(round(rng.uniform(2.0, 8.0), 2), rng.choice(kinds)) for _ in range(faults)]
+
+
+def run_chaos(
+    target: str, cluster: Cluster, requests: list[Any], arrivals: list[float], schedule: list[tuple[float, str]],
+    seed: int = 0, recovery_timeout_s: float = 600.0, log: Callable[[str], None] = print,
+) -> ChaosReport:
+    """The fault-free replay, then the faulted one with the faults of ``schedule`` in turn."""
+    log(f"reference replay: {len(requests)} requests, no fault")
+    reference = replay(target, requests, arrivals, timeout_s=600)
+    broken = [index for index, (tokens, _, error) in enumerate(reference) if error or not tokens]
+    if broken:
+        raise RuntimeError(f"the fault-free replay failed {len(broken)} requests (first: {reference[broken[0]][2]})")
+
+    random.seed(seed)  # which front door a kill-front-door picks
+    report = ChaosReport(seed=seed, requests=len(requests), rate=len(requests) / max(arrivals[-1], 1e-9))
+    with ThreadPoolExecutor(max_workers=1) as load:
+        started = time.monotonic()
+        results = load.submit(replay, target, requests, arrivals, 600)
+        for number, (pause, kind) in enumerate(schedule):
+            time.sleep(pause)
+            if results.done():
+                log(f"the load ended after {number} faults")
+                break
+            at = time.monotonic() - started
+            victim, detail, recovered = inject(cluster, kind)
+            deadline = time.monotonic() + recovery_timeout_s
+            back: float | None = None
+            seen: list[str] = []  # what the cluster waited for, in turn
+            while time.monotonic() < deadline:
+                missing = cluster.missing_capacity() or ("" if recovered(cluster.restarts()) else "the victim not yet replaced")
+                if not missing:
+                    back = time.monotonic() - started - at
+                    break
+                if not seen or seen[-1] != missing:
+                    seen.append(missing)
+                time.sleep(0.25)
+            detail += "; waited for: " + " -> ".join(seen) if seen else ""
+            report.faults.append(FaultRecord(kind, round(at, 2), victim, None if back is None else round(back, 2), detail))
+            log(f"fault {number + 1}/{len(schedule)} at {at:6.1f} s: {kind} ({victim}, {detail}); "
+                + (f"full capacity after {back:.1f} s" if back is not None else "NOT back within the bound"))
+        faulted = results.result()
+        report.duration_s = round(time.monotonic() - started, 1)
+
+    outcomes = [Outcome(i, classify(reference[i][0], tokens, error), len(tokens), resumes)
+                for i, (tokens, resumes, error) in enumerate(faulted)]
+    report.outcomes = dict(Counter(outcome.result for outcome in outcomes))
+    report.resumed = sum(1 for outcome in outcomes if outcome.resumes)
+    time.sleep(2.0)
+    report.stopped_processes_left = stopped_processes()
+    return report
+
+
+def summary(report: ChaosReport) -> dict[str, Any]:
+    """The report with recovery times per fault kind."""
+    by_kind: dict[str, list[float | None]] = {}
+    for fault in report.faults:
+        by_kind.setdefault(fault.kind, []).append(fault.recovered_s)
+    recovery = {
+        kind: {
+            "faults": len(times),
+            "not_recovered": sum(1 for t in times if t is None),
+            "recovered_s_median": sorted(t for t in times if t is not None)[len([t for t in times if t is not None]) // 2]
+            if any(t is not None for t in times) else None,
+            "recovered_s_max": max((t for t in times if t is not None), default=None),
+        }
+        for kind, times in sorted(by_kind.items())
+    }
+    return {**asdict(report), "altered_or_lost": report.altered_or_lost, "recovery_by_kind": recovery}
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from duet.config import load_config
+
+    config = load_config(args.config)
+    server = config.server.model_copy(update={"front_ends": args.front_ends, "port": 0, "http_port": None, "metrics_port": None})
+    return config.model_copy(update={"server": server})
+
+
+def _requests(args: argparse.Namespace) -> tuple[list[Any], list[float]]:
+    from duet.benchmarks.loadgen import build_requests
+    from duet.cluster.placement.trace import load_trace
+
+    trace = load_trace(args.trace).head(args.requests).capped(args.max_input, args.max_output).at_rate(args.rate)
+    arrivals = [float(t - trace.arrival_s[0]) for t in trace.arrival_s]
+    return build_requests(trace, seed=args.seed), arrivals
+
+
+def _command(args: argparse.Namespace) -> int:
+    import ray
+
+    from duet.background_loop import BackgroundLoop
+    from duet.cluster.control_plane import RemoteControlPlane
+    from duet.cluster.placement.cluster_spec import traces_dir
+
+    if args.front_ends < 2 and "kill-front-door" in args.kinds:
+        print("duet bench chaos: kill-front-door needs --front-ends 2 or more", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.kinds) - set(KINDS))
+    if unknown:
+        print(f"duet bench chaos: --kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})", file=sys.stderr)
+        return 2
+    args.trace = args.trace or str(traces_dir() / "AzureLLMInferenceTrace_conv.csv")
+    requests, arrivals = _requests(args)
+    loop = BackgroundLoop()  # the control plane's watch (it restarts a killed one) runs here
+    control = loop.run(RemoteControlPlane(_config(args)).start(), timeout=900)
+    try:
+        target = f"127.0.0.1:{control.serving['port']}"
+        schedule = fault_schedule(args.kinds, args.faults, args.seed)
+        report = run_chaos(target, Cluster(control, target), requests, arrivals, schedule, args.seed)
+    finally:
+        loop.run(control.stop(), timeout=180)
+        loop.close()
+        ray.shutdown()
+    result = summary(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(format_report(result))
+    print(f"results: {args.out}", file=sys.stderr)
+    return 0 if report.altered_or_lost == 0 and not report.stopped_processes_left else 1
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['requests']} requests at {result['rate']:.2f} req/s, {len(result['faults'])} faults in "
+        f"{result['duration_s']:.0f} s: outcomes {result['outcomes']} ({result['resumed']} resumed); "
+        f"altered or lost: {result['altered_or_lost']}; processes left stopped: {len(result['stopped_processes_left'])}",
+        f"{'fault kind':<22}{'faults':>7}{'not back':>9}{'median s':>10}{'max s':>8}",
+    ]
+    for kind, row in result["recovery_by_kind"].items():
+        median = "-" if row["recovered_s_median"] is None else f"{row['recovered_s_median']:.1f}"
+        longest = "-" if row["recovered_s_max"] is None else f"{row['recovered_s_max']:.1f}"
+        lines.append(f"{kind:<22}{row['faults']:>7}{row['not_recovered']:>9}{median:>10}{longest:>8}")
+    return "\n".join(lines)
+
+
+def register_command(benches: argparse._SubParsersAction) -> None:
+    parser = benches.add_parser("chaos", help="faults injected under load (real vLLM): nothing lost, duplicated or altered")
+    parser.add_argument("--config", help="deployment YAML (default: configs/local.yaml)")
+    parser.add_argument("--front-ends", type=int, default=2, help="front doors (2 or more, so that one can die)")
+    parser.add_argument("--trace", help="trace file (default: the Azure conversation trace in ../shared/traces)")
+    parser.add_argument("--requests", type=int, default=300, help="requests replayed, twice: reference, then faulted")
+    parser.add_argument("--rate", type=float, default=1.5, help="offered req/s")
+    parser.add_argument("--max-input", type=int, default=512, help="cap prompt lengths")
+    parser.add_argument("--max-output", type=int, default=48, help="cap output lengths")
+    parser.add_argument("--faults", type=int, default=10, help="faults injected, one after another")
+    parser.add_argument("--kinds", type=lambda text: text.split(","), default=list(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    parser.add_argument("--seed", type=int, default=0, help="the fault schedule's and the prompts' seed")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON result")
+    parser.set_defaults(handler=_command)

@@ -41,6 +41,8 @@ from typing import Any, Callable
 
 import psutil
 
+from duet.benchmarks.apart_cluster import ClusterProcesses, running_apart
+
 
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
 KINDS = (
@@ -85,64 +87,6 @@ class ChaosReport:
         return self.outcomes.get("altered", 0) + self.outcomes.get("lost", 0)
 
 
-# ---- the deployment's processes --------------------------------------------------------------
-
-
-class Cluster:
-    """The running deployment as the fault injector sees it: processes by role, and whether it
-    is at full capacity."""
-
-    def __init__(self, control: Any, target: str) -> None:
-        self.control = control
-        self.target = target
-
-    def status(self) -> Any:
-        from duet.router.client import DuetClient
-
-        with DuetClient(self.target) as client:
-            return client.status(timeout=10)
-
-    def worker(self, role: str) -> tuple[str, int, int]:
-        """A ready worker of ``role``: its name, its actor's process and its engine core's."""
-        import ray
-
-        from duet.cluster.actor_names import named_actors
-        from duet.cluster.ray_runtime import RAY_NAMESPACE
-
-        ready = [w.name for pool in self.status().pools if pool.role == role for w in pool.workers if w.state == "ready"]
-        for name in ready:
-            # Named "<deployment>/<worker>/<unique>": a predecessor's name can linger a moment.
-            for actor_name in named_actors(self.control.deployment_id, f"{name}/"):
-                actor = ray.get_actor(actor_name, namespace=RAY_NAMESPACE)
-                try:
-                    pids = ray.get(actor.__ray_call__.remote(
-                        lambda host: (os.getpid(), host._engine_processes.processes[0].pid)), timeout=10)
-                except Exception:  # noqa: BLE001 - the predecessor, dying
-                    continue
-                return name, *pids
-        raise RuntimeError(f"no ready {role} worker found")
-
-    def restarts(self) -> dict[str, int]:
-        """Every worker's and front door's restart count, the control plane's under ``control``."""
-        status = self.status()
-        counts = {w.name: w.restarts for pool in status.pools for w in pool.workers}
-        counts.update({f"front-door-{door.index}": door.restarts for door in status.front_ends})
-        counts["control"] = self.control.restarts
-        return counts
-
-    def missing_capacity(self) -> str:
-        """What keeps the cluster from full capacity now ("" when nothing does)."""
-        try:
-            status = self.status()
-        except Exception as error:  # noqa: BLE001 - a front door or the control plane still coming back
-            return f"status: {type(error).__name__}"
-        waiting = [f"{w.name} {w.state}" for pool in status.pools for w in pool.workers if w.state != "ready"]
-        waiting += [f"front door {door.index} {door.state}" for door in status.front_ends if door.state != "ready"]
-        if status.control_plane_pid == 0:
-            waiting.append("control plane unreachable")
-        return ", ".join(waiting)
-
-
 def _signal(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
@@ -150,7 +94,7 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def inject(cluster: Cluster, kind: str) -> tuple[str, str, Callable[[dict[str, int]], bool]]:
+def inject(cluster: ClusterProcesses, kind: str) -> tuple[str, str, Callable[[dict[str, int]], bool]]:
     """Inject one fault: (victim, detail, recovered) where ``recovered(restarts)`` says whether
     the cluster has dealt with it, given the restart counts read now."""
     before = cluster.restarts()
@@ -166,7 +110,7 @@ def inject(cluster: Cluster, kind: str) -> tuple[str, str, Callable[[dict[str, i
         _signal(pid, signal.SIGKILL)
         return "control plane", f"pid {pid}", lambda now: now["control"] > before["control"]
     role = "decode" if "decode" in kind else "prefill"
-    name, actor_pid, engine_pid = cluster.worker(role)
+    name, actor_pid, engine_pid = cluster.workers(role)[0]
     if kind == "delay-kv":
         _signal(engine_pid, signal.SIGSTOP)
         time.sleep(DELAY_KV_S)
@@ -239,7 +183,7 @@ def fault_schedule(kinds: list[str], faults: int, seed: int) -> list[tuple[float
 
 
 def run_chaos(
-    target: str, cluster: Cluster, requests: list[Any], arrivals: list[float], schedule: list[tuple[float, str]],
+    target: str, cluster: ClusterProcesses, requests: list[Any], arrivals: list[float], schedule: list[tuple[float, str]],
     seed: int = 0, recovery_timeout_s: float = 600.0, log: Callable[[str], None] = print,
 ) -> ChaosReport:
     """The fault-free replay, then the faulted one with the faults of ``schedule`` in turn."""
@@ -306,14 +250,6 @@ def summary(report: ChaosReport) -> dict[str, Any]:
     return {**asdict(report), "altered_or_lost": report.altered_or_lost, "recovery_by_kind": recovery}
 
 
-def _config(args: argparse.Namespace) -> Any:
-    from duet.config import load_config
-
-    config = load_config(args.config)
-    server = config.server.model_copy(update={"front_ends": args.front_ends, "port": 0, "http_port": None, "metrics_port": None})
-    return config.model_copy(update={"server": server})
-
-
 def _requests(args: argparse.Namespace) -> tuple[list[Any], list[float]]:
     from duet.benchmarks.loadgen import build_requests
     from duet.cluster.placement.trace import load_trace
@@ -324,11 +260,8 @@ def _requests(args: argparse.Namespace) -> tuple[list[Any], list[float]]:
 
 
 def _command(args: argparse.Namespace) -> int:
-    import ray
-
-    from duet.background_loop import BackgroundLoop
-    from duet.cluster.control_plane import RemoteControlPlane
     from duet.cluster.placement.cluster_spec import traces_dir
+    from duet.config import load_config
 
     if args.front_ends < 2 and "kill-front-door" in args.kinds:
         print("duet bench chaos: kill-front-door needs --front-ends 2 or more", file=sys.stderr)
@@ -339,16 +272,9 @@ def _command(args: argparse.Namespace) -> int:
         return 2
     args.trace = args.trace or str(traces_dir() / "AzureLLMInferenceTrace_conv.csv")
     requests, arrivals = _requests(args)
-    loop = BackgroundLoop()  # the control plane's watch (it restarts a killed one) runs here
-    control = loop.run(RemoteControlPlane(_config(args)).start(), timeout=900)
-    try:
-        target = f"127.0.0.1:{control.serving['port']}"
+    with running_apart(load_config(args.config), args.front_ends) as (control, target):
         schedule = fault_schedule(args.kinds, args.faults, args.seed)
-        report = run_chaos(target, Cluster(control, target), requests, arrivals, schedule, args.seed)
-    finally:
-        loop.run(control.stop(), timeout=180)
-        loop.close()
-        ray.shutdown()
+        report = run_chaos(target, ClusterProcesses(control, target), requests, arrivals, schedule, args.seed)
     result = summary(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

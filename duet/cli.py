@@ -423,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.router_overhead import register_command as register_bench_router
     from duet.benchmarks.autoscale_replay import register_command as register_bench_autoscale
     from duet.benchmarks.serve_bench import register_command as register_bench_serve
+    from duet.benchmarks.soak import register_command as register_bench_soak
     from duet.benchmarks.vllm_client import register_command as register_bench_vllm_client
     from duet.cluster.placement.commands import register_commands as register_planning
     from duet.deploy.commands import register_commands as register_deploy
@@ -441,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_multinode(benches)  # bench multinode
     register_bench_front_end(benches)  # bench front-end
     register_bench_chaos(benches)  # bench chaos
+    register_bench_soak(benches)  # bench soak
     return parser
 
 

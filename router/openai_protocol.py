@@ -10,7 +10,7 @@ vLLM's extensions that duet supports (``top_k``, ``ignore_eos``, ``stop_token_id
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,6 +32,12 @@ class ChatTokenizer(Tokenizer, Protocol):
     chat_template: str | None
 
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+
+# Integers that travel in the gRPC request's int32 and uint32 fields: bounded here so that a value
+# past them is refused naming its field, not turned into an internal error by protobuf.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+UInt32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 class _Strict(BaseModel):
@@ -63,16 +69,16 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int = 0
-    top_k: int | None = None
+    top_k: Int32 | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[UInt32] | None = None
     return_token_ids: bool = False
     request_id: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[UInt32] | list[str] | list[list[UInt32]]
+    max_tokens: Int32 | None = 16
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -100,8 +106,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None

@@ -416,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from duet.benchmarks.chaos import register_command as register_bench_chaos
     from duet.benchmarks.front_end_cost import register_command as register_bench_front_end
+    from duet.benchmarks.fuzz import register_command as register_bench_fuzz
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
     from duet.benchmarks.multinode import register_command as register_bench_multinode
@@ -443,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_front_end(benches)  # bench front-end
     register_bench_chaos(benches)  # bench chaos
     register_bench_soak(benches)  # bench soak
+    register_bench_fuzz(benches)  # bench fuzz
     return parser
 
 

@@ -22,6 +22,8 @@ Fault kinds (``--kinds``):
   kill-front-door                           SIGKILL of a front door (its streams resume on the other)
   kill-control-plane                        SIGKILL of the control plane (Ray restarts it; it
                                             takes the running deployment over)
+  drain-decode                              a decode worker drained while it serves (as scaling
+                                            down does), after a replacement was started
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import json
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,7 +51,7 @@ from duet.benchmarks.apart_cluster import ClusterProcesses, running_apart
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
 KINDS = (
     "kill-prefill-engine", "kill-decode-engine", "hang-prefill-engine", "hang-decode-engine",
-    "kill-prefill-actor", "kill-decode-actor", "delay-kv", "kill-front-door", "kill-control-plane",
+    "kill-prefill-actor", "kill-decode-actor", "delay-kv", "kill-front-door", "kill-control-plane", "drain-decode",
 )
 DELAY_KV_S = 2.0
 
@@ -94,9 +98,42 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def inject(cluster: ClusterProcesses, kind: str) -> tuple[str, str, Callable[[dict[str, int]], bool]]:
-    """Inject one fault: (victim, detail, recovered) where ``recovered(restarts)`` says whether
-    the cluster has dealt with it, given the restart counts read now."""
+def _scale_away(cluster: ClusterProcesses) -> tuple[str, str, Callable[[dict[str, int]], bool]]:
+    """A decode worker drained while it serves: a new one is started and made ready first (not
+    part of the fault), then the oldest is drained as ``duet drain`` does; recovered once it is
+    gone and the pool is back at its size with every worker ready."""
+    from duet.router.client import DuetClient
+
+    names = [name for name, _, _ in cluster.workers("decode")]
+    with DuetClient(cluster.target) as client:
+        client.scale("decode", len(names) + 1)
+        deadline = time.monotonic() + 900
+        while len(cluster.workers("decode")) <= len(names):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the extra decode worker never became ready")
+            time.sleep(1.0)
+        victim = names[0]
+        client.drain(victim)
+
+    def gone(_: dict[str, int]) -> bool:
+        listed = [w.name for pool in cluster.status().pools if pool.role == "decode" for w in pool.workers]
+        return victim not in listed and len(listed) == len(names)
+
+    return victim, "drained while serving, after a replacement started", gone
+
+
+def inject(cluster: ClusterProcesses, kind: str) -> tuple[str, str, Callable[[dict[str, int]], bool], float]:
+    """Inject one fault: (victim, detail, recovered, when) where ``recovered(restarts)`` says
+    whether the cluster has dealt with it, given the restart counts read now, and ``when`` is
+    the fault's moment (time.monotonic)."""
+    if kind == "drain-decode":
+        victim, detail, gone = _scale_away(cluster)
+        return victim, detail, gone, time.monotonic()
+    when = time.monotonic()
+    return (*_inject_failure(cluster, kind), when)
+
+
+def _inject_failure(cluster: ClusterProcesses, kind: str) -> tuple[str, str, Callable[[dict[str, int]], bool]]:
     before = cluster.restarts()
     if kind == "kill-front-door":
         door = random.choice([d for d in cluster.status().front_ends if d.state == "ready"])
@@ -184,7 +221,7 @@ def fault_schedule(kinds: list[str], faults: int, seed: int) -> list[tuple[float
 
 def run_chaos(
     target: str, cluster: ClusterProcesses, requests: list[Any], arrivals: list[float], schedule: list[tuple[float, str]],
-    seed: int = 0, recovery_timeout_s: float = 600.0, log: Callable[[str], None] = print,
+    seed: int = 0, recovery_timeout_s: float = 600.0, log: Callable[[str], None] = partial(print, flush=True),
 ) -> ChaosReport:
     """The fault-free replay, then the faulted one with the faults of ``schedule`` in turn."""
     log(f"reference replay: {len(requests)} requests, no fault")
@@ -203,8 +240,8 @@ def run_chaos(
             if results.done():
                 log(f"the load ended after {number} faults")
                 break
-            at = time.monotonic() - started
-            victim, detail, recovered = inject(cluster, kind)
+            victim, detail, recovered, when = inject(cluster, kind)
+            at = when - started
             deadline = time.monotonic() + recovery_timeout_s
             back: float | None = None
             seen: list[str] = []  # what the cluster waited for, in turn
@@ -237,16 +274,13 @@ def summary(report: ChaosReport) -> dict[str, Any]:
     by_kind: dict[str, list[float | None]] = {}
     for fault in report.faults:
         by_kind.setdefault(fault.kind, []).append(fault.recovered_s)
-    recovery = {
-        kind: {
-            "faults": len(times),
-            "not_recovered": sum(1 for t in times if t is None),
-            "recovered_s_median": sorted(t for t in times if t is not None)[len([t for t in times if t is not None]) // 2]
-            if any(t is not None for t in times) else None,
-            "recovered_s_max": max((t for t in times if t is not None), default=None),
+    recovery = {}
+    for kind, times in sorted(by_kind.items()):
+        back = [t for t in times if t is not None]
+        recovery[kind] = {
+            "faults": len(times), "not_recovered": len(times) - len(back),
+            "recovered_s_median": statistics.median(back) if back else None, "recovered_s_max": max(back, default=None),
         }
-        for kind, times in sorted(by_kind.items())
-    }
     return {**asdict(report), "altered_or_lost": report.altered_or_lost, "recovery_by_kind": recovery}
 
 

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ def growth(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str
 
 
 def run_soak(target: str, cluster: ClusterProcesses, requests: list[Any], rate: float, minutes: float,
-             warmup_minutes: float, sample_s: float, seed: int, log: Any = print) -> dict[str, Any]:
+             warmup_minutes: float, sample_s: float, seed: int, log: Any = partial(print, flush=True)) -> dict[str, Any]:
     rng = random.Random(seed)
     outcomes: Counter[str] = Counter()
     samples: list[dict[str, Any]] = []

@@ -55,7 +55,7 @@ def run_fuzz(examples: int, surfaces: list[str]) -> dict[str, Any]:
         "examples_per_property": examples, "surfaces": surfaces, "seconds": round(time.monotonic() - started),
         "inputs": sum(p["inputs"] for p in properties.values()), "properties": properties,
         "failed_tests": failed_tests, "pytest_exit": run.returncode,
-        "output_tail": run.stdout[-4000:] if run.returncode else "",
+        "output": run.stdout,
     }
 
 
@@ -77,11 +77,12 @@ def _command(args: argparse.Namespace) -> int:
         return 2
     result = run_fuzz(args.examples, args.surfaces)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    output = result.pop("output")
+    log = args.out.with_suffix(".log")
+    log.write_text(output)  # the falsifying examples, when a property failed
     args.out.write_text(json.dumps(result, indent=2))
     print(format_report(result))
-    if result["output_tail"]:
-        print(result["output_tail"], file=sys.stderr)
-    print(f"results: {args.out}", file=sys.stderr)
+    print(f"results: {args.out}; pytest's output: {log}", file=sys.stderr)
     return 0 if result["pytest_exit"] == 0 else 1
 
 

@@ -48,6 +48,11 @@ class ValidatedRequest:
     resume_after: list[int] = field(default_factory=list)
 
 
+# vLLM refuses a temperature above this (SamplingParams._verify_args); refused here, naming the
+# field, instead of by the engine after the request reached a worker.
+MAX_TEMPERATURE = 2.0
+
+
 def validate(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer) -> ValidatedRequest:
     """Check ``request`` field by field; raise :class:`InvalidRequest` on the first problem."""
     if request.model and request.model != limits.name:
@@ -57,8 +62,8 @@ def validate(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokeni
     resume_after = _resume_after(request, limits, max_tokens)
     sampling = request.sampling
     temperature = sampling.temperature
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequest("sampling.temperature", f"must be a number >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        raise InvalidRequest("sampling.temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
         raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")

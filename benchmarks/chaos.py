@@ -309,11 +309,13 @@ def _command(args: argparse.Namespace) -> int:
     with running_apart(load_config(args.config), args.front_ends) as (control, target):
         schedule = fault_schedule(args.kinds, args.faults, args.seed)
         report = run_chaos(target, ClusterProcesses(control, target), requests, arrivals, schedule, args.seed)
-    result = summary(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(format_report(result))
-    print(f"results: {args.out}", file=sys.stderr)
+        # Written before Ray shuts down: its shutdown can end this process abruptly (a raylet
+        # that exits first makes the core worker quit), which lost a soak's results once.
+        result = summary(report)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(format_report(result), flush=True)
+        print(f"results: {args.out}", file=sys.stderr, flush=True)
     return 0 if report.altered_or_lost == 0 and not report.stopped_processes_left else 1
 
 

@@ -216,10 +216,12 @@ def _command(args: argparse.Namespace) -> int:
     with running_apart(load_config(args.config), args.front_ends) as (control, target):
         cluster = ClusterProcesses(control, target)
         result = run_soak(target, cluster, requests, args.rate, args.minutes, args.warmup_minutes, args.sample_s, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(format_report(result))
-    print(f"results: {args.out}", file=sys.stderr)
+        # Written before Ray shuts down: its shutdown can end this process abruptly (a raylet
+        # that exits first makes the core worker quit), which lost a soak's results once.
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(format_report(result), flush=True)
+        print(f"results: {args.out}", file=sys.stderr, flush=True)
     return 0 if result["passed"] else 1
 
 

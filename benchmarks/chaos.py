@@ -53,6 +53,9 @@ KINDS = (
     "kill-prefill-engine", "kill-decode-engine", "hang-prefill-engine", "hang-decode-engine",
     "kill-prefill-actor", "kill-decode-actor", "delay-kv", "kill-front-door", "kill-control-plane", "drain-decode",
 )
+# drain-decode was added after the figures in docs/benchmarks/reliability.md and has not been
+# run yet: it is chosen with --kinds only.
+DEFAULT_KINDS = [kind for kind in KINDS if kind != "drain-decode"]
 DELAY_KV_S = 2.0
 
 
@@ -343,7 +346,8 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-input", type=int, default=512, help="cap prompt lengths")
     parser.add_argument("--max-output", type=int, default=48, help="cap output lengths")
     parser.add_argument("--faults", type=int, default=10, help="faults injected, one after another")
-    parser.add_argument("--kinds", type=lambda text: text.split(","), default=list(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    parser.add_argument("--kinds", type=lambda text: text.split(","), default=DEFAULT_KINDS,
+                        help=f"comma-separated, from {', '.join(KINDS)} (default: all but drain-decode, not run yet)")
     parser.add_argument("--seed", type=int, default=0, help="the fault schedule's and the prompts' seed")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON result")
     parser.set_defaults(handler=_command)

@@ -116,13 +116,11 @@ def _field_rows(model: type[BaseModel]) -> list[str]:
 
 def _schema_page(title: str, model: type[BaseModel], root_key: str) -> list[str]:
     lines = [f"## {title}", ""]
-    seen: set[type[BaseModel]] = set()
+    paths_of: dict[type[BaseModel], list[str]] = {}  # the prefill, decode and colocated pools share one schema
     for path, section in _sections(model, root_key):
-        if section in seen:  # the prefill, decode and colocated pools share one schema
-            continue
-        seen.add(section)
-        users = [other for other, same in _sections(model, root_key) if same is section]
-        heading = ", ".join(f"`{user}`" for user in users) if path else "Top level"
+        paths_of.setdefault(section, []).append(path)
+    for section, paths in paths_of.items():
+        heading = ", ".join(f"`{path}`" for path in paths) if paths[0] else "Top level"
         lines += [f"### {heading}", ""]
         if section.__doc__ and section.__doc__ is not BaseModel.__doc__:
             lines += [" ".join(section.__doc__.split()), ""]

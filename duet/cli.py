@@ -415,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     drain.set_defaults(handler=_drain)
 
     from duet.benchmarks.chaos import register_command as register_bench_chaos
+    from duet.benchmarks.front_door_cost import register_command as register_bench_front_door
     from duet.benchmarks.front_end_cost import register_command as register_bench_front_end
     from duet.benchmarks.fuzz import register_command as register_bench_fuzz
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
@@ -442,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_autoscale(benches)  # bench autoscale
     register_bench_multinode(benches)  # bench multinode
     register_bench_front_end(benches)  # bench front-end
+    register_bench_front_door(benches)  # bench front-door
     register_bench_chaos(benches)  # bench chaos
     register_bench_soak(benches)  # bench soak
     register_bench_fuzz(benches)  # bench fuzz

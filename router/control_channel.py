@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
-from duet.router.server import ADMIN_SERVICE_NAME, parsing_handler
+from duet.router.server import ADMIN_SERVICE_NAME, add_parsing_handlers
 
 # The metadata key that carries the control plane's token.
 TOKEN_KEY = "duet-control-token"
@@ -50,7 +50,7 @@ async def start_control_server(address: str, admin: Any, token: str | None) -> A
     """The control plane's private gRPC server at ``address`` (``unix:PATH``, or ``HOST:PORT``
     with a ``token``)."""
     server = grpc.aio.server(interceptors=[_RequireToken(token)] if token else None)
-    server.add_generic_rpc_handlers((parsing_handler(ADMIN_SERVICE_NAME, admin),))
+    add_parsing_handlers(server, ADMIN_SERVICE_NAME, admin)
     server.add_insecure_port(address)
     await server.start()
     return server

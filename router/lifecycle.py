@@ -17,6 +17,7 @@ blocks for a client that left.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -29,6 +30,12 @@ from duet.router.validation import ValidatedRequest
 from duet.router.worker_engines import EngineLost, EngineRejected
 
 logger = logging.getLogger(__name__)
+
+# Suffixes that make the engines' request ids unique (clients choose theirs, and two may choose
+# the same): this process's random prefix, then a count, so no two front doors collide and no
+# request pays for a random draw.
+_ID_PREFIX = secrets.token_hex(3)
+_internal_ids = (f"{_ID_PREFIX}{n:x}" for n in itertools.count())
 
 
 @dataclass(frozen=True)
@@ -144,12 +151,12 @@ class RequestLifecycle:
         last_failure: WorkerFailed | None = None
         # Clients choose request ids and two may choose the same one; the engines and the token
         # socket key on this one, which is unique.
-        internal_id = f"{request.request_id}-{secrets.token_hex(4)}"
+        internal_id = f"{request.request_id}-{next(_internal_ids)}"
         for attempt in range(self.policy.max_attempts):
             round_ = _Round(
                 request_id=internal_id if attempt == 0 else f"{internal_id}-retry{attempt}",
                 prompt_token_ids=request.prompt_token_ids + sent,
-                sampling=replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent)),
+                sampling=replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent)) if sent else request.sampling,
             )
             try:
                 chunks = await self._start_round(round_)

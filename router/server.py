@@ -80,9 +80,12 @@ async def refuse_malformed(request: object, context: grpc.aio.ServicerContext) -
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
 
 
-def parsing_handler(service_name: str, servicer: object) -> grpc.GenericRpcHandler:
-    """Every method of a duet.v1 service, its requests parsed by :func:`_parser`: the generic
-    handler that stands in for the generated ``add_*Servicer_to_server``."""
+def add_parsing_handlers(server: grpc.aio.Server, service_name: str, servicer: object) -> None:
+    """Serve every method of a duet.v1 service on ``server``, its requests parsed by
+    :func:`_parser`, in place of the generated ``add_*Servicer_to_server``.
+
+    Registered (grpc core matches the method itself) as well as generic: a call to a registered
+    method skips the Python lookup through every generic handler of the server."""
     service = pb.DESCRIPTOR.services_by_name[service_name.rsplit(".", 1)[-1]]
     handlers = {}
     for method in service.methods:
@@ -92,7 +95,8 @@ def parsing_handler(service_name: str, servicer: object) -> grpc.GenericRpcHandl
             request_deserializer=_parser(getattr(pb, method.input_type.name)),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString,
         )
-    return grpc.method_handlers_generic_handler(service_name, handlers)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+    server.add_registered_method_handlers(service_name, handlers)
 
 
 async def authenticated_caller(service: RequestService, context: grpc.aio.ServicerContext) -> Caller:
@@ -174,10 +178,10 @@ async def start_server(
     second server on a taken port fails instead of sharing it silently.
     """
     server = grpc.aio.server(options=[("grpc.so_reuseport", int(reuse_port))])
-    server.add_generic_rpc_handlers((parsing_handler(SERVICE_NAME, servicer),))
+    add_parsing_handlers(server, SERVICE_NAME, servicer)
     services = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     if admin is not None:
-        server.add_generic_rpc_handlers((parsing_handler(ADMIN_SERVICE_NAME, admin),))
+        add_parsing_handlers(server, ADMIN_SERVICE_NAME, admin)
         services.append(ADMIN_SERVICE_NAME)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

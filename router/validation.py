@@ -120,8 +120,8 @@ def _prompt_token_ids(request: pb.GenerateRequest, limits: ModelLimits, tokenize
         field = "prompt_token_ids"
         if not ids:
             raise InvalidRequest(field, "must not be empty")
-        bad = next((i for i in ids if i >= limits.vocab_size), None)
-        if bad is not None:
+        if max(ids) >= limits.vocab_size:  # max() first: the scan in C, the search only on failure
+            bad = next(i for i in ids if i >= limits.vocab_size)
             raise InvalidRequest(field, f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
     if len(ids) >= limits.max_model_len:
         raise InvalidRequest(

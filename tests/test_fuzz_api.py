@@ -10,7 +10,7 @@ the problem: ``INVALID_ARGUMENT`` (or ``RESOURCE_EXHAUSTED``, backpressure). ``U
 After each batch both workers hold no request, router side and engine side: nothing left behind.
 Raw bytes that are not a protobuf message are refused by every method (Duet and Admin) with
 INVALID_ARGUMENT naming where the message broke (duet parses requests itself,
-router/server.py ``parsing_handler``). The Admin service gets hostile roles, counts, worker
+router/server.py ``add_parsing_handlers``). The Admin service gets hostile roles, counts, worker
 names and timeouts that must be refused or change nothing.
 """
 

@@ -42,6 +42,25 @@ def test_simulated_engine_batches_and_times_like_its_model():
     assert 0.045 <= elapsed < 0.25
 
 
+def test_simulated_engine_merges_outputs_like_a_duet_engine_core():
+    """With an output interval the serving path gets what a duet engine core sends it: the first
+    and last tokens at once, the ones between merged at most once per interval, none lost."""
+
+    async def run() -> list[list[int]]:
+        engine = SimulatedEngine(_perf(), max_model_len=4096, vocab_size=1000, output_interval_s=0.02)
+        params = SimulatedParams(SamplingSpec(max_tokens=60))
+        outputs = [o.outputs[0].token_ids async for o in engine.generate({"prompt_token_ids": [9] * 50}, params, "r")]
+        engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(run())
+    assert [t for tokens in outputs for t in tokens] == simulated_tokens([9] * 50, 60, 1000)
+    assert len(outputs[0]) == 1, "the first token waits for nothing"
+    # 59 decode steps of 2 ms (about 120 ms): one message per 20 ms, not one per step.
+    assert 3 <= len(outputs) <= 15
+    assert max(len(tokens) for tokens in outputs) > 1
+
+
 def test_simulated_engine_queues_what_its_kv_cannot_hold():
     async def run() -> float:
         engine = SimulatedEngine(_perf(kv_capacity_tokens=150), max_model_len=4096, vocab_size=1000)

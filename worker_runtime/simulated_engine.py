@@ -69,6 +69,8 @@ class _Request:
     hand_over: bool  # prefill for a remote decode: finish after the first token, keep the KV
     outputs: asyncio.Queue[_Output] = field(default_factory=asyncio.Queue)
     produced: int = 0
+    # Tokens produced but not yet sent (held to merge, as a duet engine core's outputs are).
+    held: list[int] = field(default_factory=list)
     # The last 16 tokens of the prompt and output so far, which the next token is derived from.
     recent: list[int] = field(default_factory=list)
 
@@ -126,12 +128,19 @@ class SimulatedEngine:
         max_num_batched_tokens: int = 2048,
         kv_bytes_per_token: float = 0.0,
         transfer_gbps: float = 25.0,
+        output_interval_s: float = 0.0,
     ) -> None:
         self.perf = perf
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
         self.transfer_gbps = transfer_gbps
+        # Outputs leave at most once per interval, as from a duet engine core (the pool's
+        # output_interval_ms, worker_runtime/engine_output.py), so that the serving path sees
+        # the messages a real deployment sends it: first and last tokens at once, the tokens
+        # in between merged until the first step after the interval.
+        self.output_interval_s = output_interval_s
+        self._last_sent = 0.0
         self.vocab_size = vocab_size
         # The attributes of AsyncLLM that duet's workers read.
         self.model_config = SimpleNamespace(max_model_len=max_model_len, get_vocab_size=lambda: vocab_size)
@@ -251,18 +260,26 @@ class SimulatedEngine:
             if self._running:
                 context = sum(len(r.prompt) + r.produced for r in self._running)
                 await asyncio.sleep(self.perf.decode_step_s(len(self._running), context))
+                now = time.monotonic()
+                send = now - self._last_sent >= self.output_interval_s
+                if send:
+                    self._last_sent = now
                 for request in list(self._running):
-                    self._emit(request)
+                    self._emit(request, send)
 
-    def _emit(self, request: _Request) -> None:
+    def _emit(self, request: _Request, send: bool = True) -> None:
+        """Produce ``request``'s next token; send what it holds if ``send``, or if the token is
+        its first or last."""
         token = simulated_next_token(request.recent, len(request.prompt) + request.produced, self.vocab_size)
         request.recent = request.recent[-15:] + [token]
         request.produced += 1
+        request.held.append(token)
         done = request.produced >= request.max_tokens or request.hand_over
-        transfer = {"simulated_kv_tokens": len(request.prompt)} if request.hand_over else None
-        request.outputs.put_nowait(
-            _Output([_Completion([token], f" t{token}", "length" if done else None)], finished=done, kv_transfer_params=transfer)
-        )
+        if send or done or request.produced == 1:
+            tokens, request.held = request.held, []
+            transfer = {"simulated_kv_tokens": len(request.prompt)} if request.hand_over else None
+            completion = _Completion(tokens, "".join(f" t{t}" for t in tokens), "length" if done else None)
+            request.outputs.put_nowait(_Output([completion], finished=done, kv_transfer_params=transfer))
         if done:
             self._running.remove(request)
             self._kv_used -= request.kv_tokens

@@ -62,6 +62,7 @@ class SimulatedHost(WorkerHost):
             max_num_seqs=self.pool.max_num_seqs,
             max_num_batched_tokens=self.pool.max_num_batched_tokens,
             kv_bytes_per_token=kv_bytes_per_token,
+            output_interval_s=self.pool.output_interval_ms / 1000,
         )
         self.kv_endpoint = "simulated"
 

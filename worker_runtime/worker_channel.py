@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from dataclasses import astuple, replace
+from dataclasses import fields, replace
 from typing import Any, AsyncIterator, Callable
 
 import msgpack
@@ -54,8 +54,14 @@ _SEND_BUFFER_LIMIT = 64 * 1024 * 1024
 Message = list[Any]
 
 
+def field_values(instance: Any) -> list[Any]:
+    """A dataclass instance's field values in order, as they are (``dataclasses.astuple``
+    deep-copies each one, on every request)."""
+    return [getattr(instance, field.name) for field in fields(instance)]
+
+
 def sampling_to_wire(sampling: SamplingSpec) -> list[Any]:
-    return list(astuple(sampling))
+    return field_values(sampling)
 
 
 def sampling_from_wire(fields: list[Any]) -> SamplingSpec:
@@ -212,7 +218,7 @@ class RouterLink:
             sampling = sampling_from_wire(message[3])
             if kind == "prefill":
                 result = await self.handler.prefill(request_id, prompt, sampling, message[4])
-                self.put([request_id, "prefilled", *astuple(result)])
+                self.put([request_id, "prefilled", *field_values(result)])
             else:
                 await self.handler.decode(request_id, prompt, sampling, *message[4:7], reply=self.put)
         except Exception as error:  # the router fails the request with this message

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 @contextmanager
@@ -84,16 +84,19 @@ class ClusterProcesses:
             found[f"{name} actor"], found[f"{name} engine"] = actor_pid, engine_pid
         return found
 
-    def restarts(self) -> dict[str, int]:
-        """Every worker's and front door's restart count, the control plane's under ``control``."""
-        status = self.status()
+    def restarts(self, status: Any = None) -> dict[str, int]:
+        """Every worker's and front door's restart count, the control plane's under ``control``
+        (from ``status``, or a status asked for now)."""
+        status = status or self.status()
         counts = {w.name: w.restarts for pool in status.pools for w in pool.workers}
         counts.update({f"front-door-{door.index}": door.restarts for door in status.front_ends})
         counts["control"] = self.control.restarts
         return counts
 
-    def missing_capacity(self) -> str:
-        """What keeps the cluster from full capacity now ("" when nothing does)."""
+    def missing_capacity(self, replaced: Callable[[dict[str, int]], bool] | None = None) -> str:
+        """What keeps the cluster from full capacity now ("" when nothing does), from one status
+        snapshot; ``replaced``, given the restart counts, says whether a fault's victim has been
+        replaced yet."""
         try:
             status = self.status()
         except Exception as error:  # noqa: BLE001 - a front door or the control plane still coming back
@@ -102,4 +105,6 @@ class ClusterProcesses:
         waiting += [f"front door {door.index} {door.state}" for door in status.front_ends if door.state != "ready"]
         if status.control_plane_pid == 0:
             waiting.append("control plane unreachable")
+        if not waiting and replaced is not None and not replaced(self.restarts(status)):
+            waiting.append("the victim not yet replaced")
         return ", ".join(waiting)

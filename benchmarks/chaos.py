@@ -249,7 +249,7 @@ def run_chaos(
             back: float | None = None
             seen: list[str] = []  # what the cluster waited for, in turn
             while time.monotonic() < deadline:
-                missing = cluster.missing_capacity() or ("" if recovered(cluster.restarts()) else "the victim not yet replaced")
+                missing = cluster.missing_capacity(replaced=recovered)
                 if not missing:
                     back = time.monotonic() - started - at
                     break

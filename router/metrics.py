@@ -35,7 +35,8 @@ class RouterMetrics:
         self.prefills = Counter(
             "duet_prefills",
             "Served requests by where their prompt was computed: prefill_pool, or decode_worker (conditional "
-            "disaggregation, colocated serving, or a hand-off that fell back to recomputing).",
+            "disaggregation, colocated serving). A hand-off that fell back to recomputing on the decode worker "
+            "counts as prefill_pool: the prompt was computed there first.",
             ["where"],
             registry=registry,
         )

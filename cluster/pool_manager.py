@@ -239,7 +239,7 @@ class PoolManager:
             return f"{name}: already draining"
         if member.state in ("ready", "restarting", "starting") and len(self.active()) <= 1:
             raise ScaleError(f"worker: {name} is the last active {self.pool.role} worker; scale up before draining it")
-        member.state = "draining"
+        self.pool.start_draining(member)
         if self.front_doors is not None:
             self.front_doors.tell("set_state", name, "draining")
         timeout = self.config.router.drain_timeout_s if timeout_s is None else timeout_s
@@ -258,11 +258,12 @@ class PoolManager:
         await self.remove(member)
 
     async def _busy(self, member: PoolMember) -> bool:
-        """Whether ``member`` still has requests: this process's, and with other front doors
-        theirs too, as its engine core counts them."""
+        """Whether ``member`` still has requests: this process's, and as its engine core counts
+        them, every front door's and those moving off it whose KV is still being pulled
+        (worker_runtime/kv_migration.py)."""
         if member.inflight > 0:
             return True
-        if self.front_doors is None or member.engine is None:
+        if member.engine is None or not hasattr(member.engine, "requests_by_client"):
             return False
         try:
             return sum((await member.engine.requests_by_client()).values()) > 0

@@ -7,7 +7,7 @@ variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinni
 :func:`duet.worker_runtime.engine.cpu_engine_environment` for the shared gloo device, the engine host
 for the output interval), so plain vLLM use in the same environment is unaffected.
 
-Five adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, docs/benchmarks/serving.md,
+Six adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, docs/benchmarks/serving.md,
 ../shared/ENVIRONMENT.md):
 - NIXL's UCX progress thread. NIXL's Python API always asks for a poll timeout of 0, so the
   thread busy-polls a whole core per engine even when idle (a 1,500-token request took 639 ms
@@ -23,6 +23,8 @@ Five adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, 
   each device's loop thread wakes 100 times a second, and vLLM makes 13 groups per engine.
 - The engine core serves front doors that die and are replaced while it runs: it aborts a
   dropped front door's requests and greets a reconnected one (worker_runtime/engine_clients.py).
+- The engine core can give up a running request with its KV, for another worker to pull and
+  continue (live migration, worker_runtime/kv_migration.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from duet.worker_runtime.engine_clients import ENV_CLIENT_RECONNECT
 from duet.worker_runtime.engine_clients import install as install_client_reconnect
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.worker_runtime.engine_output import install as install_output_coalescing
+from duet.worker_runtime.kv_migration import install as install_kv_migration
 from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE, share_single_rank_device
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
 
@@ -102,3 +105,4 @@ def register() -> None:
         share_single_rank_device()
     if os.environ.get(ENV_CLIENT_RECONNECT) == "1":
         install_client_reconnect()
+        install_kv_migration()

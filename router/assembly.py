@@ -58,6 +58,10 @@ def request_service(
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,
     )
+    if prefill is not None and transfer.transport == "nixl":
+        # A draining decode worker hands its requests on with their KV, as prefill hands its
+        # own (the pull path); other transports, and colocated workers, finish them in place.
+        decode.on_draining.append(lifecycle.migrate_from)
     limits = ModelLimits(config.model.name, max_model_len, vocab_size)
     return RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
 

@@ -29,11 +29,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from duet.config import KVTransferConfig
 from duet.worker_runtime.engine_host import WATCH_HOLD_S
 from duet.worker_runtime.engine_clients import READDRESS_METHOD
+from duet.worker_runtime.kv_migration import MIGRATE_OUT_METHOD
 from duet.worker_runtime.worker_api import DecodeChunk, EngineAborted, EngineAddresses, PrefillResult, SamplingSpec, WorkerStatus
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
 from duet.router.engine_metrics import read_engine_metrics, registry_bound_stat_logger
-from duet.router.worker_engines import EngineLost, EngineRejected
+from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class EngineFrontEnd:
         self._served = 0
         self._lost: BaseException | None = None
         self._output_at = 0.0  # when the engine core last delivered a request's output (monotonic)
+        self._migrated: dict[str, MigrationTicket] = {}  # given up by the engine, its stream not yet ended
 
     @classmethod
     async def connect(
@@ -181,7 +183,7 @@ class EngineFrontEnd:
         sampling: SamplingSpec,
         kv_transfer_params: dict[str, Any] | None,
         first_token_id: int | None,
-        first_text: str,
+        first_text: str | None,
     ) -> AsyncIterator[DecodeChunk]:
         self._check_alive()
         self._requests.add(request_id)
@@ -191,10 +193,14 @@ class EngineFrontEnd:
         try:
             async for token_ids, text, finish in updates:
                 self._output_at = time.monotonic()
+                if finish == "abort" and request_id in self._migrated:
+                    if token_ids or text:  # produced before the move, not yet relayed
+                        yield DecodeChunk(token_ids, text)
+                    raise Migrated(self._migrated.pop(request_id))
                 if finish == "abort" and (self._lost is not None or await self._worker_gone()):
                     raise EngineLost(f"worker {self.name} is gone ({self._lost or 'its engine ended the request as it shut down'})")
                 yield DecodeChunk(token_ids, text, finish)
-        except EngineLost:
+        except (EngineLost, Migrated):
             raise
         except Exception as error:
             raise self._failure(error) from error
@@ -202,7 +208,25 @@ class EngineFrontEnd:
             # Closing vLLM's generator early (the client left, the hand-off timed out) aborts
             # the request in the engine and frees its KV blocks.
             await updates.aclose()
+            self._migrated.pop(request_id, None)
             self._finished(request_id)
+
+    async def migrate_out(self, request_id: str) -> MigrationTicket | None:
+        """Have the engine give up ``request_id``, decoding here, with its KV kept for another
+        worker to pull (worker_runtime/kv_migration.py); its :meth:`decode` stream then ends
+        with :class:`Migrated`. None when it cannot move now (not decoding yet, or done)."""
+        internal_ids = self.engine.output_processor.external_req_ids.get(request_id)
+        if request_id not in self._requests or not internal_ids:
+            return None
+        answer = await self.engine.engine_core.call_utility_async(MIGRATE_OUT_METHOD, internal_ids[0])
+        if answer is None:
+            return None
+        ticket = MigrationTicket(self.name, list(answer["token_ids"]), answer["kv_transfer_params"])
+        self._migrated[request_id] = ticket
+        # The engine core let the request go without a last output: ending it here, in the front
+        # end only, ends the stream (vLLM sends the core an abort it ignores for a finished request).
+        await self.engine.abort(request_id)
+        return ticket
 
     async def requests_by_client(self) -> dict[int, int]:
         """The requests the engine core holds, by client (front door) index: every front

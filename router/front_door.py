@@ -181,8 +181,11 @@ class FrontDoor:
         found = self._find(name)
         if found is not None and found[1].state not in ("restarting", "failed"):
             pool, member = found
-            member.state = state
-            pool.changed()
+            if state == "draining" and member.state != "draining":
+                pool.start_draining(member)
+            else:
+                member.state = state
+                pool.changed()
 
     async def lost(self, name: str, reason: str) -> None:
         """Worker ``name`` died: its requests here resume on the others while it is replaced."""

@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
-from duet.router.worker_engines import EngineLost, EngineRejected
+from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class _Round:
     sampling: SamplingSpec
     prefill_worker: str = ""
     decode_worker: str = ""
+    # A round that continues a request its decode worker gave up with its KV: no prefill; a
+    # decode worker pulls that KV (every token but the last streamed one, which it re-derives).
+    moved: MigrationTicket | None = None
 
 
 class RequestLifecycle:
@@ -143,6 +146,8 @@ class RequestLifecycle:
         # is any prompt while the prefill pool's queues are longer than the threshold.
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
+        # The decode rounds in flight, by the engines' request id: where each runs, to move them.
+        self._decoding: dict[str, tuple[PoolMember, Any]] = {}
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
@@ -152,12 +157,13 @@ class RequestLifecycle:
         # Clients choose request ids and two may choose the same one; the engines and the token
         # socket key on this one, which is unique.
         internal_id = f"{request.request_id}-{next(_internal_ids)}"
-        for attempt in range(self.policy.max_attempts):
-            round_ = _Round(
-                request_id=internal_id if attempt == 0 else f"{internal_id}-retry{attempt}",
-                prompt_token_ids=request.prompt_token_ids + sent,
-                sampling=replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent)) if sent else request.sampling,
-            )
+        attempt = moves = 0
+        moved: MigrationTicket | None = None
+        prefill_worker = ""
+        while attempt < self.policy.max_attempts:
+            round_ = self._next_round(request, internal_id, attempt, moves, sent, moved)
+            round_.prefill_worker = prefill_worker if moved else ""
+            moved = None
             try:
                 chunks = await self._start_round(round_)
                 try:
@@ -175,7 +181,60 @@ class RequestLifecycle:
             except WorkerFailed as failure:
                 logger.warning("request %s: %s; resuming after %d tokens", request.request_id, failure, len(sent))
                 last_failure = failure
+                attempt += 1
+            except Migrated as migrated:
+                moved, moves, prefill_worker = migrated.ticket, moves + 1, round_.prefill_worker
+                # The engine's own list is where the stream stands: the round's tokens after
+                # those the round's prompt already held.
+                stream = round_.prompt_token_ids[len(request.prompt_token_ids):] + moved.token_ids
+                if stream[: len(sent)] != sent:
+                    raise RequestFailed(f"moving off {moved.source}: its tokens disagree with the stream's") from migrated
+                if len(stream) > len(sent):  # produced, but not relayed before the move (never seen so far)
+                    logger.warning("request %s: %d tokens relayed without text", request.request_id, len(stream) - len(sent))
+                    yield StreamEvent(stream[len(sent):], "")
+                    clock.tokens_sent(len(stream) - len(sent))
+                    sent = stream
+                if moved.kv_transfer_params is None:
+                    moved = None  # nothing kept its KV: the next round recomputes it
         raise RequestFailed(f"gave up after {self.policy.max_attempts} attempts: {last_failure}")
+
+    def _next_round(
+        self, request: ValidatedRequest, internal_id: str, attempt: int, moves: int, sent: list[int],
+        moved: MigrationTicket | None,
+    ) -> _Round:
+        """The round that serves what is left of ``request`` after ``sent``: a moved round
+        where ``moved`` kept the KV (the last streamed token re-derived from it), else a round
+        that computes the prompt and everything streamed."""
+        suffix = "".join((f"-retry{attempt}" if attempt else "", f"-moved{moves}" if moves else ""))
+        left = request.sampling.max_tokens - len(sent)
+        if moved is not None:
+            return _Round(
+                request_id=internal_id + suffix,
+                prompt_token_ids=request.prompt_token_ids + sent[:-1],
+                sampling=replace(request.sampling, max_tokens=left + 1),
+                moved=moved,
+            )
+        return _Round(
+            request_id=internal_id + suffix,
+            prompt_token_ids=request.prompt_token_ids + sent,
+            sampling=replace(request.sampling, max_tokens=left) if sent else request.sampling,
+        )
+
+    async def migrate_from(self, worker: PoolMember) -> int:
+        """Move every request decoding on ``worker`` to the other decode workers with its KV
+        (a drain: ``worker`` is no longer picked); returns how many began to move. A worker
+        whose engine cannot give requests up (SIMULATED, or no KV connector) keeps them."""
+        # Asked together: the engine core takes every queued call between two of its steps.
+        calls = [
+            engine.migrate_out(request_id)
+            for request_id, (member, engine) in list(self._decoding.items())
+            if member is worker and hasattr(engine, "migrate_out")
+        ]
+        tickets = await asyncio.gather(*calls, return_exceptions=True)
+        for ticket in tickets:
+            if isinstance(ticket, BaseException):  # the engine is gone: its requests resume by replay
+                logger.warning("moving a request off %s failed: %s", worker.name, ticket)
+        return sum(1 for ticket in tickets if isinstance(ticket, MigrationTicket))
 
     async def _start_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
         """The round's token chunks: colocated, one worker computes the prompt and streams every
@@ -186,6 +245,8 @@ class RequestLifecycle:
         until its lease runs out), and push transports need its address."""
         prompt = round_.prompt_token_ids
         decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt)
+        if round_.moved is not None:
+            return self._moved_round(round_, decode_worker, round_.moved)
         if self.prefill_pool is None or not self._prefill_remotely(decode_worker, len(prompt)):
             round_.prefill_worker = round_.decode_worker = decode_worker.name
             return self._decode(decode_worker, round_, None, kv_transfer_params=None)
@@ -215,7 +276,33 @@ class RequestLifecycle:
         if result.finish_reason is not None:
             return
         decode_worker = await self._still_ready(decode_worker, round_)  # the prompt took a while
-        chunks = self._decode(decode_worker, round_, result, result.kv_transfer_params)
+        async for chunk in self._pull_and_decode(decode_worker, round_, result):
+            yield chunk
+
+    async def _moved_round(
+        self, round_: _Round, decode_worker: PoolMember, ticket: MigrationTicket
+    ) -> AsyncIterator[DecodeChunk]:
+        """Continue on ``decode_worker`` a request that ``ticket.source`` gave up with its KV.
+        (The source's engine counts the request as its own until the pull is done, so a drain
+        does not remove it while its KV is being read: cluster/pool_manager.py.)"""
+        round_.decode_worker = decode_worker.name
+        handoff = PrefillResult(
+            first_token_id=ticket.token_ids[-1],
+            first_text=None,  # the text of the re-derived token, whatever the target makes it
+            num_prompt_tokens=len(round_.prompt_token_ids),
+            kv_transfer_params=ticket.kv_transfer_params,
+            finish_reason=None,
+            worker=ticket.source,
+        )
+        async for chunk in self._pull_and_decode(decode_worker, round_, handoff):
+            yield chunk
+
+    async def _pull_and_decode(
+        self, decode_worker: PoolMember, round_: _Round, handoff: PrefillResult
+    ) -> AsyncIterator[DecodeChunk]:
+        """Decode on ``decode_worker`` from KV another engine holds (a prefill's, or a moved
+        request's) and its first token (``handoff``); past the transfer timeout, recompute it."""
+        chunks = self._decode(decode_worker, round_, handoff, handoff.kv_transfer_params)
         try:
             first = await asyncio.wait_for(anext(chunks), self.policy.transfer_timeout_s)
         except TimeoutError:
@@ -226,7 +313,7 @@ class RequestLifecycle:
             )
             decode_worker = await self._still_ready(decode_worker, round_)  # it may have hung by dying
             round_.request_id += "-recompute"
-            chunks = self._decode(decode_worker, round_, result, kv_transfer_params=None)
+            chunks = self._decode(decode_worker, round_, handoff, kv_transfer_params=None)
             first = await anext(chunks)
         try:
             yield first
@@ -267,6 +354,7 @@ class RequestLifecycle:
         engine = _engine_of(self.decode_pool, worker)
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
+        self._decoding[round_.request_id] = (worker, engine)
         # Without transfer parameters the worker computes the prompt itself, until its first token.
         prefilling = len(round_.prompt_token_ids) if kv_transfer_params is None else 0
         worker.local_prefill_tokens += prefilling
@@ -287,6 +375,7 @@ class RequestLifecycle:
         except (EngineLost, EngineRejected) as error:
             raise self._worker_failure(self.decode_pool, worker, engine, error) from error
         finally:
+            self._decoding.pop(round_.request_id, None)
             worker.inflight -= 1
             worker.outstanding_tokens -= len(round_.prompt_token_ids)
             worker.local_prefill_tokens -= prefilling

@@ -82,7 +82,11 @@ class WorkerPool:
     policy: RoutingPolicy = field(default_factory=LeastRequests)
     # Replaces a failed member's actor in place; supplied by the deployment.
     restart: Callable[[PoolMember], Awaitable[None]] | None = None
+    # Called with each member that begins draining (the request lifecycle moves its decoding
+    # requests off it with their KV, router/lifecycle.py).
+    on_draining: list[Callable[[PoolMember], Awaitable[object]]] = field(default_factory=list)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _tasks: set[asyncio.Task[object]] = field(default_factory=set, repr=False)
 
     def ready(self) -> list[PoolMember]:
         return [member for member in self.members if member.state == "ready"]
@@ -100,6 +104,16 @@ class WorkerPool:
     def changed(self) -> None:
         """Wake requests waiting for a member (one became ready, or the pool changed)."""
         self._changed.set()
+
+    def start_draining(self, member: PoolMember) -> None:
+        """Take ``member`` out of rotation for good: its requests finish there, or move off it
+        (:attr:`on_draining`)."""
+        member.state = "draining"
+        self.changed()
+        for hook in self.on_draining:
+            task = asyncio.get_running_loop().create_task(hook(member))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def acquire(self, timeout_s: float, prompt: list[int] | None = None) -> PoolMember:
         """Pick a ready member, waiting up to ``timeout_s`` for one (e.g. during a restart)."""

@@ -11,12 +11,14 @@ the health watcher, status and metrics read. There are two kinds:
 
 Both report failures the same way: :class:`EngineLost` (the worker or its engine is gone; the
 request resumes elsewhere) or :class:`EngineRejected` (the engine refused this request; retrying
-would not help).
+would not help). A vLLM worker's decode can also end in :class:`Migrated`: the engine gave the
+request up with its KV, for another worker to pull and continue (worker_runtime/kv_migration.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from duet.worker_runtime.worker_api import DecodeChunk, PrefillResult, SamplingSpec, WorkerStatus
@@ -30,6 +32,27 @@ class EngineLost(RuntimeError):
 
 class EngineRejected(RuntimeError):
     """The engine refused or failed this request itself; another attempt would fail the same way."""
+
+
+@dataclass(frozen=True)
+class MigrationTicket:
+    """A request its decode engine gave up with its KV kept for a pull.
+
+    ``token_ids`` are the engine's tokens of the round, as its own list has them (the KV covers
+    every one but the last); ``kv_transfer_params`` are what a decode engine needs to pull that
+    KV, None when no connector kept it (the request then resumes by recomputing)."""
+
+    source: str
+    token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+
+
+class Migrated(Exception):
+    """The request's decode round ended on this worker, to continue on another."""
+
+    def __init__(self, ticket: MigrationTicket) -> None:
+        super().__init__(f"moved off {ticket.source} after {len(ticket.token_ids)} tokens")
+        self.ticket = ticket
 
 
 class WorkerEngine(Protocol):
@@ -46,7 +69,7 @@ class WorkerEngine(Protocol):
         sampling: SamplingSpec,
         kv_transfer_params: dict[str, Any] | None,
         first_token_id: int | None,
-        first_text: str,
+        first_text: str | None,
     ) -> AsyncIterator[DecodeChunk]:
         """New tokens as they come; closing the iterator early aborts the request."""
         ...
@@ -110,7 +133,7 @@ class ActorEngine:
         sampling: SamplingSpec,
         kv_transfer_params: dict[str, Any] | None,
         first_token_id: int | None,
-        first_text: str,
+        first_text: str | None,
     ) -> AsyncIterator[DecodeChunk]:
         """Start the request on the worker and relay its tokens as they come.
 

@@ -123,10 +123,11 @@ def install() -> None:
     def duet_requests_by_client(self: Any) -> dict[int, int]:
         """A utility call: how many requests the engine runs or queues for each client (front
         door). A prefill that finished and keeps its KV for a pull is not counted: the pull,
-        or the KV lease (kv_transfer.kv_lease_s), ends it."""
+        or the KV lease (kv_transfer.kv_lease_s), ends it. A request moving out with its KV
+        (worker_runtime/kv_migration.py) is, until its pull ends: a drain waits for it."""
         counts: dict[int, int] = {}
         for request in self.scheduler.requests.values():
-            if not request.is_finished():
+            if not request.is_finished() or getattr(request, "duet_moving_out", False):
                 counts[request.client_index] = counts.get(request.client_index, 0) + 1
         return counts
 

@@ -1,0 +1,74 @@
+"""Live migration on real vLLM workers: a drained decode worker hands its streams on with their KV.
+
+The session deployment (one prefill and one decode worker, NIXL) grows a second decode worker;
+streams run on both; draining the new one must move its streams to decode-0 with their KV
+(worker_runtime/kv_migration.py): every stream completes token-identical to a colocated engine,
+and decode-0 pulls those streams' contexts instead of computing them (vLLM's own count of
+prompt tokens by source), computing one token per moved stream (the last one streamed, which
+it re-derives).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from duet.router.client import build_request
+from test_elastic_pools import _wait_settled
+from waiting import wait_for
+
+STREAMS = 6
+MAX_TOKENS = 400
+_TRANSFERRED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+_COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
+
+
+def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, client, reference):
+    rng = random.Random(37)
+    prompts = [[rng.randrange(10, 700) for _ in range(rng.randrange(200, 500))] for _ in range(STREAMS)]
+    expected = reference.greedy(prompts, MAX_TOKENS, ignore_eos=True)
+    grown = f"decode-{deployment.managers['decode']._next_index}"
+    client.scale("decode", 2)
+    assert _wait_settled(client)["decode"] == ["decode-0", grown]
+    survivor = deployment.decode.find("decode-0")
+    leaving = deployment.decode.find(grown)
+
+    tokens: list[list[int]] = [[] for _ in prompts]
+    arrivals: list[list[float]] = [[] for _ in prompts]  # when each message came
+    errors: list[BaseException] = []
+
+    def stream(index: int) -> None:
+        try:
+            request = build_request(prompt_token_ids=prompts[index], max_tokens=MAX_TOKENS, ignore_eos=True)
+            for message in client.stream(request, timeout=600):
+                tokens[index].extend(message.token_ids)
+                arrivals[index].append(time.monotonic())
+        except BaseException as error:  # asserted on below
+            errors.append(error)
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: all(len(t) >= 20 for t in tokens) or errors, 300, "every stream decoding")
+    moving = leaving.inflight
+    assert moving, "no stream landed on the new decode worker"
+    before = deployment.background.run(survivor.engine.status(), timeout=30).engine_metrics
+    drained_at = time.monotonic()
+    assert client.drain(grown) == [f"{grown}: draining"]
+    for thread in threads:
+        thread.join(600)
+    assert not errors, errors[:3]
+    assert tokens == expected, "a stream differs from the colocated engine"
+    assert _wait_settled(client)["decode"] == ["decode-0"]
+    after = deployment.background.run(survivor.engine.status(), timeout=30).engine_metrics
+    pulled = after.get(_TRANSFERRED, 0) - before.get(_TRANSFERRED, 0)
+    computed = after.get(_COMPUTED, 0) - before.get(_COMPUTED, 0)
+    # Each moved stream's context (its prompt and 20+ tokens) came over NIXL; decode-0 computed
+    # only the token each re-derived. Recomputing would have cost it the whole contexts.
+    assert pulled >= 200 * moving, (pulled, moving)
+    assert computed <= 2 * moving, (computed, moving)
+    # The longest pause any stream saw after the drain: a moved stream's stall.
+    stall = max(b - a for times in arrivals for a, b in zip(times, times[1:]) if b > drained_at)
+    print(f"drained {grown} with {moving} streams: moved with {pulled:.0f} prompt tokens pulled, {computed:.0f} computed; "
+          f"all {STREAMS} streams exact; longest pause after the drain {stall * 1000:.0f} ms")

@@ -1,0 +1,58 @@
+"""Moving a running request out of its engine core with its KV (live migration).
+
+A decode engine that must give up a request (its worker drains, or is scaled away) used to stop
+it and let another worker recompute the whole context. With the ``nixl`` transport the context's
+KV can move instead: :func:`migrate_out`, a utility call the router makes on the engine core's
+own thread between two steps, finishes the request as vLLM's NIXL connector finishes a prefill
+whose KV a decode engine will pull (status ``FINISHED_LENGTH_CAPPED``, ``do_remote_decode``).
+The connector then keeps the request's blocks for the lease (``kv_transfer.kv_lease_s``) and
+answers with the transfer parameters a pull needs, which the router hands to the target worker
+as it hands a prefill's to a decode worker; the source frees the blocks when the target has read
+them. No scheduler is changed: this is the path every prefill's KV already takes, entered from a
+running request instead of a finished prefill.
+
+The request's tokens so far travel with the answer: the engine core's own list is what the KV
+covers (every token but the last, which was sampled and not yet computed), so the router knows
+exactly where the stream stands whatever it had received.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The utility's name on vLLM's EngineCoreProc (router/engine_front_end.py calls it).
+MIGRATE_OUT_METHOD = "duet_migrate_out"
+
+
+def migrate_out(core: Any, request_id: str) -> dict[str, Any] | None:
+    """Finish ``request_id`` (the engine core's id) keeping its KV for a pull; returns
+    ``{"kv_transfer_params", "token_ids"}``, or None when it cannot move now: unknown,
+    finished, not running (waiting, or its own KV still arriving), or without an output yet.
+
+    Runs between engine steps (utility calls do), so no step of the request is in flight.
+    ``kv_transfer_params`` is None when no connector keeps the blocks (then they are freed and
+    only the tokens are left to resume from)."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = core.scheduler
+    request = scheduler.requests.get(request_id)
+    if request is None or request.status != RequestStatus.RUNNING or not request.output_token_ids:
+        return None
+    if getattr(request, "num_output_placeholders", 0):  # asynchronous scheduling: a step in flight
+        return None
+    # What a prefill finishing for a remote decode carries: the connector keeps the blocks.
+    request.kv_transfer_params = {"do_remote_decode": True}
+    # Counted among the engine's requests until the pull (or the lease) ends it: a drain must
+    # not remove the worker while the target still reads its KV (engine_clients.py).
+    request.duet_moving_out = True
+    scheduler.running.remove(request)
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    kv_transfer_params, _ = scheduler._free_request(request)
+    return {"kv_transfer_params": kv_transfer_params, "token_ids": list(request.output_token_ids)}
+
+
+def install() -> None:
+    """Add :func:`migrate_out` to vLLM's engine core as a utility call; idempotent."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    setattr(EngineCoreProc, MIGRATE_OUT_METHOD, migrate_out)

@@ -420,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.fuzz import register_command as register_bench_fuzz
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
+    from duet.benchmarks.migration import register_command as register_bench_migrate
     from duet.benchmarks.multinode import register_command as register_bench_multinode
     from duet.benchmarks.prefix_affinity import register_command as register_bench_affinity
     from duet.benchmarks.router_overhead import register_command as register_bench_router
@@ -447,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_chaos(benches)  # bench chaos
     register_bench_soak(benches)  # bench soak
     register_bench_fuzz(benches)  # bench fuzz
+    register_bench_migrate(benches)  # bench migrate
     return parser
 
 

@@ -288,6 +288,10 @@ class RouterConfig(_Strict):
     """Missed pings in a row after which a worker counts as hung and is replaced."""
     drain_timeout_s: float = Field(default=60.0, ge=0)
     """Removing a worker waits this long for its requests to finish; the rest resume elsewhere."""
+    drain_moves_kv: bool = True
+    """A draining decode worker hands its running requests to the other decode workers with
+    their KV (disaggregated, ``kv_transfer.transport: nixl``); false: they finish in place, or
+    resume by recomputing at the drain timeout."""
 
 
 class DuetConfig(_Strict):

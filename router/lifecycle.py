@@ -220,6 +220,11 @@ class RequestLifecycle:
             sampling=replace(request.sampling, max_tokens=left) if sent else request.sampling,
         )
 
+    def decoding_on(self, worker: PoolMember) -> list[str]:
+        """The engines' ids of the requests decoding on ``worker`` now (each starts with the
+        client's request id)."""
+        return [request_id for request_id, (member, _) in self._decoding.items() if member is worker]
+
     async def migrate_from(self, worker: PoolMember) -> int:
         """Move every request decoding on ``worker`` to the other decode workers with its KV
         (a drain: ``worker`` is no longer picked); returns how many began to move. A worker

@@ -72,3 +72,28 @@ def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, cli
     stall = max(b - a for times in arrivals for a, b in zip(times, times[1:]) if b > drained_at)
     print(f"drained {grown} with {moving} streams: moved with {pulled:.0f} prompt tokens pulled, {computed:.0f} computed; "
           f"all {STREAMS} streams exact; longest pause after the drain {stall * 1000:.0f} ms")
+
+
+def test_drain_moves_kv_decides_whether_a_drain_moves_requests(duet_config):
+    """Only a disaggregated NIXL deployment with ``router.drain_moves_kv`` hands a draining
+    decode worker's requests on (colocated workers and the nccl transport have no pull path)."""
+    from duet.config import parse_config
+    from duet.router.assembly import request_service
+    from duet.router.auth import Gatekeeper
+    from duet.router.pools import WorkerPool
+    from duet.router.status import ClusterView
+
+    def hooks(overrides: dict, colocated: bool = False) -> int:
+        data = duet_config.model_dump()
+        for section, values in overrides.items():
+            data[section].update(values)
+        config = parse_config(data, "test")
+        prefill, decode = (None if colocated else WorkerPool("prefill")), WorkerPool("decode")
+        pools = [pool for pool in (prefill, decode) if pool is not None]
+        request_service(config, prefill, decode, (4096, 1000, 16), ClusterView("m", "nixl", pools), Gatekeeper([]))
+        return len(decode.on_draining)
+
+    assert hooks({}) == 1
+    assert hooks({"router": {"drain_moves_kv": False}}) == 0
+    assert hooks({"kv_transfer": {"transport": "nccl"}}) == 0
+    assert hooks({}, colocated=True) == 0

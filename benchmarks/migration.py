@@ -1,0 +1,177 @@
+"""Live migration against token replay: the pause a drained decode worker's streams see.
+
+``duet bench migrate`` starts the default deployment (one prefill and one decode worker, NIXL,
+the built-in model, float32) and, round after round, grows the decode pool to two workers,
+starts ``--streams`` greedy streams with prompts of ``--context`` tokens, waits until every
+stream is decoding, and drains the new decode worker, once per method, the order alternating:
+
+- ``kv``: its streams move to decode-0 with their KV (``router.drain_moves_kv``,
+  worker_runtime/kv_migration.py);
+- ``replay``: the drain's timeout is 0, so its streams resume on decode-0 by token replay, which
+  recomputes each one's prompt and every token streamed so far (what a drain past its timeout,
+  and every drain before live migration, does).
+
+The prompts are the same every time and greedy streams must come out identical under both
+methods. Reported per moved stream: the longest pause between two of its messages after the
+drain (the move's stall, against a TPOT of a few milliseconds), and per round the ratio of the
+two methods' median stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results" / "migration.json"
+
+
+def _wait_settled(client: Any, decode_workers: int, timeout_s: float = 600) -> list[str]:
+    """Wait until nothing is starting or draining and decode has ``decode_workers``; their names."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pools = {pool.role: pool.workers for pool in client.list_workers().pools}
+        states = {w.state for workers in pools.values() for w in workers}
+        if states == {"ready"} and len(pools["decode"]) == decode_workers:
+            return [w.name for w in pools["decode"]]
+        time.sleep(0.5)
+    raise TimeoutError(f"the decode pool did not settle at {decode_workers} workers")
+
+
+def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """Grow decode to two workers, stream, drain the new one by ``method``; the moved streams' pauses."""
+    from duet.router.client import build_request
+
+    client.scale("decode", 2)
+    grown = next(name for name in _wait_settled(client, 2) if name != "decode-0")
+    leaving = deployment.decode.find(grown)
+    streams: list[list[int]] = [[] for _ in prompts]
+    arrivals: list[list[float]] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+
+    def stream(index: int) -> None:
+        try:
+            request = build_request(prompt_token_ids=prompts[index], max_tokens=tokens, ignore_eos=True, request_id=f"s{index}")
+            for message in client.stream(request, timeout=900):
+                streams[index].extend(message.token_ids)
+                arrivals[index].append(time.monotonic())
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 600
+    while not all(len(s) >= 10 for s in streams) and not errors and time.monotonic() < deadline:
+        time.sleep(0.05)
+    moving = {request_id.split("-", 1)[0] for request_id in deployment.service.lifecycle.decoding_on(leaving)}
+    hooks = list(deployment.decode.on_draining)
+    if method == "replay":
+        deployment.decode.on_draining.clear()
+    try:
+        drained_at = time.monotonic()
+        client.drain(grown, timeout_s=0 if method == "replay" else None)
+        for thread in threads:
+            thread.join(900)
+    finally:
+        deployment.decode.on_draining[:] = hooks
+    _wait_settled(client, 1)
+    if errors:
+        raise RuntimeError(f"{method}: {len(errors)} streams failed: {errors[0]!r}")
+    stalls = {
+        f"s{i}": max((b - a for a, b in zip(times, times[1:]) if b > drained_at), default=0.0)
+        for i, times in enumerate(arrivals)
+    }
+    moved = sorted(stalls[name] for name in moving)
+    return {
+        "method": method,
+        "moved_streams": len(moving),
+        "stall_s": moved,
+        "stall_median_s": statistics.median(moved) if moved else None,
+        "stall_max_s": max(moved, default=None),
+        "others_longest_pause_s": max((v for k, v in stalls.items() if k not in moving), default=None),
+        "tokens": streams,
+    }
+
+
+def run_benchmark(streams: int, context: tuple[int, int], tokens: int, rounds: int, seed: int) -> list[dict[str, Any]]:
+    from duet.background_loop import BackgroundLoop
+    from duet.cluster.deployment import Deployment
+    from duet.config import load_config, parse_config
+    from duet.router.client import DuetClient
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 700) for _ in range(rng.randint(*context))] for _ in range(streams)]
+    data = load_config().model_dump()
+    data["server"].update(metrics_port=None)  # beside another deployment: no fixed port of its own
+    data["ray"]["num_cpus"] = 3  # room for the second decode worker (two engines share a core)
+    loop = BackgroundLoop()
+    deployment = loop.run(Deployment(parse_config(data, "bench migrate")).start(port=0, http_port=None), timeout=900)
+    deployment.background = loop
+    results: list[dict[str, Any]] = []
+    try:
+        with DuetClient(f"127.0.0.1:{deployment.port}") as client:
+            for round_index in range(rounds):
+                order = ["kv", "replay"] if round_index % 2 == 0 else ["replay", "kv"]
+                pair = {}
+                for method in order:
+                    result = run_once(deployment, client, method, prompts, tokens)
+                    result["round"] = round_index
+                    pair[method] = result
+                    print(f"round {round_index} {method:6s}: {result['moved_streams']} streams moved; stall median "
+                          f"{_ms(result['stall_median_s'])}, max {_ms(result['stall_max_s'])} ms; other streams' longest "
+                          f"pause {_ms(result['others_longest_pause_s'])} ms", flush=True)
+                same = pair["kv"]["tokens"] == pair["replay"]["tokens"]
+                ratio = (pair["kv"]["stall_median_s"] / pair["replay"]["stall_median_s"]
+                         if pair["kv"]["stall_median_s"] and pair["replay"]["stall_median_s"] else float("nan"))
+                print(f"  round {round_index}: kv / replay median stall {ratio:.2f}x; streams identical: {same}", flush=True)
+                for result in pair.values():
+                    result["identical_across_methods"] = same
+                    result.pop("tokens")
+                    results.append(result)
+    finally:
+        loop.run(deployment.stop(), timeout=120)
+        loop.close()
+    return results
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _context(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"LOW,HIGH prompt lengths in tokens, e.g. 1500,3000 (got {text!r})") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"need 1 <= LOW <= HIGH (got {text!r})")
+    return low, high
+
+
+def _command(args: argparse.Namespace) -> int:
+    results = run_benchmark(args.streams, args.context, args.tokens, args.rounds, args.seed)
+    out = Path(args.out) if args.out else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"results: {out}", file=sys.stderr)
+    return 0
+
+
+def register_command(benches: argparse._SubParsersAction) -> None:
+    parser = benches.add_parser(
+        "migrate", help="a drained decode worker's streams: moved with their KV against token replay (real vLLM)"
+    )
+    parser.add_argument("--streams", type=int, default=16, help="concurrent greedy streams")
+    parser.add_argument("--context", type=_context, default="1500,3000", help="LOW,HIGH prompt tokens")
+    parser.add_argument("--tokens", type=int, default=300, help="tokens per stream")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, each draining once per method")
+    parser.add_argument("--seed", type=int, default=37)
+    parser.add_argument("--out", help=f"results file (default {RESULTS.relative_to(RESULTS.parents[2])})")
+    parser.set_defaults(handler=_command)

@@ -1,9 +1,12 @@
-"""Command-line value types the benchmarks share."""
+"""Command-line value types and result files the benchmarks share."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
 
 
 def positive_list(kind: Callable[[str], float]) -> Callable[[str], list]:
@@ -20,3 +23,13 @@ def positive_list(kind: Callable[[str], float]) -> Callable[[str], list]:
         return values
 
     return parse
+
+
+def write_results(results: Any, out: str | None, default: Path) -> int:
+    """Write ``results`` as JSON to ``out`` (``--out``), else ``default``; says where on stderr.
+    Returns the command's exit status (0)."""
+    path = Path(out) if out else default
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"results: {path}", file=sys.stderr)
+    return 0

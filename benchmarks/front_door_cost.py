@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from duet.benchmarks.arguments import positive_list
+from duet.benchmarks.arguments import positive_list, write_results
 from duet.benchmarks.router_overhead import _CLIENT as _GRPC_CLIENT
 from duet.benchmarks.router_overhead import _config
 
@@ -226,11 +226,7 @@ def _command(args: argparse.Namespace) -> int:
         print("duet bench front-door: give one --rates entry per --lengths entry", file=sys.stderr)
         return 2
     results = asyncio.run(run_benchmark(args.workers, args.apis, args.lengths, args.rates, args.duration, args.rounds))
-    out = Path(args.out) if args.out else RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"results: {out}", file=sys.stderr)
-    return 0
+    return write_results(results, args.out, RESULTS)
 
 
 def _apis(text: str) -> list[str]:

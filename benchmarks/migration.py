@@ -20,14 +20,14 @@ two methods' median stalls.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from duet.benchmarks.arguments import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "migration.json"
 
@@ -157,11 +157,7 @@ def _context(text: str) -> tuple[int, int]:
 
 def _command(args: argparse.Namespace) -> int:
     results = run_benchmark(args.streams, args.context, args.tokens, args.rounds, args.seed)
-    out = Path(args.out) if args.out else RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"results: {out}", file=sys.stderr)
-    return 0
+    return write_results(results, args.out, RESULTS)
 
 
 def register_command(benches: argparse._SubParsersAction) -> None:

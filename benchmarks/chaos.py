@@ -36,6 +36,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -309,9 +310,20 @@ def _command(args: argparse.Namespace) -> int:
         return 2
     args.trace = args.trace or str(traces_dir() / "AzureLLMInferenceTrace_conv.csv")
     requests, arrivals = _requests(args)
-    with running_apart(load_config(args.config), args.front_ends) as (control, target):
+    config = load_config(args.config)
+    if "drain-decode" in args.kinds:
+        # drain-decode starts a decode worker before it drains one: a CPU of headroom for it
+        # (a local Ray otherwise offers one per core, all taken by the default deployment).
+        cpus = (config.ray.num_cpus or os.cpu_count() or 1) + 1
+        config = config.model_copy(update={"ray": config.ray.model_copy(update={"num_cpus": cpus})})
+    with running_apart(config, args.front_ends) as (control, target):
         schedule = fault_schedule(args.kinds, args.faults, args.seed)
-        report = run_chaos(target, ClusterProcesses(control, target), requests, arrivals, schedule, args.seed)
+        try:
+            report = run_chaos(target, ClusterProcesses(control, target), requests, arrivals, schedule, args.seed)
+        except Exception:  # shown now: Ray's shutdown can end this process before it is printed
+            traceback.print_exc()
+            sys.stderr.flush()
+            raise
         # Written before Ray shuts down: its shutdown can end this process abruptly (a raylet
         # that exits first makes the core worker quit), which lost a soak's results once.
         result = summary(report)

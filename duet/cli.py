@@ -230,7 +230,7 @@ def _print_status(status: pb.ClusterStatus) -> None:
     table = Table(title=f"duet · {status.model} · KV transport {status.kv_transport}")
     for column in (
         "pool", "worker", "state", "core", "KV channel", "served", "in flight", "prompt tokens queued", "KV used",
-        "prompt tokens transferred / computed", "KV transfers (MiB, GiB/s, failed)",
+        "prompt tokens transferred / computed", "KV transfers (MiB, GiB/s, failed)", "requests moved out / in (KV + replay)",
     ):
         table.add_column(column)
     for pool in status.pools:
@@ -249,6 +249,7 @@ def _print_status(status: pb.ClusterStatus) -> None:
                 f"{worker.kv_cache_usage:.1%}",
                 f"{worker.prompt_tokens_transferred} / {worker.prompt_tokens_computed}",
                 _transfer_cell(worker),
+                _migrations_cell(worker),
             )
     if status.metrics_endpoint:
         table.caption = f"Prometheus: http://{status.metrics_endpoint}/metrics"
@@ -280,6 +281,13 @@ def _transfer_cell(worker: pb.WorkerState) -> str:
         f"{worker.kv_transfers} ({worker.kv_transfer_bytes / 2**20:.1f} MiB, {rate:.2f} GiB/s, "
         f"{worker.kv_transfer_failures} failed)"
     )
+
+
+def _migrations_cell(worker: pb.WorkerState) -> str:
+    counts = (worker.migrations_out_kv, worker.migrations_out_replay, worker.migrations_in_kv, worker.migrations_in_replay)
+    if not any(counts):
+        return "-"
+    return "{}+{} / {}+{}".format(*counts)
 
 
 # ---- scale and drain ---------------------------------------------------------------------

@@ -58,6 +58,7 @@ def request_service(
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,
     )
+    lifecycle.on_move = cluster.moved
     if prefill is not None and transfer.transport == "nixl" and config.router.drain_moves_kv:
         # A draining decode worker hands its requests on with their KV, as prefill hands its
         # own (the pull path); other transports, and colocated workers, finish them in place.

@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import PoolMember, WorkerPool
@@ -57,6 +57,19 @@ class StreamEvent:
     text: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Move:
+    """A request that left decode worker ``source`` (drained, scaled away, or dead) and
+    continued on ``target``: with its KV pulled (``method`` "kv") or by recomputing its context
+    there ("replay"); ``stall_s`` is the gap it left in the client's stream, from the last token
+    before the move to the first after it."""
+
+    source: str
+    target: str
+    method: str
+    stall_s: float
 
 
 class WorkerFailed(RuntimeError):
@@ -119,6 +132,24 @@ class _Round:
     # A round that continues a request its decode worker gave up with its KV: no prefill; a
     # decode worker pulls that KV (every token but the last streamed one, which it re-derives).
     moved: MigrationTicket | None = None
+    # Its KV hand-off timed out, so its decode worker computed the context itself.
+    recomputed: bool = False
+
+
+@dataclass
+class _Departure:
+    """A stream that left decode worker ``source`` (moved off it, or it failed), from its last
+    token there (``left_at``) to its first token after (``resumed_at``)."""
+
+    source: str
+    left_at: float
+    resumed_at: float | None = None
+
+    @staticmethod
+    def off(round_: _Round, clock: _Clock) -> _Departure | None:
+        """The departure from ``round_``'s decode worker; None if the round had none yet (its
+        prefill failed: the stream never reached a decode worker)."""
+        return _Departure(round_.decode_worker, clock.last) if round_.decode_worker else None
 
 
 class RequestLifecycle:
@@ -148,6 +179,8 @@ class RequestLifecycle:
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
         # The decode rounds in flight, by the engines' request id: where each runs, to move them.
         self._decoding: dict[str, tuple[PoolMember, Any]] = {}
+        # Told of every request that continued on another decode worker (status, metrics).
+        self.on_move: Callable[[Move], None] | None = None
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
@@ -160,6 +193,7 @@ class RequestLifecycle:
         attempt = moves = 0
         moved: MigrationTicket | None = None
         prefill_worker = ""
+        departure: _Departure | None = None  # the decode worker the stream left, until it continues
         while attempt < self.policy.max_attempts:
             round_ = self._next_round(request, internal_id, attempt, moves, sent, moved)
             round_.prefill_worker = prefill_worker if moved else ""
@@ -168,6 +202,8 @@ class RequestLifecycle:
                 chunks = await self._start_round(round_)
                 try:
                     async for chunk in chunks:
+                        if departure is not None and self._arrived(departure, round_):
+                            departure = None
                         sent.extend(chunk.token_ids)
                         clock.tokens_sent(len(chunk.token_ids))
                         if chunk.finish_reason is None:
@@ -182,6 +218,7 @@ class RequestLifecycle:
                 logger.warning("request %s: %s; resuming after %d tokens", request.request_id, failure, len(sent))
                 last_failure = failure
                 attempt += 1
+                departure = departure or _Departure.off(round_, clock)
             except Migrated as migrated:
                 moved, moves, prefill_worker = migrated.ticket, moves + 1, round_.prefill_worker
                 # The engine's own list is where the stream stands: the round's tokens after
@@ -196,7 +233,21 @@ class RequestLifecycle:
                     sent = stream
                 if moved.kv_transfer_params is None:
                     moved = None  # nothing kept its KV: the next round recomputes it
+                departure = departure or _Departure.off(round_, clock)
         raise RequestFailed(f"gave up after {self.policy.max_attempts} attempts: {last_failure}")
+
+    def _arrived(self, departure: _Departure, round_: _Round) -> bool:
+        """A chunk of ``round_`` arrived for a stream that left a decode worker: the stall ends
+        at the first; ``on_move`` is told once the round's decode worker is known (a prefill
+        worker's first token comes before). True once told."""
+        if departure.resumed_at is None:
+            departure.resumed_at = time.perf_counter()
+        if not round_.decode_worker:
+            return False
+        if self.on_move is not None:
+            method = "kv" if round_.moved is not None and not round_.recomputed else "replay"
+            self.on_move(Move(departure.source, round_.decode_worker, method, departure.resumed_at - departure.left_at))
+        return True
 
     def _next_round(
         self, request: ValidatedRequest, internal_id: str, attempt: int, moves: int, sent: list[int],
@@ -318,6 +369,7 @@ class RequestLifecycle:
             )
             decode_worker = await self._still_ready(decode_worker, round_)  # it may have hung by dying
             round_.request_id += "-recompute"
+            round_.recomputed = True
             chunks = self._decode(decode_worker, round_, handoff, kv_transfer_params=None)
             first = await anext(chunks)
         try:

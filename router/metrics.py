@@ -43,6 +43,21 @@ class RouterMetrics:
         self.ttft = Histogram("duet_ttft_seconds", "Time to first token at the router.", buckets=_LATENCY_BUCKETS, registry=registry)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first.", buckets=_LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("duet_e2e_seconds", "Request latency, arrival to last token.", buckets=_LATENCY_BUCKETS, registry=registry)
+        self.migrations = Counter(
+            "duet_migrations",
+            "Requests that moved between decode workers (a drain, a scale-down, a death), by worker, direction "
+            "(out: left it; in: continued on it) and method (kv: its KV pulled by the new worker; replay: its "
+            "context recomputed there).",
+            ["worker", "direction", "method"],
+            registry=registry,
+        )
+        self.migration_stall = Histogram(
+            "duet_migration_stall_seconds",
+            "The gap each move left in its client's stream, from the last token before it to the first after, by method.",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
 
 
 class WorkerMetricsCollector(Collector):

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from duet.worker_runtime.worker_api import WorkerStatus
 from duet.kv_transfer.metrics import transfer_totals
-from duet.router.lifecycle import Usage
+from duet.router.lifecycle import Move, Usage
 from duet.router.metrics import RouterMetrics
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.proto import duet_api_pb2 as pb
@@ -40,6 +40,9 @@ class ClusterView:
         self.index = 0  # this process's client index in every engine core
         self.forwards_status = False  # a front door apart, whose status is the control plane's
         self.host = socket.gethostname()  # what status shows as this front door's host
+        # This front door's requests that moved between decode workers, by (worker, direction
+        # "out" or "in", method "kv" or "replay").
+        self.migrations: Counter[tuple[str, str, str]] = Counter()
 
     def admit(self) -> None:
         self.inflight += 1
@@ -67,10 +70,21 @@ class ClusterView:
                 if usage.completion_tokens > 1:
                     self.metrics.tpot.observe(usage.tpot_s)
 
+    def moved(self, move: Move) -> None:
+        """Count a request that continued on another decode worker (the lifecycle's ``on_move``)."""
+        self.migrations[move.source, "out", move.method] += 1
+        self.migrations[move.target, "in", move.method] += 1
+        if self.metrics:
+            self.metrics.migrations.labels(move.source, "out", move.method).inc()
+            self.metrics.migrations.labels(move.target, "in", move.method).inc()
+            self.metrics.migration_stall.labels(move.method).observe(move.stall_s)
+
     async def status(self) -> pb.ClusterStatus:
-        """The cluster as ``duet status`` shows it; request counts are every front door's."""
+        """The cluster as ``duet status`` shows it; request and migration counts are every
+        front door's."""
         pools = await asyncio.gather(*(self._pool_status(pool) for pool in self.pools))
         front_ends = await self.front_doors() if self.front_doors is not None else [self.front_door(self.index)]
+        _add_migrations(pools, front_ends)
         return pb.ClusterStatus(
             model=self.model,
             pools=pools,
@@ -94,11 +108,30 @@ class ClusterView:
             requests_served=self.outcomes["served"],
             requests_inflight=self.inflight,
             requests_failed=self.outcomes["failed"],
+            migrations=[
+                pb.WorkerMigrations(
+                    worker=worker,
+                    **{f"{direction}_{method}": self.migrations[worker, direction, method]
+                       for direction in ("out", "in") for method in ("kv", "replay")},
+                )
+                for worker in sorted({worker for worker, _, _ in self.migrations})
+            ],
         )
 
     async def _pool_status(self, pool: WorkerPool) -> pb.Pool:
         states = await asyncio.gather(*(_worker_status(pool.role, member) for member in pool.members))
         return pb.Pool(role=pool.role, workers=states)
+
+
+def _add_migrations(pools: list[pb.Pool], front_ends: list[pb.FrontEnd]) -> None:
+    """Sum every front door's migration counts into its workers' states."""
+    for pool in pools:
+        for worker in pool.workers:
+            for counted in (moves for door in front_ends for moves in door.migrations if moves.worker == worker.name):
+                worker.migrations_out_kv += counted.out_kv
+                worker.migrations_out_replay += counted.out_replay
+                worker.migrations_in_kv += counted.in_kv
+                worker.migrations_in_replay += counted.in_replay
 
 
 async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:

@@ -101,6 +101,7 @@ def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, d
     prompt = _prompt(300, seed=5)
     decode = deployment.decode.members[0]
     restarts = decode.restarts
+    replays = _replays(client, decode.name)
     router = deployment.config.router
     # Found by design within the recent-output window (the stream's last output must age), the
     # next ping and its timeout; the slack is for a loaded machine. The error says a ping found it.
@@ -137,6 +138,14 @@ def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, d
     assert received == reference.greedy([prompt], max_tokens=160, ignore_eos=True)[0]
     _wait_replaced(decode, restarts)
     assert decode.restarts == restarts + 1
+    # Status counts the stream's move from the hung engine to its replacement, as a replay.
+    assert _replays(client, decode.name) == (replays[0] + 1, replays[1] + 1)
+
+
+def _replays(client, worker: str) -> tuple[int, int]:
+    """``worker``'s requests moved out and in by token replay, as ``duet status`` counts them."""
+    shown = next(state for pool in client.status().pools for state in pool.workers if state.name == worker)
+    return shown.migrations_out_replay, shown.migrations_in_replay
 
 
 def test_transfer_timeout_falls_back_to_recompute(client, deployment, reference, worker_status):

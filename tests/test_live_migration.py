@@ -5,7 +5,7 @@ streams run on both; draining the new one must move its streams to decode-0 with
 (worker_runtime/kv_migration.py): every stream completes token-identical to a colocated engine,
 and decode-0 pulls those streams' contexts instead of computing them (vLLM's own count of
 prompt tokens by source), computing one token per moved stream (the last one streamed, which
-it re-derives).
+it re-derives). ``duet status`` and Prometheus count the moves, by worker and method.
 """
 
 from __future__ import annotations
@@ -13,13 +13,18 @@ from __future__ import annotations
 import random
 import threading
 import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from duet.router.client import build_request
 from test_elastic_pools import _wait_settled
 from waiting import wait_for
 
 STREAMS = 6
-MAX_TOKENS = 400
+# Long enough that a stream alone on the new worker (~3 ms a token) is still decoding when the
+# drain arrives, however the streams were spread.
+MAX_TOKENS = 800
 _TRANSFERRED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 _COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 
@@ -47,6 +52,7 @@ def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, cli
         except BaseException as error:  # asserted on below
             errors.append(error)
 
+    counted_before = _migration_samples(client)
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(STREAMS)]
     for thread in threads:
         thread.start()
@@ -68,10 +74,30 @@ def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, cli
     # only the token each re-derived. Recomputing would have cost it the whole contexts.
     assert pulled >= 200 * moving, (pulled, moving)
     assert computed <= 2 * moving, (computed, moving)
+    # Every move counted where operators look: status (its workers, by method) and Prometheus.
+    shown = {worker.name: worker for pool in client.status().pools for worker in pool.workers}
+    assert shown["decode-0"].migrations_in_kv >= moving  # (earlier tests may have moved some too)
+    counted = {key: value - counted_before.get(key, 0) for key, value in _migration_samples(client).items()}
+    assert counted[("duet_migrations_total", grown, "out", "kv")] == moving, counted
+    assert counted[("duet_migrations_total", "decode-0", "in", "kv")] == moving, counted
+    assert counted[("duet_migration_stall_seconds_count", None, None, "kv")] == moving, counted
+    assert 0 < counted[("duet_migration_stall_seconds_sum", None, None, "kv")] < 30 * moving, counted
     # The longest pause any stream saw after the drain: a moved stream's stall.
     stall = max(b - a for times in arrivals for a, b in zip(times, times[1:]) if b > drained_at)
     print(f"drained {grown} with {moving} streams: moved with {pulled:.0f} prompt tokens pulled, {computed:.0f} computed; "
           f"all {STREAMS} streams exact; longest pause after the drain {stall * 1000:.0f} ms")
+
+
+def _migration_samples(client) -> dict[tuple[str, str | None, str | None, str | None], float]:
+    """The deployment's Prometheus samples of moved requests, by (name, worker, direction, method)."""
+    endpoint = client.status().metrics_endpoint
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30).read().decode()
+    return {
+        (sample.name, sample.labels.get("worker"), sample.labels.get("direction"), sample.labels.get("method")): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("duet_migration")
+        for sample in family.samples
+    }
 
 
 def test_drain_moves_kv_decides_whether_a_drain_moves_requests(duet_config):

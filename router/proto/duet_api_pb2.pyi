@@ -127,7 +127,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "outstanding_prompt_tokens", "cpu_core")
+    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "outstanding_prompt_tokens", "cpu_core", "migrations_out_kv", "migrations_out_replay", "migrations_in_kv", "migrations_in_replay")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,10 @@ class WorkerState(_message.Message):
     KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CPU_CORE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_OUT_KV_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_OUT_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_IN_KV_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_IN_REPLAY_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -162,7 +166,11 @@ class WorkerState(_message.Message):
     kv_transfer_failures: int
     outstanding_prompt_tokens: int
     cpu_core: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., outstanding_prompt_tokens: _Optional[int] = ..., cpu_core: _Optional[int] = ...) -> None: ...
+    migrations_out_kv: int
+    migrations_out_replay: int
+    migrations_in_kv: int
+    migrations_in_replay: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., outstanding_prompt_tokens: _Optional[int] = ..., cpu_core: _Optional[int] = ..., migrations_out_kv: _Optional[int] = ..., migrations_out_replay: _Optional[int] = ..., migrations_in_kv: _Optional[int] = ..., migrations_in_replay: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("role", "workers")
@@ -197,7 +205,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ...) -> None: ...
 
 class FrontEnd(_message.Message):
-    __slots__ = ("index", "pid", "host", "state", "restarts", "requests_served", "requests_inflight", "requests_failed", "error")
+    __slots__ = ("index", "pid", "host", "state", "restarts", "requests_served", "requests_inflight", "requests_failed", "error", "migrations")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +215,7 @@ class FrontEnd(_message.Message):
     REQUESTS_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     index: int
     pid: int
     host: str
@@ -216,4 +225,19 @@ class FrontEnd(_message.Message):
     requests_inflight: int
     requests_failed: int
     error: str
-    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    migrations: _containers.RepeatedCompositeFieldContainer[WorkerMigrations]
+    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., error: _Optional[str] = ..., migrations: _Optional[_Iterable[_Union[WorkerMigrations, _Mapping]]] = ...) -> None: ...
+
+class WorkerMigrations(_message.Message):
+    __slots__ = ("worker", "out_kv", "out_replay", "in_kv", "in_replay")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    OUT_KV_FIELD_NUMBER: _ClassVar[int]
+    OUT_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    IN_KV_FIELD_NUMBER: _ClassVar[int]
+    IN_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    out_kv: int
+    out_replay: int
+    in_kv: int
+    in_replay: int
+    def __init__(self, worker: _Optional[str] = ..., out_kv: _Optional[int] = ..., out_replay: _Optional[int] = ..., in_kv: _Optional[int] = ..., in_replay: _Optional[int] = ...) -> None: ...

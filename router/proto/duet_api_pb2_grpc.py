@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class DuetStub:
-    """Missing associated documentation comment in .proto file."""
+    """Serving. Errors: INVALID_ARGUMENT (a bad request, naming the field), UNAUTHENTICATED and
+    PERMISSION_DENIED (API keys), RESOURCE_EXHAUSTED (admission limit or a key's quota; retry
+    later), UNAVAILABLE (no ready worker, or this front door is going away: retry, resuming with
+    resume_after).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,16 +51,22 @@ class DuetStub:
 
 
 class DuetServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Serving. Errors: INVALID_ARGUMENT (a bad request, naming the field), UNAUTHENTICATED and
+    PERMISSION_DENIED (API keys), RESOURCE_EXHAUSTED (admission limit or a key's quota; retry
+    later), UNAVAILABLE (no ready worker, or this front door is going away: retry, resuming with
+    resume_after).
+    """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Generates a completion as a stream of messages, one per chunk the decode worker produced.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The pools, each worker's state and counters, and every front door.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -83,7 +93,11 @@ def add_DuetServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Duet:
-    """Missing associated documentation comment in .proto file."""
+    """Serving. Errors: INVALID_ARGUMENT (a bad request, naming the field), UNAUTHENTICATED and
+    PERMISSION_DENIED (API keys), RESOURCE_EXHAUSTED (admission limit or a key's quota; retry
+    later), UNAVAILABLE (no ready worker, or this front door is going away: retry, resuming with
+    resume_after).
+    """
 
     @staticmethod
     def Generate(request,
@@ -178,19 +192,22 @@ class AdminServicer:
     """
 
     def ScalePool(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Grows or shrinks a pool to a number of workers (`duet scale`).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DrainWorker(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Removes one worker once its requests finish or its drain timeout passes (`duet drain`).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The same view as GetStatus, for operators' tools.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -5,7 +5,8 @@ streams run on both; draining the new one must move its streams to decode-0 with
 (worker_runtime/kv_migration.py): every stream completes token-identical to a colocated engine,
 and decode-0 pulls those streams' contexts instead of computing them (vLLM's own count of
 prompt tokens by source), computing one token per moved stream (the last one streamed, which
-it re-derives). ``duet status`` and Prometheus count the moves, by worker and method.
+it re-derives). ``duet status`` and Prometheus count the moves, by worker and method. A
+source that dies between giving its streams up and their pull costs recomputing, not a stream.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import random
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
+import psutil
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from duet.router.client import build_request
@@ -29,8 +33,27 @@ _TRANSFERRED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 _COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 
 
-def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, client, reference):
-    rng = random.Random(37)
+@dataclass
+class _DrainUnderLoad:
+    """Streams on two decode workers, the second of which is drained mid-stream; what each
+    stream received, and the survivor's (decode-0's) engine counters across the drain."""
+
+    grown: str
+    moving: int  # the streams on the drained worker when it was drained
+    tokens: list[list[int]]
+    arrivals: list[list[float]]  # when each message came
+    drained_at: float
+    pulled: float  # prompt tokens decode-0 pulled over NIXL meanwhile
+    computed: float  # prompt tokens decode-0 computed meanwhile
+    counted: dict  # the Prometheus migration samples' change
+
+
+def _drain_under_load(deployment, client, reference, seed: int, before_drain=None) -> _DrainUnderLoad:
+    """Grow the decode pool to two workers, start STREAMS greedy streams, drain the new worker
+    once every stream decodes (``before_drain(worker)`` first), and check what must hold
+    whatever the drain met: every stream completes token-identical to a colocated engine, and
+    the pool is back to decode-0."""
+    rng = random.Random(seed)
     prompts = [[rng.randrange(10, 700) for _ in range(rng.randrange(200, 500))] for _ in range(STREAMS)]
     expected = reference.greedy(prompts, MAX_TOKENS, ignore_eos=True)
     grown = f"decode-{deployment.managers['decode']._next_index}"
@@ -40,7 +63,7 @@ def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, cli
     leaving = deployment.decode.find(grown)
 
     tokens: list[list[int]] = [[] for _ in prompts]
-    arrivals: list[list[float]] = [[] for _ in prompts]  # when each message came
+    arrivals: list[list[float]] = [[] for _ in prompts]
     errors: list[BaseException] = []
 
     def stream(index: int) -> None:
@@ -60,6 +83,8 @@ def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, cli
     moving = leaving.inflight
     assert moving, "no stream landed on the new decode worker"
     before = deployment.background.run(survivor.engine.status(), timeout=30).engine_metrics
+    if before_drain is not None:
+        before_drain(leaving)
     drained_at = time.monotonic()
     assert client.drain(grown) == [f"{grown}: draining"]
     for thread in threads:
@@ -68,24 +93,81 @@ def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, cli
     assert tokens == expected, "a stream differs from the colocated engine"
     assert _wait_settled(client)["decode"] == ["decode-0"]
     after = deployment.background.run(survivor.engine.status(), timeout=30).engine_metrics
-    pulled = after.get(_TRANSFERRED, 0) - before.get(_TRANSFERRED, 0)
-    computed = after.get(_COMPUTED, 0) - before.get(_COMPUTED, 0)
+    return _DrainUnderLoad(
+        grown=grown,
+        moving=moving,
+        tokens=tokens,
+        arrivals=arrivals,
+        drained_at=drained_at,
+        pulled=after.get(_TRANSFERRED, 0) - before.get(_TRANSFERRED, 0),
+        computed=after.get(_COMPUTED, 0) - before.get(_COMPUTED, 0),
+        counted={key: value - counted_before.get(key, 0) for key, value in _migration_samples(client).items()},
+    )
+
+
+def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, client, reference):
+    drain = _drain_under_load(deployment, client, reference, seed=37)
+    moving, counted = drain.moving, drain.counted
     # Each moved stream's context (its prompt and 20+ tokens) came over NIXL; decode-0 computed
     # only the token each re-derived. Recomputing would have cost it the whole contexts.
-    assert pulled >= 200 * moving, (pulled, moving)
-    assert computed <= 2 * moving, (computed, moving)
+    assert drain.pulled >= 200 * moving, (drain.pulled, moving)
+    assert drain.computed <= 2 * moving, (drain.computed, moving)
     # Every move counted where operators look: status (its workers, by method) and Prometheus.
     shown = {worker.name: worker for pool in client.status().pools for worker in pool.workers}
     assert shown["decode-0"].migrations_in_kv >= moving  # (earlier tests may have moved some too)
-    counted = {key: value - counted_before.get(key, 0) for key, value in _migration_samples(client).items()}
-    assert counted[("duet_migrations_total", grown, "out", "kv")] == moving, counted
+    assert counted[("duet_migrations_total", drain.grown, "out", "kv")] == moving, counted
     assert counted[("duet_migrations_total", "decode-0", "in", "kv")] == moving, counted
     assert counted[("duet_migration_stall_seconds_count", None, None, "kv")] == moving, counted
     assert 0 < counted[("duet_migration_stall_seconds_sum", None, None, "kv")] < 30 * moving, counted
     # The longest pause any stream saw after the drain: a moved stream's stall.
-    stall = max(b - a for times in arrivals for a, b in zip(times, times[1:]) if b > drained_at)
-    print(f"drained {grown} with {moving} streams: moved with {pulled:.0f} prompt tokens pulled, {computed:.0f} computed; "
-          f"all {STREAMS} streams exact; longest pause after the drain {stall * 1000:.0f} ms")
+    stall = max(b - a for times in drain.arrivals for a, b in zip(times, times[1:]) if b > drain.drained_at)
+    print(f"drained {drain.grown} with {moving} streams: moved with {drain.pulled:.0f} prompt tokens pulled, "
+          f"{drain.computed:.0f} computed; all {STREAMS} streams exact; longest pause after the drain {stall * 1000:.0f} ms")
+
+
+def test_a_move_whose_source_dies_before_the_pull_completes_by_recomputing(deployment, client, reference):
+    """The drained worker's engine is killed after it gave its streams up with their KV and
+    before decode-0 has pulled any: each pull fails, decode-0 recomputes that stream's context
+    (vLLM's kv_load_failure_policy: recompute), and every stream still completes exactly, with
+    no error; the dead worker, already draining, is simply gone."""
+    lifecycle = deployment.service.lifecycle
+    move_on = lifecycle._moved_round
+    restarts = deployment.decode.find("decode-0").restarts
+    killed: list[int] = []
+
+    def kill_source_first(worker) -> None:
+        engine_pid = ray.get(worker.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+
+        def killing_the_source(round_, decode_worker, ticket):
+            # The first moved round kills the source on the event loop's thread, so no moved
+            # round reaches decode-0 (and no pull starts) before the source is dead.
+            if not killed:
+                engine = psutil.Process(engine_pid)
+                doomed = [engine, *engine.children(recursive=True)]
+                for process in doomed:
+                    process.kill()
+                psutil.wait_procs(doomed, timeout=10)
+                killed.append(engine_pid)
+            return move_on(round_, decode_worker, ticket)
+
+        lifecycle._moved_round = killing_the_source
+
+    try:
+        drain = _drain_under_load(deployment, client, reference, seed=38, before_drain=kill_source_first)
+    finally:
+        del lifecycle._moved_round  # the class's own again
+    assert killed, "no stream was moved"
+    moving, counted = drain.moving, drain.counted
+    # Every moved context reached decode-0: recomputed where the pull failed (on one host, UCX
+    # may still read what the dead process left in shared memory: one run counted a pull).
+    assert drain.computed + drain.pulled >= 200 * moving, (drain.computed, drain.pulled, moving)
+    assert drain.computed > 2 * moving, "no pull failed: the source was not dead"
+    moved_out = counted.get(("duet_migrations_total", drain.grown, "out", "kv"), 0) + counted.get(
+        ("duet_migrations_total", drain.grown, "out", "replay"), 0)
+    assert moved_out == moving, counted
+    assert deployment.decode.find("decode-0").restarts == restarts, "the target was replaced"
+    print(f"source of {moving} moves killed before the pull: decode-0 recomputed {drain.computed:.0f} prompt tokens "
+          f"and pulled {drain.pulled:.0f}; all {STREAMS} streams exact")
 
 
 def _migration_samples(client) -> dict[tuple[str, str | None, str | None, str | None], float]:

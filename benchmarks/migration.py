@@ -70,7 +70,9 @@ def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]]
     deadline = time.monotonic() + 600
     while not all(len(s) >= 10 for s in streams) and not errors and time.monotonic() < deadline:
         time.sleep(0.05)
-    moving = {request_id.split("-", 1)[0] for request_id in deployment.service.lifecycle.decoding_on(leaving)}
+    moving = {
+        round_.request_id.split("-", 1)[0] for round_ in deployment.service.lifecycle.decoding() if round_.worker is leaving
+    }
     hooks = list(deployment.decode.on_draining)
     if method == "replay":
         deployment.decode.on_draining.clear()

@@ -292,6 +292,15 @@ class RouterConfig(_Strict):
     """A draining decode worker hands its running requests to the other decode workers with
     their KV (disaggregated, ``kv_transfer.transport: nixl``); false: they finish in place, or
     resume by recomputing at the drain timeout."""
+    rebalance_kv_gap: float | None = Field(default=None, gt=0, le=1)
+    """Rebalancing the decode pool (off by default: null). A decode worker whose KV cache use is
+    this much above the pool's mean (0.25: 25 points) hands its longest running requests to the
+    other decode workers with their KV, as a drain does, until it is back near the mean: a
+    worker that got the long requests does not keep them (router/rebalancer.py). Each front door
+    moves the requests it serves. Needs disaggregated serving with kv_transfer.transport nixl."""
+    rebalance_interval_s: float = Field(default=2.0, gt=0)
+    """How often rebalancing compares the decode workers' KV cache use (each front door asks
+    every decode engine); also the least time between two moves off one worker."""
 
 
 class DuetConfig(_Strict):
@@ -353,6 +362,15 @@ class DuetConfig(_Strict):
             raise ValueError(
                 "server.front_end_placement: SIMULATED workers reach their front doors at fixed addresses; "
                 "use nodes with vLLM workers only"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _rebalance_moves_kv(self) -> "DuetConfig":
+        if self.router.rebalance_kv_gap is not None and (self.mode == "colocated" or self.kv_transfer.transport != "nixl"):
+            raise ValueError(
+                "router.rebalance_kv_gap: rebalancing moves requests with their KV over the pull path; "
+                "it needs mode: disaggregated and kv_transfer.transport: nixl (or set it to null)"
             )
         return self
 

@@ -16,6 +16,7 @@ from duet.router.auth import Gatekeeper
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import WorkerPool
+from duet.router.rebalancer import Rebalancer
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
 from duet.router.validation import ModelLimits
@@ -62,9 +63,12 @@ def request_service(
     if prefill is not None and transfer.transport == "nixl" and config.router.drain_moves_kv:
         # A draining decode worker hands its requests on with their KV, as prefill hands its
         # own (the pull path); other transports, and colocated workers, finish them in place.
-        decode.on_draining.append(lifecycle.migrate_from)
+        decode.on_draining.append(lifecycle.migrate)
     limits = ModelLimits(config.model.name, max_model_len, vocab_size)
-    return RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
+    service = RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
+    if config.router.rebalance_kv_gap is not None:
+        service.rebalancer = Rebalancer(lifecycle, config.router.rebalance_kv_gap, config.router.rebalance_interval_s)
+    return service
 
 
 def chat_template(config: DuetConfig) -> str | None:

@@ -61,7 +61,8 @@ class FrontEnds:
     grpc_port: int
     http_runner: Any
     http_port: int | None
-    readiness: asyncio.Task[None]  # keeps grpc.health.v1 in step with the pools
+    # Keeping grpc.health.v1 in step with the pools, and rebalancing the decode pool (if on).
+    tasks: list[asyncio.Task[None]]
 
     @classmethod
     async def start(
@@ -80,7 +81,10 @@ class FrontEnds:
         grpc_server, bound_grpc, health_service = await start_server(
             DuetServicer(service), server.host, grpc_port, server.tls, admin, reuse_port
         )
-        readiness = asyncio.get_running_loop().create_task(report_readiness(health_service, service.is_ready))
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(report_readiness(health_service, service.is_ready))]
+        if service.rebalancer is not None:
+            tasks.append(loop.create_task(service.rebalancer.run()))
         http_runner, bound_http = None, None
         if http_port is not None:
             front_end = OpenAIFrontEnd(service, server.http_max_body_bytes, chat_template)
@@ -90,13 +94,15 @@ class FrontEnds:
                     front_end, server.host, http_port, ssl_context, reuse_port
                 )
             except OSError:
-                readiness.cancel()
+                for task in tasks:
+                    task.cancel()
                 await grpc_server.stop(grace=None)
                 raise
-        return cls(grpc_server, bound_grpc, http_runner, bound_http, readiness)
+        return cls(grpc_server, bound_grpc, http_runner, bound_http, tasks)
 
     async def stop(self) -> None:
-        self.readiness.cancel()
+        for task in self.tasks:
+            task.cancel()
         await self.grpc_server.stop(grace=2)
         if self.http_runner is not None:
             await self.http_runner.cleanup()

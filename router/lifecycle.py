@@ -136,6 +136,17 @@ class _Round:
     recomputed: bool = False
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """A decode round in flight: its engine request id, where it runs, and its context's length
+    when it started there (its prompt, and any tokens a resumed or moved round carries)."""
+
+    request_id: str
+    worker: PoolMember
+    engine: Any
+    context_tokens: int
+
+
 @dataclass
 class _Departure:
     """A stream that left decode worker ``source`` (moved off it, or it failed), from its last
@@ -178,7 +189,7 @@ class RequestLifecycle:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
         # The decode rounds in flight, by the engines' request id: where each runs, to move them.
-        self._decoding: dict[str, tuple[PoolMember, Any]] = {}
+        self._decoding: dict[str, Decoding] = {}
         # Told of every request that continued on another decode worker (status, metrics).
         self.on_move: Callable[[Move], None] | None = None
 
@@ -271,20 +282,21 @@ class RequestLifecycle:
             sampling=replace(request.sampling, max_tokens=left) if sent else request.sampling,
         )
 
-    def decoding_on(self, worker: PoolMember) -> list[str]:
-        """The engines' ids of the requests decoding on ``worker`` now (each starts with the
-        client's request id)."""
-        return [request_id for request_id, (member, _) in self._decoding.items() if member is worker]
+    def decoding(self) -> list[Decoding]:
+        """The decode rounds this front door has in flight."""
+        return list(self._decoding.values())
 
-    async def migrate_from(self, worker: PoolMember) -> int:
-        """Move every request decoding on ``worker`` to the other decode workers with its KV
-        (a drain: ``worker`` is no longer picked); returns how many began to move. A worker
-        whose engine cannot give requests up (SIMULATED, or no KV connector) keeps them."""
+    async def migrate(self, worker: PoolMember, request_ids: list[str] | None = None) -> int:
+        """Move the requests decoding on ``worker`` (all, or those of ``request_ids``) to other
+        decode workers with their KV (a drain, or rebalancing); returns how many began to move.
+        A worker whose engine cannot give requests up (SIMULATED, or no KV connector) keeps them."""
+        wanted = None if request_ids is None else set(request_ids)
         # Asked together: the engine core takes every queued call between two of its steps.
         calls = [
-            engine.migrate_out(request_id)
-            for request_id, (member, engine) in list(self._decoding.items())
-            if member is worker and hasattr(engine, "migrate_out")
+            round_.engine.migrate_out(round_.request_id)
+            for round_ in self.decoding()
+            if round_.worker is worker and hasattr(round_.engine, "migrate_out")
+            and (wanted is None or round_.request_id in wanted)
         ]
         tickets = await asyncio.gather(*calls, return_exceptions=True)
         for ticket in tickets:
@@ -300,7 +312,8 @@ class RequestLifecycle:
         take its KV (otherwise the prefill worker would hold that KV for a request that fails,
         until its lease runs out), and push transports need its address."""
         prompt = round_.prompt_token_ids
-        decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt)
+        source = round_.moved.source if round_.moved is not None else None
+        decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt, avoid=source)
         if round_.moved is not None:
             return self._moved_round(round_, decode_worker, round_.moved)
         if self.prefill_pool is None or not self._prefill_remotely(decode_worker, len(prompt)):
@@ -342,11 +355,15 @@ class RequestLifecycle:
         (The source's engine counts the request as its own until the pull is done, so a drain
         does not remove it while its KV is being read: cluster/pool_manager.py.)"""
         round_.decode_worker = decode_worker.name
+        # Only the source was ready (rebalancing: the others left meanwhile): it recomputes the
+        # request, as after a pull that timed out.
+        kv_transfer_params = ticket.kv_transfer_params if decode_worker.name != ticket.source else None
+        round_.recomputed = kv_transfer_params is None
         handoff = PrefillResult(
             first_token_id=ticket.token_ids[-1],
             first_text=None,  # the text of the re-derived token, whatever the target makes it
             num_prompt_tokens=len(round_.prompt_token_ids),
-            kv_transfer_params=ticket.kv_transfer_params,
+            kv_transfer_params=kv_transfer_params,
             finish_reason=None,
             worker=ticket.source,
         )
@@ -411,7 +428,7 @@ class RequestLifecycle:
         engine = _engine_of(self.decode_pool, worker)
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
-        self._decoding[round_.request_id] = (worker, engine)
+        self._decoding[round_.request_id] = Decoding(round_.request_id, worker, engine, len(round_.prompt_token_ids))
         # Without transfer parameters the worker computes the prompt itself, until its first token.
         prefilling = len(round_.prompt_token_ids) if kv_transfer_params is None else 0
         worker.local_prefill_tokens += prefilling

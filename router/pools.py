@@ -91,9 +91,10 @@ class WorkerPool:
     def ready(self) -> list[PoolMember]:
         return [member for member in self.members if member.state == "ready"]
 
-    def pick(self, prompt: list[int] | None = None) -> PoolMember:
-        """The ready member the pool's policy chooses for ``prompt``."""
-        ready = self.ready()
+    def pick(self, prompt: list[int] | None = None, avoid: str | None = None) -> PoolMember:
+        """The ready member the pool's policy chooses for ``prompt``; not the one named
+        ``avoid`` unless it is the only one ready."""
+        ready = [member for member in self.ready() if member.name != avoid] or self.ready()
         if not ready:
             raise NoWorkerAvailable(f"no {self.role} worker is ready")
         return self.policy.choose(ready, prompt or [])
@@ -115,12 +116,13 @@ class WorkerPool:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def acquire(self, timeout_s: float, prompt: list[int] | None = None) -> PoolMember:
-        """Pick a ready member, waiting up to ``timeout_s`` for one (e.g. during a restart)."""
+    async def acquire(self, timeout_s: float, prompt: list[int] | None = None, avoid: str | None = None) -> PoolMember:
+        """Pick a ready member (see :meth:`pick`), waiting up to ``timeout_s`` for one (e.g.
+        during a restart)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return self.pick(prompt)
+                return self.pick(prompt, avoid)
             except NoWorkerAvailable:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not any(m.state in _COMING for m in self.members):

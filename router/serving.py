@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from duet.router.auth import Caller, Gatekeeper, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestFailed, RequestLifecycle, StreamEvent
+from duet.router.rebalancer import Rebalancer
 from duet.router.load_meter import LoadMeter
 from duet.router.pools import NoWorkerAvailable
 from duet.router.status import ClusterView
@@ -45,6 +46,8 @@ class RequestService:
     max_inflight: int
     # What the autoscaler reads: arrivals, first tokens and completions as they happen.
     load: LoadMeter = field(default_factory=LoadMeter)
+    # Moves requests off an overfull decode worker while the front door serves (router.rebalance_kv_gap).
+    rebalancer: Rebalancer | None = None
 
     def authenticate(self, authorization: str | None) -> Caller:
         """The caller an ``Authorization`` header (or gRPC metadata) value names; raises

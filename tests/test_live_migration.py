@@ -22,6 +22,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from duet.router.client import build_request
+from duet.router.rebalancer import Rebalancer
 from test_elastic_pools import _wait_settled
 from waiting import wait_for
 
@@ -48,11 +49,21 @@ class _DrainUnderLoad:
     counted: dict  # the Prometheus migration samples' change
 
 
-def _drain_under_load(deployment, client, reference, seed: int, before_drain=None) -> _DrainUnderLoad:
-    """Grow the decode pool to two workers, start STREAMS greedy streams, drain the new worker
-    once every stream decodes (``before_drain(worker)`` first), and check what must hold
-    whatever the drain met: every stream completes token-identical to a colocated engine, and
-    the pool is back to decode-0."""
+class _Only:
+    """A routing policy that sends every request to one worker: a skewed decode load."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def choose(self, ready, prompt):
+        return next(member for member in ready if member.name == self.name)
+
+
+def _drain_under_load(deployment, client, reference, seed: int, skew: bool = False, before_drain=None) -> _DrainUnderLoad:
+    """Grow the decode pool to two workers, start STREAMS greedy streams (with ``skew``, all on
+    the new worker), drain the new worker once every stream decodes (``before_drain(worker)``
+    first), and check what must hold whatever the drain met: every stream completes
+    token-identical to a colocated engine, and the pool is back to decode-0."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 700) for _ in range(rng.randrange(200, 500))] for _ in range(STREAMS)]
     expected = reference.greedy(prompts, MAX_TOKENS, ignore_eos=True)
@@ -76,10 +87,16 @@ def _drain_under_load(deployment, client, reference, seed: int, before_drain=Non
             errors.append(error)
 
     counted_before = _migration_samples(client)
+    policy = deployment.decode.policy
+    if skew:
+        deployment.decode.policy = _Only(grown)
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(STREAMS)]
-    for thread in threads:
-        thread.start()
-    wait_for(lambda: all(len(t) >= 20 for t in tokens) or errors, 300, "every stream decoding")
+    try:
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: all(len(t) >= 20 for t in tokens) or errors, 300, "every stream decoding")
+    finally:
+        deployment.decode.policy = policy
     moving = leaving.inflight
     assert moving, "no stream landed on the new decode worker"
     before = deployment.background.run(survivor.engine.status(), timeout=30).engine_metrics
@@ -105,8 +122,20 @@ def _drain_under_load(deployment, client, reference, seed: int, before_drain=Non
     )
 
 
-def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, client, reference):
-    drain = _drain_under_load(deployment, client, reference, seed=37)
+def test_a_rebalanced_then_drained_decode_worker_moves_its_streams_with_their_kv(deployment, client, reference):
+    """Every stream lands on the new worker (a skewed load); rebalancing moves the longest of
+    them to decode-0, which had none, and draining the new worker moves the rest."""
+    rebalanced: list[int] = []
+
+    def rebalance(worker) -> None:
+        # The two workers' KV use differs by under 1% here (the built-in model's KV is small).
+        rebalancer = Rebalancer(deployment.service.lifecycle, gap=0.001, interval_s=1.0)
+        rebalanced.append(deployment.background.run(rebalancer.rebalance(), timeout=60))
+        wait_for(lambda: worker.inflight <= STREAMS - rebalanced[0], 60, "the rebalanced streams leaving")
+
+    drain = _drain_under_load(deployment, client, reference, seed=37, skew=True, before_drain=rebalance)
+    assert drain.moving == STREAMS
+    assert 1 <= rebalanced[0] < STREAMS, f"rebalancing moved {rebalanced[0]} of {STREAMS} streams"
     moving, counted = drain.moving, drain.counted
     # Each moved stream's context (its prompt and 20+ tokens) came over NIXL; decode-0 computed
     # only the token each re-derived. Recomputing would have cost it the whole contexts.
@@ -121,7 +150,7 @@ def test_a_drained_decode_worker_moves_its_streams_with_their_kv(deployment, cli
     assert 0 < counted[("duet_migration_stall_seconds_sum", None, None, "kv")] < 30 * moving, counted
     # The longest pause any stream saw after the drain: a moved stream's stall.
     stall = max(b - a for times in drain.arrivals for a, b in zip(times, times[1:]) if b > drain.drained_at)
-    print(f"drained {drain.grown} with {moving} streams: moved with {drain.pulled:.0f} prompt tokens pulled, "
+    print(f"rebalanced {rebalanced[0]} of {moving} streams off {drain.grown}, then drained it: all moved with {drain.pulled:.0f} prompt tokens pulled, "
           f"{drain.computed:.0f} computed; all {STREAMS} streams exact; longest pause after the drain {stall * 1000:.0f} ms")
 
 

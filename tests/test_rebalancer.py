@@ -1,0 +1,50 @@
+"""Rebalancing's plan (router/rebalancer.py): which requests leave an overfull decode worker.
+
+The moves themselves run on real engines in tests/test_live_migration.py; here, the choice over
+the states a pool can be in, and the config that switches it on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from duet.config import ConfigError, parse_config
+from duet.router.lifecycle import Decoding
+from duet.router.pools import PoolMember
+from duet.router.rebalancer import plan_moves
+
+WORKERS = {name: PoolMember(name, actor=None) for name in ("decode-0", "decode-1", "decode-2")}
+
+
+def _rounds(*held: tuple[str, int]) -> list[Decoding]:
+    """Decode rounds, one per (worker, context tokens), with ids r0, r1, ..."""
+    return [Decoding(f"r{i}", WORKERS[worker], engine=None, context_tokens=tokens) for i, (worker, tokens) in enumerate(held)]
+
+
+def test_the_fullest_worker_gives_up_its_longest_requests_down_to_the_mean() -> None:
+    rounds = _rounds(("decode-0", 3000), ("decode-0", 500), ("decode-0", 2000), ("decode-0", 1500), ("decode-1", 800))
+    # decode-0 at 0.70 against a mean of 0.40: 3/7 of its 7,000 context tokens (3,000) should go.
+    assert plan_moves({"decode-0": 0.7, "decode-1": 0.1}, rounds, gap=0.2) == ("decode-0", ["r0"])
+    # At 0.9 against 0.5, 4/9 of 7,000 (3,111): the longest, then whatever still fits.
+    assert plan_moves({"decode-0": 0.9, "decode-1": 0.1}, rounds, gap=0.2) == ("decode-0", ["r0"])
+    # Three workers, mean 0.4: 0.5/0.9 of 7,000 (3,889): 3,000, then 500 (2,000 and 1,500 overshoot).
+    assert plan_moves({"decode-0": 0.9, "decode-1": 0.2, "decode-2": 0.1}, rounds, gap=0.2) == ("decode-0", ["r0", "r1"])
+
+
+def test_nothing_moves_below_the_gap_or_when_one_request_would_only_move_the_peak() -> None:
+    rounds = _rounds(("decode-0", 3000), ("decode-1", 1000))
+    assert plan_moves({"decode-0": 0.5, "decode-1": 0.3}, rounds, gap=0.2) is None  # 0.1 above the mean
+    # One long request alone on the fullest worker: moving it makes the other one the fullest.
+    assert plan_moves({"decode-0": 0.6, "decode-1": 0.0}, rounds, gap=0.2) is None
+    assert plan_moves({"decode-0": 0.9}, rounds, gap=0.2) is None  # no other worker to take it
+    # The fullest worker runs none of this front door's requests (another front door's): none to move.
+    assert plan_moves({"decode-0": 0.1, "decode-1": 0.9}, _rounds(("decode-0", 100)), gap=0.2) is None
+
+
+def test_rebalancing_needs_the_pull_path(duet_config) -> None:
+    data = duet_config.model_dump()
+    data["router"]["rebalance_kv_gap"] = 0.25
+    assert parse_config(data, "test").router.rebalance_kv_gap == 0.25
+    data["kv_transfer"]["transport"] = "nccl"
+    with pytest.raises(ConfigError, match="router.rebalance_kv_gap: rebalancing moves requests with their KV"):
+        parse_config(data, "test")

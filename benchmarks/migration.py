@@ -32,7 +32,7 @@ from duet.benchmarks.arguments import write_results
 RESULTS = Path(__file__).resolve().parent / "results" / "migration.json"
 
 
-def _wait_settled(client: Any, decode_workers: int, timeout_s: float = 600) -> list[str]:
+def wait_settled(client: Any, decode_workers: int, timeout_s: float = 600) -> list[str]:
     """Wait until nothing is starting or draining and decode has ``decode_workers``; their names."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -49,7 +49,7 @@ def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]]
     from duet.router.client import build_request
 
     client.scale("decode", 2)
-    grown = next(name for name in _wait_settled(client, 2) if name != "decode-0")
+    grown = next(name for name in wait_settled(client, 2) if name != "decode-0")
     leaving = deployment.decode.find(grown)
     streams: list[list[int]] = [[] for _ in prompts]
     arrivals: list[list[float]] = [[] for _ in prompts]
@@ -83,7 +83,7 @@ def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]]
             thread.join(900)
     finally:
         deployment.decode.on_draining[:] = hooks
-    _wait_settled(client, 1)
+    wait_settled(client, 1)
     if errors:
         raise RuntimeError(f"{method}: {len(errors)} streams failed: {errors[0]!r}")
     stalls = {
@@ -102,20 +102,33 @@ def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]]
     }
 
 
-def run_benchmark(streams: int, context: tuple[int, int], tokens: int, rounds: int, seed: int) -> list[dict[str, Any]]:
+def random_prompts(streams: int, context: tuple[int, int], seed: int) -> list[list[int]]:
+    """``streams`` prompts of random token ids, their lengths drawn from ``context`` (LOW, HIGH)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 700) for _ in range(rng.randint(*context))] for _ in range(streams)]
+
+
+def start_default_deployment(source: str) -> tuple[Any, Any]:
+    """The default deployment, started in-process on a background loop (its ``background``),
+    with room for a second decode worker; returns it and the loop."""
     from duet.background_loop import BackgroundLoop
     from duet.cluster.deployment import Deployment
     from duet.config import load_config, parse_config
-    from duet.router.client import DuetClient
 
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(10, 700) for _ in range(rng.randint(*context))] for _ in range(streams)]
     data = load_config().model_dump()
     data["server"].update(metrics_port=None)  # beside another deployment: no fixed port of its own
     data["ray"]["num_cpus"] = 3  # room for the second decode worker (two engines share a core)
     loop = BackgroundLoop()
-    deployment = loop.run(Deployment(parse_config(data, "bench migrate")).start(port=0, http_port=None), timeout=900)
+    deployment = loop.run(Deployment(parse_config(data, source)).start(port=0, http_port=None), timeout=900)
     deployment.background = loop
+    return deployment, loop
+
+
+def run_benchmark(streams: int, context: tuple[int, int], tokens: int, rounds: int, seed: int) -> list[dict[str, Any]]:
+    from duet.router.client import DuetClient
+
+    prompts = random_prompts(streams, context, seed)
+    deployment, loop = start_default_deployment("bench migrate")
     results: list[dict[str, Any]] = []
     try:
         with DuetClient(f"127.0.0.1:{deployment.port}") as client:
@@ -147,7 +160,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
-def _context(text: str) -> tuple[int, int]:
+def context_range(text: str) -> tuple[int, int]:
     try:
         low, high = (int(part) for part in text.split(","))
     except ValueError:
@@ -167,7 +180,7 @@ def register_command(benches: argparse._SubParsersAction) -> None:
         "migrate", help="a drained decode worker's streams: moved with their KV against token replay (real vLLM)"
     )
     parser.add_argument("--streams", type=int, default=16, help="concurrent greedy streams")
-    parser.add_argument("--context", type=_context, default="1500,3000", help="LOW,HIGH prompt tokens")
+    parser.add_argument("--context", type=context_range, default="1500,3000", help="LOW,HIGH prompt tokens")
     parser.add_argument("--tokens", type=int, default=300, help="tokens per stream")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each draining once per method")
     parser.add_argument("--seed", type=int, default=37)

@@ -431,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.migration import register_command as register_bench_migrate
     from duet.benchmarks.multinode import register_command as register_bench_multinode
     from duet.benchmarks.prefix_affinity import register_command as register_bench_affinity
+    from duet.benchmarks.rebalance import register_command as register_bench_rebalance
     from duet.benchmarks.router_overhead import register_command as register_bench_router
     from duet.benchmarks.autoscale_replay import register_command as register_bench_autoscale
     from duet.benchmarks.serve_bench import register_command as register_bench_serve
@@ -457,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_soak(benches)  # bench soak
     register_bench_fuzz(benches)  # bench fuzz
     register_bench_migrate(benches)  # bench migrate
+    register_bench_rebalance(benches)  # bench rebalance
     return parser
 
 

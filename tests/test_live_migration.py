@@ -21,6 +21,7 @@ import psutil
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
+from duet.benchmarks.rebalance import Pinned
 from duet.router.client import build_request
 from duet.router.rebalancer import Rebalancer
 from test_elastic_pools import _wait_settled
@@ -47,16 +48,6 @@ class _DrainUnderLoad:
     pulled: float  # prompt tokens decode-0 pulled over NIXL meanwhile
     computed: float  # prompt tokens decode-0 computed meanwhile
     counted: dict  # the Prometheus migration samples' change
-
-
-class _Only:
-    """A routing policy that sends every request to one worker: a skewed decode load."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def choose(self, ready, prompt):
-        return next(member for member in ready if member.name == self.name)
 
 
 def _drain_under_load(deployment, client, reference, seed: int, skew: bool = False, before_drain=None) -> _DrainUnderLoad:
@@ -89,7 +80,7 @@ def _drain_under_load(deployment, client, reference, seed: int, skew: bool = Fal
     counted_before = _migration_samples(client)
     policy = deployment.decode.policy
     if skew:
-        deployment.decode.policy = _Only(grown)
+        deployment.decode.policy = Pinned(grown)
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(STREAMS)]
     try:
         for thread in threads:

@@ -1,0 +1,174 @@
+"""Rebalancing a skewed decode load: TPOT with ``router.rebalance_kv_gap`` on against off.
+
+``duet bench rebalance`` starts the default deployment (one prefill and one decode worker,
+NIXL, the built-in model, float32), grows the decode pool to two workers (each engine pinned to
+a core of its own while they decode), and, round after round, once per mode with the order
+alternating, sends ``--streams`` greedy streams with prompts of ``--context`` tokens all to the
+second decode worker: the skew a decode pool is left with when the long requests happened to
+land on one worker (the benchmark routes them there; decode-0 gets none). Once every stream is
+decoding:
+
+- ``off``: nothing moves; the streams decode where they landed;
+- ``on``: a :class:`Rebalancer` (router/rebalancer.py, the front door's own) runs every
+  ``--interval`` seconds with ``--gap``, and moves the longest streams to decode-0 with their KV.
+
+Reported per mode: each stream's TPOT over the rest of its stream (from the moment every stream
+decodes), their p50 and p99, the p99 of the gaps between a stream's messages, the time until the
+last stream ends, and the streams moved; per round, the ratio on/off. The streams must come out
+identical in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from duet.benchmarks.arguments import write_results
+from duet.benchmarks.migration import context_range, random_prompts, start_default_deployment, wait_settled
+
+RESULTS = Path(__file__).resolve().parent / "results" / "rebalance.json"
+
+
+class Pinned:
+    """A routing policy that sends every request to one worker: a skewed decode load."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def choose(self, ready: list[Any], prompt: list[int]) -> Any:
+        return next(member for member in ready if member.name == self.name)
+
+    def describe(self) -> str:
+        return f"pinned to {self.name}"
+
+
+def run_once(deployment: Any, client: Any, mode: str, skewed_to: str, prompts: list[list[int]], tokens: int,
+             gap: float, interval_s: float) -> dict[str, Any]:
+    """Stream ``prompts`` all on ``skewed_to``; with ``mode`` "on", rebalance once all decode."""
+    from duet.router.client import build_request
+    from duet.router.rebalancer import Rebalancer
+
+    streams: list[list[int]] = [[] for _ in prompts]
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]  # (when, tokens) per message
+    errors: list[BaseException] = []
+
+    def stream(index: int) -> None:
+        try:
+            request = build_request(prompt_token_ids=prompts[index], max_tokens=tokens, ignore_eos=True)
+            for message in client.stream(request, timeout=900):
+                streams[index].extend(message.token_ids)
+                arrivals[index].append((time.monotonic(), len(message.token_ids)))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    policy = deployment.decode.policy
+    deployment.decode.policy = Pinned(skewed_to)
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 600
+        while not all(len(s) >= 10 for s in streams) and not errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        deployment.decode.policy = policy
+    decoding_at = time.monotonic()
+    rebalancer = Rebalancer(deployment.service.lifecycle, gap, interval_s)
+    task = asyncio.run_coroutine_threadsafe(rebalancer.run(), deployment.background.loop) if mode == "on" else None
+    try:
+        for thread in threads:
+            thread.join(900)
+    finally:
+        if task is not None:
+            task.cancel()
+    if errors:
+        raise RuntimeError(f"{mode}: {len(errors)} streams failed: {errors[0]!r}")
+    tpots, gaps = [], []
+    for messages in arrivals:
+        later = [(when, count) for when, count in messages if when > decoding_at]
+        if len(later) >= 2:
+            tpots.append((later[-1][0] - later[0][0]) / sum(count for _, count in later[1:]))
+            gaps.extend(b[0] - a[0] for a, b in zip(later, later[1:]))
+    return {
+        "mode": mode,
+        "streams_moved": rebalancer.moved,
+        "tpot_s": sorted(tpots),
+        "tpot_p50_s": statistics.median(tpots),
+        "tpot_p99_s": _percentile(tpots, 0.99),
+        "message_gap_p99_s": _percentile(gaps, 0.99),
+        "last_stream_ends_s": max(messages[-1][0] for messages in arrivals) - decoding_at,
+        "tokens": streams,
+    }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_benchmark(streams: int, context: tuple[int, int], tokens: int, rounds: int, gap: float, interval_s: float,
+                  seed: int) -> list[dict[str, Any]]:
+    from duet.router.client import DuetClient
+
+    prompts = random_prompts(streams, context, seed)
+    deployment, loop = start_default_deployment("bench rebalance")
+    results: list[dict[str, Any]] = []
+    try:
+        with DuetClient(f"127.0.0.1:{deployment.port}") as client:
+            client.scale("decode", 2)
+            skewed_to = next(name for name in wait_settled(client, 2) if name != "decode-0")
+            cores = {member.name: member.cpu_core for member in deployment.decode.members}
+            print(f"decode workers on cores {cores}; every stream sent to {skewed_to}", flush=True)
+            for round_index in range(rounds):
+                order = ["off", "on"] if round_index % 2 == 0 else ["on", "off"]
+                pair = {}
+                for mode in order:
+                    result = run_once(deployment, client, mode, skewed_to, prompts, tokens, gap, interval_s)
+                    result["round"] = round_index
+                    pair[mode] = result
+                    print(f"round {round_index} {mode:3s}: TPOT p50 {_ms(result['tpot_p50_s'])}, p99 {_ms(result['tpot_p99_s'])} ms; "
+                          f"message gap p99 {_ms(result['message_gap_p99_s'])} ms; last stream ends after "
+                          f"{result['last_stream_ends_s']:.1f} s; {result['streams_moved']} streams moved", flush=True)
+                same = pair["on"]["tokens"] == pair["off"]["tokens"]
+                print(f"  round {round_index}: on / off TPOT p99 {pair['on']['tpot_p99_s'] / pair['off']['tpot_p99_s']:.2f}x, "
+                      f"p50 {pair['on']['tpot_p50_s'] / pair['off']['tpot_p50_s']:.2f}x, last stream "
+                      f"{pair['on']['last_stream_ends_s'] / pair['off']['last_stream_ends_s']:.2f}x; streams identical: {same}",
+                      flush=True)
+                for result in pair.values():
+                    result["identical_across_modes"] = same
+                    result.pop("tokens")
+                    results.append(result)
+    finally:
+        loop.run(deployment.stop(), timeout=120)
+        loop.close()
+    return results
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def _command(args: argparse.Namespace) -> int:
+    results = run_benchmark(args.streams, args.context, args.tokens, args.rounds, args.gap, args.interval, args.seed)
+    return write_results(results, args.out, RESULTS)
+
+
+def register_command(benches: argparse._SubParsersAction) -> None:
+    parser = benches.add_parser(
+        "rebalance", help="a skewed decode load: TPOT with rebalancing on against off (real vLLM)"
+    )
+    parser.add_argument("--streams", type=int, default=12, help="concurrent greedy streams, all sent to one decode worker")
+    parser.add_argument("--context", type=context_range, default="1000,2000", help="LOW,HIGH prompt tokens")
+    parser.add_argument("--tokens", type=int, default=400, help="tokens per stream")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, each once per mode")
+    parser.add_argument("--gap", type=float, default=0.02,
+                        help="router.rebalance_kv_gap for the 'on' mode (the built-in model's KV is small: a few %% per worker)")
+    parser.add_argument("--interval", type=float, default=0.5, help="router.rebalance_interval_s for the 'on' mode")
+    parser.add_argument("--seed", type=int, default=41)
+    parser.add_argument("--out", help=f"results file (default {RESULTS.relative_to(RESULTS.parents[2])})")
+    parser.set_defaults(handler=_command)

@@ -175,14 +175,22 @@ def _command(args: argparse.Namespace) -> int:
     return write_results(results, args.out, RESULTS)
 
 
+def add_stream_arguments(
+    parser: argparse.ArgumentParser, streams_help: str, streams: int, context: str, tokens: int, rounds_help: str,
+    seed: int, results: Path,
+) -> None:
+    """The options of a benchmark of concurrent greedy streams over rounds."""
+    parser.add_argument("--streams", type=int, default=streams, help=streams_help)
+    parser.add_argument("--context", type=context_range, default=context, help="LOW,HIGH prompt tokens")
+    parser.add_argument("--tokens", type=int, default=tokens, help="tokens per stream")
+    parser.add_argument("--rounds", type=int, default=2, help=rounds_help)
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--out", help=f"results file (default {results.relative_to(results.parents[2])})")
+
+
 def register_command(benches: argparse._SubParsersAction) -> None:
     parser = benches.add_parser(
         "migrate", help="a drained decode worker's streams: moved with their KV against token replay (real vLLM)"
     )
-    parser.add_argument("--streams", type=int, default=16, help="concurrent greedy streams")
-    parser.add_argument("--context", type=context_range, default="1500,3000", help="LOW,HIGH prompt tokens")
-    parser.add_argument("--tokens", type=int, default=300, help="tokens per stream")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds, each draining once per method")
-    parser.add_argument("--seed", type=int, default=37)
-    parser.add_argument("--out", help=f"results file (default {RESULTS.relative_to(RESULTS.parents[2])})")
+    add_stream_arguments(parser, "concurrent greedy streams", 16, "1500,3000", 300, "rounds, each draining once per method", 37, RESULTS)
     parser.set_defaults(handler=_command)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from duet.benchmarks.arguments import write_results
-from duet.benchmarks.migration import context_range, random_prompts, start_default_deployment, wait_settled
+from duet.benchmarks.migration import add_stream_arguments, random_prompts, start_default_deployment, wait_settled
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rebalance.json"
 
@@ -162,13 +162,10 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser = benches.add_parser(
         "rebalance", help="a skewed decode load: TPOT with rebalancing on against off (real vLLM)"
     )
-    parser.add_argument("--streams", type=int, default=12, help="concurrent greedy streams, all sent to one decode worker")
-    parser.add_argument("--context", type=context_range, default="1000,2000", help="LOW,HIGH prompt tokens")
-    parser.add_argument("--tokens", type=int, default=400, help="tokens per stream")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds, each once per mode")
+    add_stream_arguments(
+        parser, "concurrent greedy streams, all sent to one decode worker", 12, "1000,2000", 400, "rounds, each once per mode", 41, RESULTS
+    )
     parser.add_argument("--gap", type=float, default=0.02,
                         help="router.rebalance_kv_gap for the 'on' mode (the built-in model's KV is small: a few %% per worker)")
     parser.add_argument("--interval", type=float, default=0.5, help="router.rebalance_interval_s for the 'on' mode")
-    parser.add_argument("--seed", type=int, default=41)
-    parser.add_argument("--out", help=f"results file (default {RESULTS.relative_to(RESULTS.parents[2])})")
     parser.set_defaults(handler=_command)

@@ -9,7 +9,9 @@ crosses the shaped links. One front door's process is SIGKILLed while streams ru
 ``DuetClient`` with both front doors' addresses: every stream must complete token-identical to
 a colocated engine, the engines must not restart, and the dead front door's replacement must
 come back on a front-door host at new addresses (the engine cores' client moved there,
-worker_runtime/engine_clients.py) and serve exactly.
+worker_runtime/engine_clients.py) and serve exactly. OpenAI clients (HTTP, the ``openai`` SDK)
+streaming at the same time, on each front door: only those on the dead one fail, each with a
+connection error (what the SDK retries, and the caller resends: docs/concepts/failures.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
+import openai
 import pytest
 
 from duet.deploy.hosts import HostsUnavailable, LinkShape
@@ -73,6 +77,36 @@ class Stream(threading.Thread):
             self.client.close()
 
 
+class OpenAIStream(threading.Thread):
+    """One streamed completion through the ``openai`` SDK, on one front door's HTTP port."""
+
+    def __init__(self, cluster: VirtualCluster, host: str, prompt: list[int]) -> None:
+        super().__init__(daemon=True)
+        port = cluster.launch.head_config.config.server.http_port
+        # No retries: the test sees what a broken stream gives the caller.
+        self.sdk = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=cluster.secrets.api_key, max_retries=0)
+        self.model = cluster.launch.head_config.config.model.name
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.error: Exception | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for chunk in self.sdk.completions.create(
+                model=self.model, prompt=self.prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True}, timeout=600,
+            ):
+                if chunk.choices:
+                    self.tokens.extend(chunk.choices[0].model_extra["token_ids"])
+                    self.started.set()
+        except Exception as error:  # asserted on below
+            self.error = error
+        finally:
+            self.started.set()
+            self.sdk.close()
+
+
 def test_front_doors_run_on_their_own_hosts(cluster: VirtualCluster) -> None:
     with cluster.client() as client:
         doors = client.status().front_ends
@@ -85,15 +119,19 @@ def test_front_doors_run_on_their_own_hosts(cluster: VirtualCluster) -> None:
 def test_front_door_killed_mid_stream_loses_no_request(cluster: VirtualCluster, reference) -> None:
     prompts = [_prompt(i) for i in range(STREAMS)]
     expected = reference.greedy(prompts, MAX_TOKENS, ignore_eos=True)
+    http_prompts = prompts[:4]  # two on each front door, with the same prompts as gRPC streams
     first, second = cluster.targets
     with cluster.client() as client:
         doors = client.status().front_ends
         restarts_before = {w.name: w.restarts for pool in client.status().pools for w in pool.workers}
     victim = next(door for door in doors if door.host == first.rsplit(":", 1)[0])
     streams = [Stream(cluster, [first, second] if i % 2 == 0 else [second, first], p) for i, p in enumerate(prompts)]
-    for stream in streams:
+    http_streams = [
+        OpenAIStream(cluster, (first if i % 2 == 0 else second).rsplit(":", 1)[0], p) for i, p in enumerate(http_prompts)
+    ]
+    for stream in [*streams, *http_streams]:
         stream.start()
-    for stream in streams:
+    for stream in [*streams, *http_streams]:
         assert stream.started.wait(120), "a stream got no token"
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -106,6 +144,17 @@ def test_front_door_killed_mid_stream_loses_no_request(cluster: VirtualCluster, 
     assert resumed >= STREAMS // 2, "the streams on the killed front door did not resume on the other"
     for stream, want in zip(streams, expected):
         assert stream.tokens == want, "a stream differs from the colocated engine"
+    for stream in http_streams:
+        stream.join(600)
+    on_victim, on_survivor = http_streams[0::2], http_streams[1::2]
+    # The dead front door's HTTP streams broke with a connection error (no [DONE], nothing more);
+    # the survivor's completed exactly.
+    for stream in on_victim:
+        assert isinstance(stream.error, (openai.APIConnectionError, httpx.TransportError)), repr(stream.error)
+        assert stream.tokens == expected[http_streams.index(stream)][: len(stream.tokens)], "a broken stream sent a wrong token"
+    for stream in on_survivor:
+        assert stream.error is None, repr(stream.error)
+        assert stream.tokens == expected[http_streams.index(stream)], "an OpenAI stream on the survivor differs"
 
     def replaced() -> bool:
         with cluster.client() as client:  # its first address is the dead front door's: status fails over
@@ -124,6 +173,7 @@ def test_front_door_killed_mid_stream_loses_no_request(cluster: VirtualCluster, 
     assert status.front_ends[victim.index - 1].restarts == 1
     print(
         f"front door on {victim.host} killed under {STREAMS} streams: {resumed} resumed on the other host "
-        f"(longest pause {pause_s:.2f} s), all {STREAMS} token-identical; streams done {drained_s:.1f} s after the kill; "
+        f"(longest pause {pause_s:.2f} s), all {STREAMS} token-identical; OpenAI streams: "
+        f"{[type(s.error).__name__ for s in on_victim]} on it, {len(on_survivor)} exact on the other; streams done {drained_s:.1f} s after the kill; "
         f"replacement ready {back_s:.1f} s after it; 0 engines restarted"
     )

@@ -465,6 +465,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        # A benchmark may start a whole deployment in this process (a local Ray and its daemons):
+        # run reaped, as `duet serve` is, so that none of Ray's agents outlives it.
+        from duet.cluster.process_reaper import run_reaped
+
+        return run_reaped(lambda: args.handler(args))
     return args.handler(args)
 
 

@@ -123,6 +123,10 @@ def test_a_rebalanced_then_drained_decode_worker_moves_its_streams_with_their_kv
         rebalancer = Rebalancer(deployment.service.lifecycle, gap=0.001, interval_s=1.0)
         rebalanced.append(deployment.background.run(rebalancer.rebalance(), timeout=60))
         wait_for(lambda: worker.inflight <= STREAMS - rebalanced[0], 60, "the rebalanced streams leaving")
+        # Once decode-0 has read a moved stream's KV, the source frees it: its engine holds only
+        # the streams still on it. Within 15 s, under the 30-s lease: the read's notice freed it
+        # (a moved request used to stay until its worker was removed; a drain waited it out).
+        wait_for(lambda: _engine_requests(deployment, worker) == worker.inflight, 15, "the source freeing the moved streams' KV")
 
     drain = _drain_under_load(deployment, client, reference, seed=37, skew=True, before_drain=rebalance)
     assert drain.moving == STREAMS
@@ -191,6 +195,11 @@ def test_a_move_whose_source_dies_before_the_pull_completes_by_recomputing(deplo
     assert deployment.decode.find("decode-0").restarts == restarts, "the target was replaced"
     print(f"source of {moving} moves killed before the pull: decode-0 recomputed {drain.computed:.0f} prompt tokens "
           f"and pulled {drain.pulled:.0f}; all {STREAMS} streams exact")
+
+
+def _engine_requests(deployment, worker) -> int:
+    """The requests ``worker``'s engine core holds, every front door's together."""
+    return sum(deployment.background.run(worker.engine.requests_by_client(), timeout=30).values())
 
 
 def _migration_samples(client) -> dict[tuple[str, str | None, str | None, str | None], float]:

@@ -42,6 +42,7 @@ def migrate_out(core: Any, request_id: str) -> dict[str, Any] | None:
         return None
     # What a prefill finishing for a remote decode carries: the connector keeps the blocks.
     request.kv_transfer_params = {"do_remote_decode": True}
+    _track_for_pull(scheduler, request_id)
     # Counted among the engine's requests until the pull (or the lease) ends it: a drain must
     # not remove the worker while the target still reads its KV (engine_clients.py).
     request.duet_moving_out = True
@@ -49,6 +50,22 @@ def migrate_out(core: Any, request_id: str) -> dict[str, Any] | None:
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     kv_transfer_params, _ = scheduler._free_request(request)
     return {"kv_transfer_params": kv_transfer_params, "token_ids": list(request.output_token_ids)}
+
+
+def _track_for_pull(scheduler: Any, request_id: str) -> None:
+    """Make the connector's worker side follow ``request_id`` as a prefill it will be read from.
+
+    NixlConnector's worker frees a finished request's blocks, when the reader's notification
+    comes or its lease runs out, only for requests it saw scheduled with ``do_remote_decode``
+    (the scheduler side's ``_reqs_in_batch``, filled when a prefill's blocks are allocated). A
+    request moving out got that flag long after its blocks were allocated, so without this its
+    blocks, and its entry in the engine, would stay until the worker is removed: a rebalanced
+    worker would leak them, and a drain would wait out ``router.drain_timeout_s``. The next
+    step's connector metadata carries it with the lease (``reqs_to_send``), as for a prefill."""
+    connector = getattr(getattr(scheduler, "connector", None), "connector_scheduler", None)
+    in_batch = getattr(connector, "_reqs_in_batch", None)
+    if in_batch is not None:
+        in_batch.add(request_id)
 
 
 def install() -> None:

@@ -6,7 +6,8 @@ streams run on both; draining the new one must move its streams to decode-0 with
 and decode-0 pulls those streams' contexts instead of computing them (vLLM's own count of
 prompt tokens by source), computing one token per moved stream (the last one streamed, which
 it re-derives). ``duet status`` and Prometheus count the moves, by worker and method. A
-source that dies between giving its streams up and their pull costs recomputing, not a stream.
+source that dies between giving its streams up and their pull costs recomputing, not a stream;
+so does a target that dies as they arrive (they resume on its replacement).
 """
 
 from __future__ import annotations
@@ -149,38 +150,49 @@ def test_a_rebalanced_then_drained_decode_worker_moves_its_streams_with_their_kv
           f"{drain.computed:.0f} computed; all {STREAMS} streams exact; longest pause after the drain {stall * 1000:.0f} ms")
 
 
+def _engine_pid(worker) -> int:
+    return ray.get(worker.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+
+
+def _kill_at_first_move(lifecycle, engine_pid: int, killed: list[int]) -> None:
+    """Make the first moved round SIGKILL the engine core ``engine_pid`` (and its workers)
+    before it goes on; on the event loop's thread, so no moved round reaches a worker (and no
+    pull starts) before that engine is dead. ``del lifecycle._moved_round`` undoes it."""
+    move_on = lifecycle._moved_round
+
+    def killing_first(round_, decode_worker, ticket):
+        if not killed:
+            engine = psutil.Process(engine_pid)
+            doomed = [engine, *engine.children(recursive=True)]
+            for process in doomed:
+                process.kill()
+            psutil.wait_procs(doomed, timeout=10)
+            killed.append(engine_pid)
+        return move_on(round_, decode_worker, ticket)
+
+    lifecycle._moved_round = killing_first
+
+
+def _moved_out(counted: dict, worker: str) -> float:
+    return sum(counted.get(("duet_migrations_total", worker, "out", method), 0) for method in ("kv", "replay"))
+
+
 def test_a_move_whose_source_dies_before_the_pull_completes_by_recomputing(deployment, client, reference):
     """The drained worker's engine is killed after it gave its streams up with their KV and
     before decode-0 has pulled any: each pull fails, decode-0 recomputes that stream's context
     (vLLM's kv_load_failure_policy: recompute), and every stream still completes exactly, with
     no error; the dead worker, already draining, is simply gone."""
     lifecycle = deployment.service.lifecycle
-    move_on = lifecycle._moved_round
     restarts = deployment.decode.find("decode-0").restarts
     killed: list[int] = []
-
-    def kill_source_first(worker) -> None:
-        engine_pid = ray.get(worker.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
-
-        def killing_the_source(round_, decode_worker, ticket):
-            # The first moved round kills the source on the event loop's thread, so no moved
-            # round reaches decode-0 (and no pull starts) before the source is dead.
-            if not killed:
-                engine = psutil.Process(engine_pid)
-                doomed = [engine, *engine.children(recursive=True)]
-                for process in doomed:
-                    process.kill()
-                psutil.wait_procs(doomed, timeout=10)
-                killed.append(engine_pid)
-            return move_on(round_, decode_worker, ticket)
-
-        lifecycle._moved_round = killing_the_source
-
     try:
         # Skewed: every stream on the worker that dies, so several are still decoding (and move)
         # when the drain comes, however fast the machine runs; spread by load, a lone stream
         # there could finish first.
-        drain = _drain_under_load(deployment, client, reference, seed=38, skew=True, before_drain=kill_source_first)
+        drain = _drain_under_load(
+            deployment, client, reference, seed=38, skew=True,
+            before_drain=lambda worker: _kill_at_first_move(lifecycle, _engine_pid(worker), killed),
+        )
     finally:
         del lifecycle._moved_round  # the class's own again
     assert killed, "no stream was moved"
@@ -189,12 +201,38 @@ def test_a_move_whose_source_dies_before_the_pull_completes_by_recomputing(deplo
     # may still read what the dead process left in shared memory: one run counted a pull).
     assert drain.computed + drain.pulled >= 200 * moving, (drain.computed, drain.pulled, moving)
     assert drain.computed > 2 * moving, "no pull failed: the source was not dead"
-    moved_out = counted.get(("duet_migrations_total", drain.grown, "out", "kv"), 0) + counted.get(
-        ("duet_migrations_total", drain.grown, "out", "replay"), 0)
-    assert moved_out == moving, counted
+    assert _moved_out(counted, drain.grown) == moving, counted
     assert deployment.decode.find("decode-0").restarts == restarts, "the target was replaced"
     print(f"source of {moving} moves killed before the pull: decode-0 recomputed {drain.computed:.0f} prompt tokens "
           f"and pulled {drain.pulled:.0f}; all {STREAMS} streams exact")
+
+
+def test_a_move_whose_target_dies_resumes_by_replay_on_its_replacement(deployment, client, reference):
+    """decode-0, the only worker a drained worker's streams can move to, has its engine killed
+    as the first of them arrives: no stream is lost or altered. decode-0 is replaced, and each
+    stream resumes there by token replay (the source, draining, takes none back); the source
+    frees what it kept for the pulls that never came (its lease) and is removed."""
+    lifecycle = deployment.service.lifecycle
+    target = deployment.decode.find("decode-0")
+    restarts = target.restarts
+    killed: list[int] = []
+    try:
+        drain = _drain_under_load(
+            deployment, client, reference, seed=39, skew=True,
+            before_drain=lambda worker: _kill_at_first_move(lifecycle, _engine_pid(target), killed),
+        )
+    finally:
+        del lifecycle._moved_round
+    assert killed, "no stream was moved"
+    assert target.restarts == restarts + 1, "the target was not replaced"
+    moving, counted = drain.moving, drain.counted
+    assert _moved_out(counted, drain.grown) == moving, counted
+    # Counted by how each stream did continue: recomputed on the replacement.
+    assert counted[("duet_migrations_total", "decode-0", "in", "replay")] == moving, counted
+    assert counted.get(("duet_migrations_total", "decode-0", "in", "kv"), 0) == 0, counted
+    stall = counted[("duet_migration_stall_seconds_sum", None, None, "replay")] / moving
+    print(f"target of {moving} moves killed as they came: replaced, every stream resumed there by replay "
+          f"(mean stall {stall:.1f} s, the replacement's start); all {STREAMS} streams exact")
 
 
 def _engine_requests(deployment, worker) -> int:

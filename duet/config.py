@@ -300,7 +300,8 @@ class RouterConfig(_Strict):
     moves the requests it serves. Needs disaggregated serving with kv_transfer.transport nixl."""
     rebalance_interval_s: float = Field(default=2.0, gt=0)
     """How often rebalancing compares the decode workers' KV cache use (each front door asks
-    every decode engine); also the least time between two moves off one worker."""
+    every decode engine); also the least time between two moves off one worker. A request that
+    arrived by a move stays five of these intervals before rebalancing may move it again."""
 
 
 class DuetConfig(_Strict):

@@ -138,13 +138,15 @@ class _Round:
 
 @dataclass(frozen=True)
 class Decoding:
-    """A decode round in flight: its engine request id, where it runs, and its context's length
-    when it started there (its prompt, and any tokens a resumed or moved round carries)."""
+    """A decode round in flight: its engine request id, where it runs, its context's length
+    when it started there (its prompt, and any tokens a resumed or moved round carries), and,
+    for a round that arrived by a move, when (rebalancing leaves it there a while)."""
 
     request_id: str
     worker: PoolMember
     engine: Any
     context_tokens: int
+    moved_in_at: float | None = None
 
 
 @dataclass
@@ -428,7 +430,10 @@ class RequestLifecycle:
         engine = _engine_of(self.decode_pool, worker)
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
-        self._decoding[round_.request_id] = Decoding(round_.request_id, worker, engine, len(round_.prompt_token_ids))
+        self._decoding[round_.request_id] = Decoding(
+            round_.request_id, worker, engine, len(round_.prompt_token_ids),
+            moved_in_at=time.monotonic() if round_.moved is not None else None,
+        )
         # Without transfer parameters the worker computes the prompt itself, until its first token.
         prefilling = len(round_.prompt_token_ids) if kv_transfer_params is None else 0
         worker.local_prefill_tokens += prefilling

@@ -12,13 +12,16 @@ Every ``rebalance_interval_s`` each front door asks every ready decode engine fo
 use. When the fullest is ``rebalance_kv_gap`` above the pool's mean, the front door moves its
 own longest requests off it, as many as carry that worker's excess (by context length, each
 front door its share), never so many that the worker would fall below the mean: a single
-request too large to move without making its target the fullest stays.
+request too large to move without making its target the fullest stays. A request that arrived
+by a move stays where it is for ``_SETTLE_INTERVALS`` rounds: with a small gap, the noise in two
+workers' use after a move would otherwise send requests back and forth, each move a stall.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from duet.router.lifecycle import Decoding, RequestLifecycle
 
@@ -26,16 +29,20 @@ logger = logging.getLogger(__name__)
 
 # A decode engine that does not say how full it is within this is left out of that comparison.
 _PING_TIMEOUT_S = 5.0
+# Rebalancing rounds a moved request stays on its new worker before it may move again.
+_SETTLE_INTERVALS = 5
 
 
-def plan_moves(kv_usage: dict[str, float], decoding: list[Decoding], gap: float) -> tuple[str, list[str]] | None:
+def plan_moves(
+    kv_usage: dict[str, float], decoding: list[Decoding], gap: float, settled_before: float | None = None
+) -> tuple[str, list[str]] | None:
     """Which of ``decoding`` (this front door's decode rounds) to move, and off which worker:
     None when no worker's KV cache use (``kv_usage``, by worker name, 0 to 1) is ``gap`` above
     the pool's mean, or no request of this front door can carry the excess without overshooting.
 
     The rounds on the fullest worker are taken longest first while their contexts add up to at
     most its excess share of them: excess / use, the fraction of its KV that would bring it to
-    the mean."""
+    the mean. Rounds that moved in after ``settled_before`` (a monotonic time) are not moved."""
     if len(kv_usage) < 2:
         return None
     mean = sum(kv_usage.values()) / len(kv_usage)
@@ -49,7 +56,8 @@ def plan_moves(kv_usage: dict[str, float], decoding: list[Decoding], gap: float)
     budget = sum(round_.context_tokens for round_ in on_fullest) * excess / kv_usage[fullest]
     chosen: list[str] = []
     for round_ in on_fullest:
-        if round_.context_tokens <= budget:
+        settling = settled_before is not None and round_.moved_in_at is not None and round_.moved_in_at > settled_before
+        if round_.context_tokens <= budget and not settling:
             chosen.append(round_.request_id)
             budget -= round_.context_tokens
     return (fullest, chosen) if chosen else None
@@ -74,7 +82,12 @@ class Rebalancer:
                 logger.warning("rebalancing the decode pool: %s: %s", type(error).__name__, error)
 
     async def rebalance(self) -> int:
-        """One comparison, and the moves it calls for; returns how many requests began to move."""
+        """One comparison, and the moves it calls for; returns how many requests began to move.
+
+        The engines are asked for their use here, not read from the health watcher's last
+        ping: a round must see the effect of the previous round's moves, which a ping up to
+        ``health_interval_s`` old may not (and with front doors apart, only the control plane
+        pings)."""
         pool = self.lifecycle.decode_pool
         ready = [member for member in pool.ready() if member.engine is not None]
         if len(ready) < 2:
@@ -83,7 +96,8 @@ class Rebalancer:
             *(asyncio.wait_for(member.engine.ping(), _PING_TIMEOUT_S) for member in ready), return_exceptions=True
         )
         kv_usage = {member.name: answer[0] for member, answer in zip(ready, answers) if not isinstance(answer, BaseException)}
-        plan = plan_moves(kv_usage, self.lifecycle.decoding(), self.gap)
+        settled_before = time.monotonic() - _SETTLE_INTERVALS * self.interval_s
+        plan = plan_moves(kv_usage, self.lifecycle.decoding(), self.gap, settled_before)
         if plan is None:
             return 0
         fullest, request_ids = plan

@@ -48,3 +48,16 @@ def test_rebalancing_needs_the_pull_path(duet_config) -> None:
     data["kv_transfer"]["transport"] = "nccl"
     with pytest.raises(ConfigError, match="router.rebalance_kv_gap: rebalancing moves requests with their KV"):
         parse_config(data, "test")
+
+
+def test_a_request_that_just_moved_in_stays_a_while() -> None:
+    """No ping-pong: a round that arrived by a move after ``settled_before`` is not moved again;
+    once settled, it may move like any other."""
+    rounds = [
+        Decoding("r0", WORKERS["decode-0"], engine=None, context_tokens=1000, moved_in_at=100.0),
+        Decoding("r1", WORKERS["decode-0"], engine=None, context_tokens=500),
+    ]
+    usage = {"decode-0": 0.9, "decode-1": 0.0, "decode-2": 0.0}  # 2/3 of its 1,500 tokens should go
+    assert plan_moves(usage, rounds, gap=0.2) == ("decode-0", ["r0"])
+    assert plan_moves(usage, rounds, gap=0.2, settled_before=90.0) == ("decode-0", ["r1"])
+    assert plan_moves(usage, rounds, gap=0.2, settled_before=110.0) == ("decode-0", ["r0"])

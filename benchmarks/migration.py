@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from duet.benchmarks.alternating import alternating_rounds
 from duet.benchmarks.arguments import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "migration.json"
@@ -129,31 +130,25 @@ def run_benchmark(streams: int, context: tuple[int, int], tokens: int, rounds: i
 
     prompts = random_prompts(streams, context, seed)
     deployment, loop = start_default_deployment("bench migrate")
-    results: list[dict[str, Any]] = []
     try:
         with DuetClient(f"127.0.0.1:{deployment.port}") as client:
-            for round_index in range(rounds):
-                order = ["kv", "replay"] if round_index % 2 == 0 else ["replay", "kv"]
-                pair = {}
-                for method in order:
-                    result = run_once(deployment, client, method, prompts, tokens)
-                    result["round"] = round_index
-                    pair[method] = result
-                    print(f"round {round_index} {method:6s}: {result['moved_streams']} streams moved; stall median "
-                          f"{_ms(result['stall_median_s'])}, max {_ms(result['stall_max_s'])} ms; other streams' longest "
-                          f"pause {_ms(result['others_longest_pause_s'])} ms", flush=True)
-                same = pair["kv"]["tokens"] == pair["replay"]["tokens"]
-                ratio = (pair["kv"]["stall_median_s"] / pair["replay"]["stall_median_s"]
-                         if pair["kv"]["stall_median_s"] and pair["replay"]["stall_median_s"] else float("nan"))
-                print(f"  round {round_index}: kv / replay median stall {ratio:.2f}x; streams identical: {same}", flush=True)
-                for result in pair.values():
-                    result["identical_across_methods"] = same
-                    result.pop("tokens")
-                    results.append(result)
+            return alternating_rounds(
+                rounds, ("kv", "replay"), lambda method: run_once(deployment, client, method, prompts, tokens),
+                _describe, _compare, "identical_across_methods",
+            )
     finally:
         loop.run(deployment.stop(), timeout=120)
         loop.close()
-    return results
+
+
+def _describe(result: dict[str, Any]) -> str:
+    return (f"{result['moved_streams']} streams moved; stall median {_ms(result['stall_median_s'])}, max "
+            f"{_ms(result['stall_max_s'])} ms; other streams' longest pause {_ms(result['others_longest_pause_s'])} ms")
+
+
+def _compare(pair: dict[str, dict[str, Any]]) -> str:
+    kv, replay = pair["kv"]["stall_median_s"], pair["replay"]["stall_median_s"]
+    return f"kv / replay median stall {kv / replay if kv and replay else float('nan'):.2f}x"
 
 
 def _ms(seconds: float | None) -> str:

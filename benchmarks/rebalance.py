@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from duet.benchmarks.alternating import alternating_rounds
 from duet.benchmarks.arguments import write_results
 from duet.benchmarks.migration import add_stream_arguments, random_prompts, start_default_deployment, wait_settled
 
@@ -117,36 +118,32 @@ def run_benchmark(streams: int, context: tuple[int, int], tokens: int, rounds: i
 
     prompts = random_prompts(streams, context, seed)
     deployment, loop = start_default_deployment("bench rebalance")
-    results: list[dict[str, Any]] = []
     try:
         with DuetClient(f"127.0.0.1:{deployment.port}") as client:
             client.scale("decode", 2)
             skewed_to = next(name for name in wait_settled(client, 2) if name != "decode-0")
             cores = {member.name: member.cpu_core for member in deployment.decode.members}
             print(f"decode workers on cores {cores}; every stream sent to {skewed_to}", flush=True)
-            for round_index in range(rounds):
-                order = ["off", "on"] if round_index % 2 == 0 else ["on", "off"]
-                pair = {}
-                for mode in order:
-                    result = run_once(deployment, client, mode, skewed_to, prompts, tokens, gap, interval_s)
-                    result["round"] = round_index
-                    pair[mode] = result
-                    print(f"round {round_index} {mode:3s}: TPOT p50 {_ms(result['tpot_p50_s'])}, p99 {_ms(result['tpot_p99_s'])} ms; "
-                          f"message gap p99 {_ms(result['message_gap_p99_s'])} ms; last stream ends after "
-                          f"{result['last_stream_ends_s']:.1f} s; {result['streams_moved']} streams moved", flush=True)
-                same = pair["on"]["tokens"] == pair["off"]["tokens"]
-                print(f"  round {round_index}: on / off TPOT p99 {pair['on']['tpot_p99_s'] / pair['off']['tpot_p99_s']:.2f}x, "
-                      f"p50 {pair['on']['tpot_p50_s'] / pair['off']['tpot_p50_s']:.2f}x, last stream "
-                      f"{pair['on']['last_stream_ends_s'] / pair['off']['last_stream_ends_s']:.2f}x; streams identical: {same}",
-                      flush=True)
-                for result in pair.values():
-                    result["identical_across_modes"] = same
-                    result.pop("tokens")
-                    results.append(result)
+            return alternating_rounds(
+                rounds, ("off", "on"),
+                lambda mode: run_once(deployment, client, mode, skewed_to, prompts, tokens, gap, interval_s),
+                _describe, _compare, "identical_across_modes",
+            )
     finally:
         loop.run(deployment.stop(), timeout=120)
         loop.close()
-    return results
+
+
+def _describe(result: dict[str, Any]) -> str:
+    return (f"TPOT p50 {_ms(result['tpot_p50_s'])}, p99 {_ms(result['tpot_p99_s'])} ms; message gap p99 "
+            f"{_ms(result['message_gap_p99_s'])} ms; last stream ends after {result['last_stream_ends_s']:.1f} s; "
+            f"{result['streams_moved']} streams moved")
+
+
+def _compare(pair: dict[str, dict[str, Any]]) -> str:
+    on, off = pair["on"], pair["off"]
+    return (f"on / off TPOT p99 {on['tpot_p99_s'] / off['tpot_p99_s']:.2f}x, p50 {on['tpot_p50_s'] / off['tpot_p50_s']:.2f}x, "
+            f"last stream {on['last_stream_ends_s'] / off['last_stream_ends_s']:.2f}x")
 
 
 def _ms(seconds: float) -> str:

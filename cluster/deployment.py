@@ -160,6 +160,8 @@ class Deployment:
             self.config.router.health_timeout_s,
             self.config.router.health_failures,
         )
+        if self.front_doors is not None:  # they route by load they cannot measure themselves
+            self.health.on_loads = lambda loads: self.front_doors.tell("report_loads", loads)
         self.health.start()
         self.service = request_service(
             self.config, None if colocated else self.prefill, self.decode, engine_limits, self.cluster, gatekeeper

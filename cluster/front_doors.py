@@ -232,9 +232,10 @@ class FrontDoorSet:
         await asyncio.wait_for(door.actor.connect.remote(_snapshot(member, pool, door.index)), _CALL_TIMEOUT_S)
 
     def tell(self, method: str, *args: Any) -> None:
-        """Tell every front door a worker's ``set_state``, ``lost`` or ``remove`` (not waited
-        for: a front door that misses it is replaced, and its replacement starts from the
-        whole membership)."""
+        """Tell every front door a worker's ``set_state``, ``lost`` or ``remove``, or the
+        workers' ``report_loads`` (not waited for: a front door that misses a change is
+        replaced, and its replacement starts from the whole membership; loads come again
+        every health period)."""
         for door in self.doors:
             if method == "remove":
                 door.workers.discard(args[0])

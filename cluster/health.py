@@ -13,7 +13,8 @@ Two checks, each for what it catches cheaply:
   sharing two cores (`duet bench serve` beside its peers), a healthy idle decode engine missed
   one 5-s ping three times in 15 minutes, and each time its replacement cost the requests
   arriving meanwhile a cold start (TTFT p90 9.4 s for a round). Each answer also carries the
-  worker's load (KV cache usage, running requests), which the decode routing policy uses.
+  worker's load (KV cache usage, running requests), which the decode routing policy uses; with
+  front doors apart, which ping no engine, ``on_loads`` hands it to them every period.
 
 A worker that fails either is taken out of rotation and replaced at once, before any request
 finds it; with another ready worker in its pool, no request waits for the replacement.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.worker_engines import WorkerEngine
@@ -50,6 +52,8 @@ class HealthWatcher:
         self._checking: set[str] = set()
         # Worker name -> (the engine its watch is on, the task awaiting that watch).
         self._watches: dict[str, tuple[object, asyncio.Task[None]]] = {}
+        # Called every period with the ready workers' last loads: name -> (KV use, running).
+        self.on_loads: Callable[[dict[str, tuple[float, int]]], None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="health-watcher")
@@ -78,6 +82,16 @@ class HealthWatcher:
                         self._checking.add(member.name)
                         loop.create_task(self._check(pool, member, engine))
             await asyncio.sleep(self.interval_s)
+            if self.on_loads is not None:
+                self.on_loads(self.loads())
+
+    def loads(self) -> dict[str, tuple[float, int]]:
+        """Each ready worker's last reported load: name -> (KV cache use, running requests)."""
+        return {
+            member.name: (member.kv_usage, member.running)
+            for pool in self.pools for member in pool.members
+            if member.state == "ready" and member.reported_at is not None
+        }
 
     async def _check(self, pool: WorkerPool, member: PoolMember, engine: WorkerEngine) -> None:
         try:

@@ -187,6 +187,15 @@ class FrontDoor:
                 member.state = state
                 pool.changed()
 
+    async def report_loads(self, loads: dict[str, tuple[float, int]]) -> None:
+        """The workers' loads as the control plane's health pings found them (name -> KV cache
+        use, running requests), for the decode routing policy (``least_kv_load``): this front
+        door pings no engine itself."""
+        for name, (kv_usage, running) in loads.items():
+            found = self._find(name)
+            if found is not None:
+                found[1].kv_usage, found[1].running = kv_usage, running
+
     async def lost(self, name: str, reason: str) -> None:
         """Worker ``name`` died: its requests here resume on the others while it is replaced."""
         found = self._find(name)

@@ -21,6 +21,7 @@ import time
 
 import grpc
 import pytest
+import ray
 
 from duet.router.client import DuetClient, build_request
 from duet.router.proto import duet_api_pb2 as pb
@@ -95,6 +96,31 @@ def test_the_autoscaler_sees_every_front_doors_load(two_front_doors):
     window, overdue = deployment.background.run(deployment.front_doors.sample(60.0), timeout=30)
     assert (window.arrivals, len(window.ttfts_s), len(window.finished), overdue) == (sent, sent, sent, 0)
     assert window.prompt_tokens == sum(len(_prompt(index)) for index in range(sent))
+
+
+def test_every_front_door_routes_by_the_engines_load(two_front_doors):
+    """Front doors apart ping no engine: the control plane's health pings bring them each
+    decode engine's KV use and running requests (for ``least_kv_load``), so both front doors
+    see a stream that only one of them serves."""
+    deployment = two_front_doors
+    stream = Stream(f"127.0.0.1:{deployment.port}", _prompt(3))
+    stream.start()
+
+    def decode_load_per_door() -> list[tuple[float, int]]:
+        def load(actor) -> tuple[float, int]:
+            member = actor.pools["decode"].find("decode-0")
+            return member.kv_usage, member.running
+
+        return [ray.get(door.actor.__ray_call__.remote(load), timeout=30) for door in deployment.front_doors.doors]
+
+    try:
+        assert stream.started.wait(120) and stream.error is None
+        wait_for(lambda: all(kv > 0 and running >= 1 for kv, running in decode_load_per_door()), 30,
+                 "both front doors seeing the decode engine's load")
+    finally:
+        stream.join(600)
+    assert stream.error is None and len(stream.tokens) == MAX_TOKENS
+    wait_for(lambda: all(running == 0 for _, running in decode_load_per_door()), 30, "both front doors seeing it idle again")
 
 
 def test_front_door_killed_under_load_loses_only_its_own_requests(two_front_doors, reference):

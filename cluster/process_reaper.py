@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -41,6 +42,12 @@ def run_reaped(main: Callable[[], int]) -> int:
         code = 1
         try:
             code = main()
+        except SystemExit as request:
+            code = request.code if isinstance(request.code, int) else 0 if request.code is None else 1
+            if isinstance(request.code, str):
+                print(request.code, file=sys.stderr)
+        except BaseException:  # shown as the interpreter would: os._exit below shows nothing
+            traceback.print_exc()
         finally:
             for stream in (sys.stdout, sys.stderr):  # os._exit flushes nothing
                 stream.flush()

@@ -239,6 +239,9 @@ class RequestLifecycle:
                 stream = round_.prompt_token_ids[len(request.prompt_token_ids):] + moved.token_ids
                 if stream[: len(sent)] != sent:
                     raise RequestFailed(f"moving off {moved.source}: its tokens disagree with the stream's") from migrated
+                # The stall runs from the last token relayed as it came, not from those the move
+                # hands over below, which the client got late (as part of the stall).
+                departure = departure or _Departure.off(round_, clock)
                 if len(stream) > len(sent):  # produced, but not relayed before the move (never seen so far)
                     logger.warning("request %s: %d tokens relayed without text", request.request_id, len(stream) - len(sent))
                     yield StreamEvent(stream[len(sent):], "")
@@ -246,7 +249,6 @@ class RequestLifecycle:
                     sent = stream
                 if moved.kv_transfer_params is None:
                     moved = None  # nothing kept its KV: the next round recomputes it
-                departure = departure or _Departure.off(round_, clock)
         raise RequestFailed(f"gave up after {self.policy.max_attempts} attempts: {last_failure}")
 
     def _arrived(self, departure: _Departure, round_: _Round) -> bool:

@@ -25,6 +25,14 @@ def positive_list(kind: Callable[[str], float]) -> Callable[[str], list]:
     return parse
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type``: one positive number, refused with argparse's own message otherwise."""
+    values = positive_list(float)(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"one number, e.g. 10 (got {text!r})")
+    return values[0]
+
+
 def write_results(results: Any, out: str | None, default: Path) -> int:
     """Write ``results`` as JSON to ``out`` (``--out``), else ``default``; says where on stderr.
     Returns the command's exit status (0)."""

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from duet.benchmarks.alternating import alternating_rounds
-from duet.benchmarks.arguments import write_results
+from duet.benchmarks.arguments import positive_float, write_results
+from duet.benchmarks.greedy_streams import GreedyStreams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "migration.json"
 
@@ -47,30 +47,11 @@ def wait_settled(client: Any, decode_workers: int, timeout_s: float = 600) -> li
 
 def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     """Grow decode to two workers, stream, drain the new one by ``method``; the moved streams' pauses."""
-    from duet.router.client import build_request
-
     client.scale("decode", 2)
     grown = next(name for name in wait_settled(client, 2) if name != "decode-0")
     leaving = deployment.decode.find(grown)
-    streams: list[list[int]] = [[] for _ in prompts]
-    arrivals: list[list[float]] = [[] for _ in prompts]
-    errors: list[BaseException] = []
-
-    def stream(index: int) -> None:
-        try:
-            request = build_request(prompt_token_ids=prompts[index], max_tokens=tokens, ignore_eos=True, request_id=f"s{index}")
-            for message in client.stream(request, timeout=900):
-                streams[index].extend(message.token_ids)
-                arrivals[index].append(time.monotonic())
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 600
-    while not all(len(s) >= 10 for s in streams) and not errors and time.monotonic() < deadline:
-        time.sleep(0.05)
+    streams = GreedyStreams(client, prompts, tokens)
+    streams.start(decoding_tokens=10)
     moving = {
         round_.request_id.split("-", 1)[0] for round_ in deployment.service.lifecycle.decoding() if round_.worker is leaving
     }
@@ -80,17 +61,11 @@ def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]]
     try:
         drained_at = time.monotonic()
         client.drain(grown, timeout_s=0 if method == "replay" else None)
-        for thread in threads:
-            thread.join(900)
+        streams.join(method)
     finally:
         deployment.decode.on_draining[:] = hooks
     wait_settled(client, 1)
-    if errors:
-        raise RuntimeError(f"{method}: {len(errors)} streams failed: {errors[0]!r}")
-    stalls = {
-        f"s{i}": max((b - a for a, b in zip(times, times[1:]) if b > drained_at), default=0.0)
-        for i, times in enumerate(arrivals)
-    }
+    stalls = {f"s{i}": pause for i, pause in enumerate(streams.longest_pauses_after(drained_at))}
     moved = sorted(stalls[name] for name in moving)
     return {
         "method": method,
@@ -99,7 +74,7 @@ def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]]
         "stall_median_s": statistics.median(moved) if moved else None,
         "stall_max_s": max(moved, default=None),
         "others_longest_pause_s": max((v for k, v in stalls.items() if k not in moving), default=None),
-        "tokens": streams,
+        "tokens": streams.tokens,
     }
 
 
@@ -166,6 +141,11 @@ def context_range(text: str) -> tuple[int, int]:
 
 
 def _command(args: argparse.Namespace) -> int:
+    if args.link_gbit is not None:
+        from duet.benchmarks.migration_hosts import RESULTS as HOSTS_RESULTS, run_benchmark_on_hosts
+
+        prompts = random_prompts(args.streams, args.context, args.seed)
+        return write_results(run_benchmark_on_hosts(prompts, args.tokens, args.rounds, args.link_gbit), args.out, HOSTS_RESULTS)
     results = run_benchmark(args.streams, args.context, args.tokens, args.rounds, args.seed)
     return write_results(results, args.out, RESULTS)
 
@@ -188,4 +168,9 @@ def register_command(benches: argparse._SubParsersAction) -> None:
         "migrate", help="a drained decode worker's streams: moved with their KV against token replay (real vLLM)"
     )
     add_stream_arguments(parser, "concurrent greedy streams", 16, "1500,3000", 300, "rounds, each draining once per method", 37, RESULTS)
+    parser.add_argument(
+        "--link-gbit", type=positive_float, default=None,
+        help="run on virtual hosts instead (prefill, decode-0 and decode-1 each a host, a cluster per run; "
+             "benchmarks/migration_hosts.py) with links shaped to this many Gbit/s; results default to migration_hosts.json",
+    )
     parser.set_defaults(handler=_command)

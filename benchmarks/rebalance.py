@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from duet.benchmarks.alternating import alternating_rounds
 from duet.benchmarks.arguments import write_results
+from duet.benchmarks.greedy_streams import GreedyStreams
 from duet.benchmarks.migration import add_stream_arguments, random_prompts, start_default_deployment, wait_settled
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rebalance.json"
@@ -51,46 +51,25 @@ class Pinned:
 def run_once(deployment: Any, client: Any, mode: str, skewed_to: str, prompts: list[list[int]], tokens: int,
              gap: float, interval_s: float) -> dict[str, Any]:
     """Stream ``prompts`` all on ``skewed_to``; with ``mode`` "on", rebalance once all decode."""
-    from duet.router.client import build_request
     from duet.router.rebalancer import Rebalancer
 
-    streams: list[list[int]] = [[] for _ in prompts]
-    arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]  # (when, tokens) per message
-    errors: list[BaseException] = []
-
-    def stream(index: int) -> None:
-        try:
-            request = build_request(prompt_token_ids=prompts[index], max_tokens=tokens, ignore_eos=True)
-            for message in client.stream(request, timeout=900):
-                streams[index].extend(message.token_ids)
-                arrivals[index].append((time.monotonic(), len(message.token_ids)))
-        except BaseException as error:  # reported below
-            errors.append(error)
-
+    streams = GreedyStreams(client, prompts, tokens)
     policy = deployment.decode.policy
     deployment.decode.policy = Pinned(skewed_to)
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
     try:
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 600
-        while not all(len(s) >= 10 for s in streams) and not errors and time.monotonic() < deadline:
-            time.sleep(0.05)
+        streams.start(decoding_tokens=10)
     finally:
         deployment.decode.policy = policy
     decoding_at = time.monotonic()
     rebalancer = Rebalancer(deployment.service.lifecycle, gap, interval_s)
     task = asyncio.run_coroutine_threadsafe(rebalancer.run(), deployment.background.loop) if mode == "on" else None
     try:
-        for thread in threads:
-            thread.join(900)
+        streams.join(mode)
     finally:
         if task is not None:
             task.cancel()
-    if errors:
-        raise RuntimeError(f"{mode}: {len(errors)} streams failed: {errors[0]!r}")
     tpots, gaps = [], []
-    for messages in arrivals:
+    for messages in streams.arrivals:
         later = [(when, count) for when, count in messages if when > decoding_at]
         if len(later) >= 2:
             tpots.append((later[-1][0] - later[0][0]) / sum(count for _, count in later[1:]))
@@ -102,8 +81,8 @@ def run_once(deployment: Any, client: Any, mode: str, skewed_to: str, prompts: l
         "tpot_p50_s": statistics.median(tpots),
         "tpot_p99_s": _percentile(tpots, 0.99),
         "message_gap_p99_s": _percentile(gaps, 0.99),
-        "last_stream_ends_s": max(messages[-1][0] for messages in arrivals) - decoding_at,
-        "tokens": streams,
+        "last_stream_ends_s": max(messages[-1][0] for messages in streams.arrivals) - decoding_at,
+        "tokens": streams.tokens,
     }
 
 

@@ -57,3 +57,19 @@ def test_link_shapes_are_tbf_under_netem() -> None:
     root, child = LinkShape(rate_mbit=10000, delay_ms=2, loss_pct=0.1).qdiscs()
     assert root == ["root", "handle", "1:", "netem", "delay", "2ms", "loss", "0.1%"]
     assert child[:5] == ["parent", "1:1", "handle", "10:", "tbf"]
+
+
+def test_the_three_host_plan_puts_each_decode_worker_on_a_host_of_its_own(tmp_path) -> None:
+    """`duet bench migrate --link-gbit`'s plan: a moved request's KV crosses hosts only if the
+    two decode workers have a host each (and the prefill engine a core of its own)."""
+    from duet.benchmarks.migration_hosts import THREE_HOSTS_PLAN
+    from duet.cluster.placement.plan import Plan
+    from duet.deploy.render import RenderOptions, plan_launch
+    from duet.deploy.virtual_cluster import host_groups
+
+    plan = Plan.load(THREE_HOSTS_PLAN)
+    base = tmp_path / "base.yaml"
+    base.write_text("{}\n")
+    assert list(host_groups(plan_launch(plan, RenderOptions(), base))) == ["head", "prefill-0", "decode-0", "decode-1"]
+    decode_nodes = [stage.node for replica in plan.decode.placement for stage in replica.stages]
+    assert len(set(decode_nodes)) == 2 and plan.prefill.placement[0].stages[0].node not in decode_nodes

@@ -1,0 +1,128 @@
+"""Live migration across hosts: ``duet bench migrate --link-gbit G``.
+
+The same comparison as ``duet bench migrate`` (benchmarks/migration.py), with the decode
+workers on hosts of their own: the three-host plan (deploy/examples/three-hosts-cpu.yaml,
+prefill on one host and a decode worker on each of two others) rendered and run on virtual
+hosts (deploy/virtual_cluster.py) whose links are shaped to G Gbit/s, UCX over TCP. A moved
+stream's KV crosses the link from decode-1's host to decode-0's.
+
+Which method a drain uses is the deployment's ``router.drain_moves_kv``, so each run starts a
+cluster of its own: ``kv`` (true: decode-1's streams move with their KV) or ``replay`` (false,
+drained with a timeout of 0: they resume on decode-0 by recomputing their contexts). Runs are
+interleaved round by round, the order alternating. The streams are spread over both decode
+workers by the decode policy; the stall of the moved ones is the router's own measurement
+(``duet_migration_stall_seconds``: last token before the move to first token after, on the
+cluster's metrics endpoint), and the clients' longest pause after the drain is given for the
+streams that paused longest, as many as moved.
+"""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from duet.benchmarks.alternating import alternating_rounds
+from duet.benchmarks.greedy_streams import GreedyStreams
+from duet.benchmarks.migration import wait_settled
+
+THREE_HOSTS_PLAN = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "three-hosts-cpu.yaml"
+RESULTS = Path(__file__).resolve().parent / "results" / "migration_hosts.json"
+_STALL = "duet_migration_stall_seconds"
+
+
+def _stall_samples(metrics_url: str) -> dict[tuple[str, str], float]:
+    """The stall histogram's count and sum, by (sample name, method)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    return {
+        (sample.name, sample.labels["method"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == _STALL
+        for sample in family.samples
+        if sample.name in (f"{_STALL}_count", f"{_STALL}_sum")
+    }
+
+
+def run_on_hosts(method: str, prompts: list[list[int]], tokens: int, rate_mbit: float) -> dict[str, Any]:
+    """A fresh three-host cluster whose drains use ``method``; stream, drain decode-1, measure."""
+    from duet.deploy.hosts import LinkShape
+    from duet.deploy.virtual_cluster import serve_on_hosts
+    from duet.router.client import DuetClient
+
+    print(f"bench migrate: {method} over {rate_mbit / 1000:g} Gbit/s: starting the cluster ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="duet-bench-") as scratch:
+        # Draining takes an admin key, which only a keys file grants (docs/guides/security.md).
+        key = secrets.token_hex(16)
+        keys_file = Path(scratch) / "keys.yaml"
+        keys_file.write_text(yaml.safe_dump({"keys": [{"name": "bench", "key": key, "admin": True}]}))
+        settings = {"router": {"drain_moves_kv": method == "kv"}, "server": {"auth": {"api_keys_file": str(keys_file)}}}
+        with serve_on_hosts(settings, LinkShape(rate_mbit=rate_mbit), plan=THREE_HOSTS_PLAN) as cluster:
+            with DuetClient(cluster.targets, api_key=key) as client:
+                return _drain_under_load(cluster, client, method, prompts, tokens, rate_mbit)
+
+
+def _drain_under_load(
+    cluster: Any, client: Any, method: str, prompts: list[list[int]], tokens: int, rate_mbit: float
+) -> dict[str, Any]:
+    from duet.router.client import build_request
+
+    assert cluster.metrics_url is not None
+    assert wait_settled(client, 2) == ["decode-0", "decode-1"]
+    client.generate_ids(build_request(prompt_token_ids=prompts[0][:64], max_tokens=4, ignore_eos=True), timeout=300)  # warm-up
+    before = _stall_samples(cluster.metrics_url)
+    streams = GreedyStreams(client, prompts, tokens)
+    # Drained once every stream decodes (its second token came): the prompts' prefills queue on
+    # one prefill worker, so waiting longer would let the first streams finish.
+    streams.start(decoding_tokens=2)
+    on_leaving = next(w.requests_inflight for pool in client.list_workers().pools for w in pool.workers if w.name == "decode-1")
+    drained_at = time.monotonic()
+    client.drain("decode-1", timeout_s=0 if method == "replay" else None)
+    streams.join(method)
+    wait_settled(client, 1)
+    time.sleep(1.0)  # the last move's stall is observed as its stream's next token leaves
+    after = _stall_samples(cluster.metrics_url)
+    moved = int(after.get((f"{_STALL}_count", method), 0) - before.get((f"{_STALL}_count", method), 0))
+    stall_sum = after.get((f"{_STALL}_sum", method), 0) - before.get((f"{_STALL}_sum", method), 0)
+    pauses = sorted(streams.longest_pauses_after(drained_at), reverse=True)
+    longest = pauses[:moved]
+    return {
+        "method": method,
+        "link_gbit": rate_mbit / 1000,
+        "streams_on_drained_worker": on_leaving,
+        "moved_streams": moved,
+        "stall_mean_s": stall_sum / moved if moved else None,
+        "client_pause_median_s": statistics.median(longest) if longest else None,
+        "client_pause_max_s": max(longest, default=None),
+        "others_longest_pause_s": pauses[moved] if moved < len(pauses) else None,
+        "tokens": streams.tokens,
+    }
+
+
+def run_benchmark_on_hosts(prompts: list[list[int]], tokens: int, rounds: int, link_gbit: float) -> list[dict[str, Any]]:
+    def compare(pair: dict[str, dict[str, Any]]) -> str:
+        kv, replay = pair["kv"]["stall_mean_s"], pair["replay"]["stall_mean_s"]
+        return f"kv / replay mean stall {kv / replay if kv and replay else float('nan'):.2f}x"
+
+    def describe(result: dict[str, Any]) -> str:
+        return (f"{result['moved_streams']} of {result['streams_on_drained_worker']} streams on decode-1 moved; stall mean "
+                f"{_ms(result['stall_mean_s'])} ms (router); clients' longest pauses: median "
+                f"{_ms(result['client_pause_median_s'])}, max {_ms(result['client_pause_max_s'])} ms, the next stream's "
+                f"{_ms(result['others_longest_pause_s'])} ms")
+
+    return alternating_rounds(
+        rounds, ("kv", "replay"), lambda method: run_on_hosts(method, prompts, tokens, link_gbit * 1000), describe, compare,
+        "identical_across_methods",
+    )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"

@@ -24,7 +24,8 @@ def alternating_rounds(
 ) -> list[Result]:
     """``run(mode)`` for both ``modes`` in each of ``rounds`` rounds; every result gets its
     ``round`` and, under ``identical_key``, whether its round's two runs streamed the same
-    tokens (its ``tokens`` are then dropped). Prints ``describe(result)`` per run and
+    tokens, and ``streams_differing`` (the indices of those that did not; its ``tokens`` are
+    then dropped). Prints ``describe(result)`` per run and
     ``compare({mode: result})`` per round, as they come."""
     results: list[Result] = []
     for round_index in range(rounds):
@@ -34,11 +35,15 @@ def alternating_rounds(
             result["round"] = round_index
             pair[mode] = result
             print(f"round {round_index} {mode:6s}: {describe(result)}", flush=True)
-        same = pair[modes[0]]["tokens"] == pair[modes[1]]["tokens"]
-        print(f"  round {round_index}: {compare(pair)}; streams identical: {same}", flush=True)
+        first, second = pair[modes[0]]["tokens"], pair[modes[1]]["tokens"]
+        differing = [index for index, (a, b) in enumerate(zip(first, second)) if a != b]
+        same = first == second
+        print(f"  round {round_index}: {compare(pair)}; streams identical: {same}"
+              + (f" (streams {differing} differ)" if differing else ""), flush=True)
         for mode in modes:
             result = pair[mode]
             result[identical_key] = same
+            result["streams_differing"] = differing
             result.pop("tokens")
             results.append(result)
     return results

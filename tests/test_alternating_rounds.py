@@ -17,7 +17,9 @@ def test_rounds_alternate_the_order_and_compare_the_streams(capsys):
 
     results = alternating_rounds(2, ("a", "b"), run, lambda r: f"value {r['value']}", lambda p: f"{sorted(p)}", "same")
     assert ran == ["a", "b", "b", "a"]
-    assert [(r["round"], r["same"]) for r in results] == [(0, True), (0, True), (1, False), (1, False)]
+    assert [(r["round"], r["same"], r["streams_differing"]) for r in results] == [
+        (0, True, []), (0, True, []), (1, False, [0]), (1, False, [0])
+    ]
     assert all("tokens" not in r for r in results)
     out = capsys.readouterr().out
-    assert "round 1 b     : value 3" in out and "round 1: ['a', 'b']; streams identical: False" in out
+    assert "round 1 b     : value 3" in out and "round 1: ['a', 'b']; streams identical: False (streams [0] differ)" in out

@@ -45,18 +45,19 @@ class Stream(threading.Thread):
     A ``resilient`` one resumes on another front door when its stream breaks
     (:meth:`DuetClient.stream`), a plain one does not."""
 
-    def __init__(self, target: str, prompt: list[int], resilient: bool = False) -> None:
+    def __init__(self, target: str, prompt: list[int], resilient: bool = False, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
         self.client = DuetClient(target)
         self.prompt = prompt
         self.resilient = resilient
+        self.max_tokens = max_tokens
         self.tokens: list[int] = []
         self.finish = pb.FINISH_REASON_UNSPECIFIED
         self.error: grpc.StatusCode | None = None
         self.started = threading.Event()
 
     def run(self) -> None:
-        request = build_request(prompt_token_ids=self.prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+        request = build_request(prompt_token_ids=self.prompt, max_tokens=self.max_tokens, ignore_eos=True)
         try:
             messages = self.client.stream if self.resilient else self.client.generate
             for message in messages(request, timeout=600):
@@ -103,7 +104,9 @@ def test_every_front_door_routes_by_the_engines_load(two_front_doors):
     decode engine's KV use and running requests (for ``least_kv_load``), so both front doors
     see a stream that only one of them serves."""
     deployment = two_front_doors
-    stream = Stream(f"127.0.0.1:{deployment.port}", _prompt(3))
+    # 3,000 tokens: seconds of decoding at any speed this machine runs at, several load reports
+    # (one per health period, 1 s) while it runs.
+    stream = Stream(f"127.0.0.1:{deployment.port}", _prompt(3), max_tokens=3000)
     stream.start()
 
     def decode_load_per_door() -> list[tuple[float, int]]:
@@ -119,7 +122,7 @@ def test_every_front_door_routes_by_the_engines_load(two_front_doors):
                  "both front doors seeing the decode engine's load")
     finally:
         stream.join(600)
-    assert stream.error is None and len(stream.tokens) == MAX_TOKENS
+    assert stream.error is None and len(stream.tokens) == 3000
     wait_for(lambda: all(running == 0 for _, running in decode_load_per_door()), 30, "both front doors seeing it idle again")
 
 

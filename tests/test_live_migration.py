@@ -29,9 +29,10 @@ from test_elastic_pools import _wait_settled
 from waiting import wait_for
 
 STREAMS = 6
-# Long enough that a stream alone on the new worker (~3 ms a token) is still decoding when the
-# drain arrives, however the streams were spread.
-MAX_TOKENS = 800
+# Long enough that streams are still decoding when the drain arrives, however the streams were
+# spread and however fast the machine runs: with 800, six streams on one worker (~1 ms a token
+# each on a fast spell) had all but one finished by then, and a CI run moved none.
+MAX_TOKENS = 1600
 _TRANSFERRED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 _COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 
@@ -209,17 +210,19 @@ def test_a_move_whose_source_dies_before_the_pull_completes_by_recomputing(deplo
 
 def test_a_move_whose_target_dies_resumes_by_replay_on_its_replacement(deployment, client, reference):
     """decode-0, the only worker a drained worker's streams can move to, has its engine killed
-    as the first of them arrives: no stream is lost or altered. decode-0 is replaced, and each
-    stream resumes there by token replay (the source, draining, takes none back); the source
-    frees what it kept for the pulls that never came (its lease) and is removed."""
+    as the first of them arrives: no stream is lost or altered. decode-0 is replaced and every
+    stream continues there (the source, draining, takes none back): those whose moved round met
+    the dead engine by token replay, the others by pulling their KV from the source, which still
+    holds it within its lease when the replacement is up."""
     lifecycle = deployment.service.lifecycle
     target = deployment.decode.find("decode-0")
     restarts = target.restarts
+    target_pid = _engine_pid(target)  # asked before the streams, so the drain comes at once
     killed: list[int] = []
     try:
         drain = _drain_under_load(
             deployment, client, reference, seed=39, skew=True,
-            before_drain=lambda worker: _kill_at_first_move(lifecycle, _engine_pid(target), killed),
+            before_drain=lambda worker: _kill_at_first_move(lifecycle, target_pid, killed),
         )
     finally:
         del lifecycle._moved_round
@@ -227,12 +230,13 @@ def test_a_move_whose_target_dies_resumes_by_replay_on_its_replacement(deploymen
     assert target.restarts == restarts + 1, "the target was not replaced"
     moving, counted = drain.moving, drain.counted
     assert _moved_out(counted, drain.grown) == moving, counted
-    # Counted by how each stream did continue: recomputed on the replacement.
-    assert counted[("duet_migrations_total", "decode-0", "in", "replay")] == moving, counted
-    assert counted.get(("duet_migrations_total", "decode-0", "in", "kv"), 0) == 0, counted
-    stall = counted[("duet_migration_stall_seconds_sum", None, None, "replay")] / moving
-    print(f"target of {moving} moves killed as they came: replaced, every stream resumed there by replay "
-          f"(mean stall {stall:.1f} s, the replacement's start); all {STREAMS} streams exact")
+    # Counted by how each stream did continue on the replacement; the round that met the dead
+    # engine (at least the first) by replay.
+    replayed = counted.get(("duet_migrations_total", "decode-0", "in", "replay"), 0)
+    pulled = counted.get(("duet_migrations_total", "decode-0", "in", "kv"), 0)
+    assert replayed >= 1 and replayed + pulled == moving, counted
+    print(f"target of {moving} moves killed as they came: replaced; {replayed:.0f} streams resumed there by replay, "
+          f"{pulled:.0f} by pulling their KV; all {STREAMS} streams exact")
 
 
 def _engine_requests(deployment, worker) -> int:

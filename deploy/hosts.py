@@ -200,6 +200,19 @@ class HostNetwork:
         """Take host ``name``'s link down (unplugged: nothing in or out) or bring it back."""
         _ip("link", "set", self.hosts[name].veth, "up" if up else "down")
 
+    def set_path(self, a: str, b: str, up: bool) -> None:
+        """Cut the path between hosts ``a`` and ``b`` (each silently drops what it would send the
+        other: a blackhole route), or mend it. Both keep their links to every other host: a
+        failed switch port between two racks, not a host unplugged. TCP connections between them
+        stall, as over a cut cable, and carry on if the path is mended before they time out."""
+        for here, there in ((a, b), (b, a)):
+            route = ("blackhole", f"{self.hosts[there].address}/32")
+            _ip("route", "del" if up else "add", *route, netns=self.hosts[here].netns)
+
+    def bytes_sent(self, name: str) -> int:
+        """Bytes host ``name`` has sent over its link so far (its veth's root end received them)."""
+        return int(Path(f"/sys/class/net/{self.hosts[name].veth}/statistics/rx_bytes").read_text())
+
     # ---- processes -----------------------------------------------------------------------
 
     def popen(self, name: str, command: list[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:

@@ -244,10 +244,11 @@ def _engine_requests(deployment, worker) -> int:
     return sum(deployment.background.run(worker.engine.requests_by_client(), timeout=30).values())
 
 
-def _migration_samples(client) -> dict[tuple[str, str | None, str | None, str | None], float]:
-    """The deployment's Prometheus samples of moved requests, by (name, worker, direction, method)."""
-    endpoint = client.status().metrics_endpoint
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30).read().decode()
+def _migration_samples(client, metrics_url: str | None = None) -> dict[tuple[str, str | None, str | None, str | None], float]:
+    """The deployment's Prometheus samples of moved requests, by (name, worker, direction, method),
+    from ``metrics_url`` or the endpoint its status names."""
+    metrics_url = metrics_url or f"http://{client.status().metrics_endpoint}/metrics"
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
     return {
         (sample.name, sample.labels.get("worker"), sample.labels.get("direction"), sample.labels.get("method")): sample.value
         for family in text_string_to_metric_families(text)

@@ -1,33 +1,57 @@
 """duet across hosts: the KubeRay manifests' own commands on virtual hosts, KV over the network.
 
-Three network namespaces on one machine (deploy/hosts.py): the head runs Ray's head and duet's
-front end, prefill and decode run on hosts of their own (deploy/examples/two-hosts-cpu.yaml),
-each started with its rendered container command and environment (deploy/virtual_cluster.py).
-Links are shaped to 1 Gbit/s. For each transport the output must equal a colocated vLLM engine's
-token for token, and the KV must have gone from the prefill host's address to the decode host's.
-One cluster per transport, one after the other (two engines alive at a time), about a minute each.
+Network namespaces on one machine (deploy/hosts.py): the head runs Ray's head and duet's front
+end, prefill and decode run on hosts of their own, each started with its rendered container
+command and environment (deploy/virtual_cluster.py). Links are shaped to 1 Gbit/s. For each
+transport the output must equal a colocated vLLM engine's token for token, and the KV must have
+gone from the prefill host's address to the decode host's. The nixl cluster runs the three-host
+plan (deploy/examples/three-hosts-cpu.yaml: a decode worker on each of two hosts), so a drained
+decode worker's streams move across the network, and the path between the two decode hosts is
+cut while their KV crosses it: the moves must fall back to recomputing, and every stream must
+still be exact. One cluster per transport, one after the other, a minute or two each.
 """
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import yaml
 
+from duet.benchmarks.greedy_streams import GreedyStreams
+from duet.benchmarks.migration_hosts import THREE_HOSTS_PLAN
 from duet.deploy.hosts import HostsUnavailable, LinkShape
-from duet.deploy.virtual_cluster import VirtualCluster, serve_on_hosts
-from duet.router.client import build_request
+from duet.deploy.virtual_cluster import TWO_HOSTS_PLAN, VirtualCluster, serve_on_hosts
+from duet.router.client import DuetClient, build_request
+from test_live_migration import _migration_samples
+from waiting import wait_for
 
 # Token ids stay below 700 (above the tiny model's specials); lengths cross KV block borders.
 PROMPTS = [[3 + (i * 37 + n * 11) % 690 for i in range(n)] for n in (13, 200, 700, 1500)]
 MAX_TOKENS = 16
+# A hand-off that has not started decoding after this long is recomputed on the decode side
+# (kv_transfer.handoff_timeout_s, 30 s by default): the moves over the cut path wait this long.
+HANDOFF_TIMEOUT_S = 10.0
+# The cut comes once the drained worker's host has sent this much since the drain: its streams'
+# contexts (1,200-2,200 tokens at 4 KiB a token) are under way, none of them complete.
+CUT_AFTER_BYTES = 1 << 20
+MOVING_RATE_MBIT = 50  # the drained host's link while its KV leaves: seconds of transfer
 
 
 @pytest.fixture(scope="module", params=["nixl", "nccl"])
-def cluster(request: pytest.FixtureRequest) -> Iterator[VirtualCluster]:
-    settings = {"kv_transfer": {"transport": request.param}}
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VirtualCluster]:
+    settings: dict = {"kv_transfer": {"transport": request.param, "handoff_timeout_s": HANDOFF_TIMEOUT_S}}
+    plan = TWO_HOSTS_PLAN
+    if request.param == "nixl":  # two decode hosts, and an admin key to drain one of them
+        plan = THREE_HOSTS_PLAN
+        keys_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
+        keys_file.write_text(yaml.safe_dump({"keys": [{"name": "admin", "key": secrets.token_hex(16), "admin": True}]}))
+        settings["server"] = {"auth": {"api_keys_file": str(keys_file)}}
     try:
-        with serve_on_hosts(settings, LinkShape(rate_mbit=1000)) as running:
+        with serve_on_hosts(settings, LinkShape(rate_mbit=1000), plan=plan) as running:
             yield running
     except HostsUnavailable as error:
         pytest.skip(f"network namespaces cannot be created here: {error}")
@@ -35,18 +59,90 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[VirtualCluster]:
 
 def test_tokens_cross_hosts_exactly(cluster: VirtualCluster, reference) -> None:
     expected = reference.greedy(PROMPTS, MAX_TOKENS, ignore_eos=True)
-    with cluster.client() as client:
+    decode_workers = set()
+    with _client(cluster) as client:
         for prompt, want in zip(PROMPTS, expected):
             request = build_request(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
             got, last = client.generate_ids(request, timeout=120)
             assert got == want, f"{len(prompt)}-token prompt differs from the colocated engine"
-            assert (last.usage.prefill_worker, last.usage.decode_worker) == ("prefill-0", "decode-0")
+            assert last.usage.prefill_worker == "prefill-0"
+            decode_workers.add(last.usage.decode_worker)
         status = client.status()
     workers = {worker.name: worker for pool in status.pools for worker in pool.workers}
-    decode_host = cluster.network["decode-0"].address
-    assert workers["decode-0"].kv_endpoint.startswith(f"{decode_host}:"), "KV channel not on the decode host's address"
-    assert workers["decode-0"].prompt_tokens_transferred == sum(len(p) for p in PROMPTS)
-    assert workers["decode-0"].kv_transfer_bytes > 0
+    decode_hosts = {name: _host_of(cluster, workers[name].kv_endpoint) for name in workers if name.startswith("decode")}
+    # Each decode worker's KV channel is on a decode host's address, a host of its own.
+    assert sorted(decode_hosts.values()) == sorted(h for h in cluster.network.hosts if h.startswith("decode")), decode_hosts
+    for name in decode_workers:
+        assert workers[name].kv_transfer_bytes > 0
+    assert sum(workers[name].prompt_tokens_transferred for name in decode_workers) == sum(len(p) for p in PROMPTS)
+
+
+def _host_of(cluster: VirtualCluster, endpoint: str) -> str:
+    """The virtual host whose address ``endpoint`` (ADDRESS:PORT) is on."""
+    address = endpoint.rsplit(":", 1)[0]
+    return next(name for name, host in cluster.network.hosts.items() if host.address == address)
+
+
+def _client(cluster: VirtualCluster) -> DuetClient:
+    """A client with the cluster's key: the keys file's (admin) where the config names one,
+    which replaces the rendered Secret's key (deploy/render.py)."""
+    keys_file = cluster.launch.head_config.config.server.auth.api_keys_file
+    if keys_file is None:
+        return cluster.client()
+    return DuetClient(cluster.targets, api_key=yaml.safe_load(Path(keys_file).read_text())["keys"][0]["key"])
+
+
+@pytest.mark.parametrize("cluster", ["nixl"], indirect=True)
+def test_a_move_whose_path_is_cut_mid_pull_completes_by_recomputing(cluster: VirtualCluster, reference) -> None:
+    """Draining a decode worker moves its streams to the other with their KV; the path between
+    the two decode hosts is cut while that KV crosses it (both hosts stay up and reach the front door).
+    The pulls stall; past the hand-off timeout the target recomputes the contexts instead. The path
+    is mended while the streams still run (a stalled read may then complete into blocks freed
+    meanwhile: the streams would show it). Every stream ends token-identical, none fails."""
+    network = cluster.network
+    prompts = [[3 + (i * 53 + seed * 101) % 690 for i in range(1200 + 200 * seed)] for seed in range(6)]
+    tokens = 1600  # still decoding when the drain comes, and after the moves resume
+    expected = reference.greedy(prompts, tokens, ignore_eos=True)
+    with _client(cluster) as client:
+        before = _migration_samples(client, cluster.metrics_url)
+        streams = GreedyStreams(client, prompts, tokens)
+        streams.start(decoding_tokens=2)
+        # The worker with more of the streams is drained (the decode policy spreads them by the
+        # KV use the last health pings reported, so a burst can land on either).
+        leaving, staying = sorted(
+            (w for p in client.list_workers().pools for w in p.workers if p.role == "decode"), key=lambda w: -w.requests_inflight
+        )
+        moving = leaving.requests_inflight
+        assert moving > 0
+        # Worker names and host names need not match: Ray placed each worker on a decode host.
+        source, target = _host_of(cluster, leaving.kv_endpoint), _host_of(cluster, staying.kv_endpoint)
+        network.shape(source, LinkShape(rate_mbit=MOVING_RATE_MBIT))
+        sent = network.bytes_sent(source)
+        client.drain(leaving.name)
+        wait_for(lambda: network.bytes_sent(source) - sent > CUT_AFTER_BYTES, 120, f"{leaving.name}'s KV never left its host")
+        network.set_path(source, target, up=False)
+        cut_at = time.monotonic()
+        # Every stream has tokens from after the cut (the moved ones resumed) or has ended.
+        wait_for(
+            lambda: all(a and a[-1][0] > cut_at for a, t in zip(streams.arrivals, streams.tokens) if len(t) < tokens),
+            HANDOFF_TIMEOUT_S + 120, "the moved streams did not resume",
+        )
+        resumed_after_s = time.monotonic() - cut_at
+        print(f"cut after {network.bytes_sent(source) - sent} bytes; {moving} moving; resumed after {resumed_after_s:.1f} s")
+        network.set_path(source, target, up=True)
+        network.shape(source, LinkShape(rate_mbit=1000))
+        streams.join("cut path")
+        after = _migration_samples(client, cluster.metrics_url)
+    for index, (got, want) in enumerate(zip(streams.tokens, expected)):
+        assert got == want, f"stream {index} differs from the colocated engine after the cut"
+
+    def moved(direction: str, worker: str, method: str) -> float:
+        key = ("duet_migrations_total", worker, direction, method)
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    print(f"moved with their KV {moved('in', staying.name, 'kv'):g}, by recomputing {moved('in', staying.name, 'replay'):g}")
+    assert moved("out", leaving.name, "kv") + moved("out", leaving.name, "replay") == moving
+    assert moved("in", staying.name, "replay") >= 1, f"no move fell back to recomputing (resumed {resumed_after_s:.1f} s after the cut)"
 
 
 def test_link_shapes_are_tbf_under_netem() -> None:

@@ -24,8 +24,9 @@ def alternating_rounds(
 ) -> list[Result]:
     """``run(mode)`` for both ``modes`` in each of ``rounds`` rounds; every result gets its
     ``round`` and, under ``identical_key``, whether its round's two runs streamed the same
-    tokens, and ``streams_differing`` (the indices of those that did not; its ``tokens`` are
-    then dropped). Prints ``describe(result)`` per run and
+    tokens, and ``streams_differing`` (the indices of those that did not); its ``tokens`` are
+    dropped but for those streams' (``tokens_differing``, by index), to check against a
+    colocated engine. Prints ``describe(result)`` per run and
     ``compare({mode: result})`` per round, as they come."""
     results: list[Result] = []
     for round_index in range(rounds):
@@ -44,6 +45,7 @@ def alternating_rounds(
             result = pair[mode]
             result[identical_key] = same
             result["streams_differing"] = differing
-            result.pop("tokens")
+            tokens = result.pop("tokens")
+            result["tokens_differing"] = {index: tokens[index] for index in differing}
             results.append(result)
     return results

@@ -54,9 +54,12 @@ class GreedyStreams:
             raise RuntimeError(f"{what}: {len(self.errors)} streams failed: {self.errors[0]!r}")
 
     def longest_pauses_after(self, moment: float) -> list[float]:
-        """Each stream's longest wait for a message that came after ``moment``, in the prompts'
-        order (0 for a stream that had ended)."""
+        """Each stream's longest wait, counted from ``moment`` on, for its next message: the
+        stall a drain at ``moment`` added to it. A pause that began before ``moment`` counts from
+        ``moment`` only: it was not the drain's (a stream that did not move, waiting on its
+        engine's busy step as the drain came, once read here as a 1.3-1.6 s move). In the
+        prompts' order; 0 for a stream that had ended."""
         return [
-            max((b - a for (a, _), (b, _) in zip(messages, messages[1:]) if b > moment), default=0.0)
+            max((b - max(a, moment) for (a, _), (b, _) in zip(messages, messages[1:]) if b > moment), default=0.0)
             for messages in self.arrivals
         ]

@@ -4,7 +4,7 @@ The same comparison as ``duet bench migrate`` (benchmarks/migration.py), with th
 workers on hosts of their own: the three-host plan (deploy/examples/three-hosts-cpu.yaml,
 prefill on one host and a decode worker on each of two others) rendered and run on virtual
 hosts (deploy/virtual_cluster.py) whose links are shaped to G Gbit/s, UCX over TCP. A moved
-stream's KV crosses the link from decode-1's host to decode-0's.
+stream's KV crosses the link from the drained decode worker's host to the other's.
 
 Which method a drain uses is the deployment's ``router.drain_moves_kv``, so each run starts a
 cluster of its own: ``kv`` (true: decode-1's streams move with their KV) or ``replay`` (false,
@@ -83,9 +83,13 @@ def _drain_under_load(
     # Drained once every stream decodes (its second token came): the prompts' prefills queue on
     # one prefill worker, so waiting longer would let the first streams finish.
     streams.start(decoding_tokens=2)
-    on_leaving = next(w.requests_inflight for pool in client.list_workers().pools for w in pool.workers if w.name == "decode-1")
+    # The decode worker with more of the streams is drained: the decode policy spreads a burst by
+    # the KV use the last health pings reported, which can send all of it to one worker.
+    leaving = max((w for pool in client.list_workers().pools if pool.role == "decode" for w in pool.workers),
+                  key=lambda worker: worker.requests_inflight)
+    on_leaving = leaving.requests_inflight
     drained_at = time.monotonic()
-    client.drain("decode-1", timeout_s=0 if method == "replay" else None)
+    client.drain(leaving.name, timeout_s=0 if method == "replay" else None)
     streams.join(method)
     wait_settled(client, 1)
     time.sleep(1.0)  # the last move's stall is observed as its stream's next token leaves
@@ -113,7 +117,7 @@ def run_benchmark_on_hosts(prompts: list[list[int]], tokens: int, rounds: int, l
         return f"kv / replay mean stall {kv / replay if kv and replay else float('nan'):.2f}x"
 
     def describe(result: dict[str, Any]) -> str:
-        return (f"{result['moved_streams']} of {result['streams_on_drained_worker']} streams on decode-1 moved; stall mean "
+        return (f"{result['moved_streams']} of {result['streams_on_drained_worker']} streams on the drained worker moved; stall mean "
                 f"{_ms(result['stall_mean_s'])} ms (router); clients' longest pauses: median "
                 f"{_ms(result['client_pause_median_s'])}, max {_ms(result['client_pause_max_s'])} ms, the next stream's "
                 f"{_ms(result['others_longest_pause_s'])} ms")

@@ -21,5 +21,6 @@ def test_rounds_alternate_the_order_and_compare_the_streams(capsys):
         (0, True, []), (0, True, []), (1, False, [0]), (1, False, [0])
     ]
     assert all("tokens" not in r for r in results)
+    assert [r["tokens_differing"] for r in results] == [{}, {}, {0: [9]}, {0: [1, 2]}]  # round 1: b, then a
     out = capsys.readouterr().out
     assert "round 1 b     : value 3" in out and "round 1: ['a', 'b']; streams identical: False (streams [0] differ)" in out

@@ -154,6 +154,13 @@ class EngineFrontEnd:
         engine._run_output_handler()
         return cls(name, actor, engine, registry, transfer)
 
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """How many tokens the engine's KV cache holds, as its engine core told this front end
+        when it connected (the routing policy weighs requests on their way by it)."""
+        cache = self.engine.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+
     # ---- requests ---------------------------------------------------------------------------
 
     async def prefill(

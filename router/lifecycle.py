@@ -342,9 +342,10 @@ class RequestLifecycle:
     async def _disaggregated_round(self, round_: _Round, decode_worker: PoolMember) -> AsyncIterator[DecodeChunk]:
         assert self.prefill_pool is not None
         prompt = round_.prompt_token_ids
-        prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
-        round_.prefill_worker = prefill_worker.name
-        result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
+        with decode_worker.assign(len(prompt)):  # counted there from now, not once its KV arrives
+            prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
+            round_.prefill_worker = prefill_worker.name
+            result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
         yield DecodeChunk([result.first_token_id], result.first_text, result.finish_reason)
         if result.finish_reason is not None:
             return

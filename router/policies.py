@@ -10,7 +10,9 @@ with its parameters, in ``duet status``:
   in its prefix cache, unless its outstanding work exceeds the pool mean by ``load_factor``;
   among workers holding equally long prefixes (or none), the one with fewest prompt tokens;
 - ``least_kv_load`` (decode): the lowest KV-cache usage, then the fewest running sequences, as
-  the workers last reported them (cluster/health.py polls them every second).
+  the workers last reported them (cluster/health.py polls them every second), each with the
+  requests routed to the worker since whose KV has not arrived (``PoolMember.assigned``): a
+  burst of requests is chosen for before any of its prompts is computed.
 
 Ties are broken at random. One router's ties are rare (its own counts change with every
 request it sends), but several front doors each count only their own requests: a first-listed
@@ -44,7 +46,7 @@ class LeastRequests:
     name = "least_requests"
 
     def choose(self, ready: "list[PoolMember]", prompt: list[int]) -> "PoolMember":
-        return min(ready, key=lambda member: (member.inflight, random.random()))
+        return min(ready, key=lambda member: (member.inflight + member.assigned, random.random()))
 
     def describe(self) -> str:
         return self.name
@@ -64,7 +66,9 @@ class LeastKvLoad:
     name = "least_kv_load"
 
     def choose(self, ready: "list[PoolMember]", prompt: list[int]) -> "PoolMember":
-        return min(ready, key=lambda member: (round(member.kv_usage, 2), member.running + member.inflight, random.random()))
+        return min(ready, key=lambda member: (
+            round(member.kv_use_estimate(), 2), member.running + member.inflight + member.assigned, random.random()
+        ))
 
     def describe(self) -> str:
         return self.name

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -63,6 +65,11 @@ class PoolMember:
     # The worker's last load report (cluster/health.py): KV cache usage and running requests.
     kv_usage: float = 0.0
     running: int = 0
+    # Requests routed to this decode worker whose prompt another worker is still computing, and
+    # their prompt tokens: neither its load report nor ``inflight`` counts them yet, so without
+    # these a burst of requests, all chosen before the first one's KV arrives, lands on one worker.
+    assigned: int = 0
+    assigned_tokens: int = 0
     reported_at: float | None = None  # time.monotonic() of that report
     # What requests, health pings and status go through (router/worker_engines.py); set once
     # the worker's engine has started.
@@ -73,6 +80,23 @@ class PoolMember:
     # again).
     engine_config: Any = None
     client_addresses: list[Any] = field(default_factory=list)
+
+    @contextmanager
+    def assign(self, prompt_tokens: int) -> Iterator[None]:
+        """Count a request as this worker's while its prompt is computed elsewhere."""
+        self.assigned += 1
+        self.assigned_tokens += prompt_tokens
+        try:
+            yield
+        finally:
+            self.assigned -= 1
+            self.assigned_tokens -= prompt_tokens
+
+    def kv_use_estimate(self) -> float:
+        """The KV cache use last reported, plus the share its assigned requests will take
+        (where its engine's capacity is known)."""
+        capacity = getattr(self.engine, "kv_capacity_tokens", None)
+        return self.kv_usage + (self.assigned_tokens / capacity if capacity else 0.0)
 
 
 @dataclass

@@ -71,3 +71,11 @@ def test_sixteen_concurrent_requests_match_colocated(client, reference):
     prompts = [[rng.randrange(3, 700) for _ in range(rng.randint(5, 900))] for _ in range(16)]
     got = _disaggregated(client, prompts, max_tokens=32, workers=16)
     assert got == reference.greedy(prompts, max_tokens=32, ignore_eos=True)
+
+
+def test_the_decode_front_end_knows_its_engines_kv_capacity(deployment):
+    """``least_kv_load`` weighs requests on their way to a decode worker by its engine's KV
+    capacity (router/pools.py), which the engine core tells each front end when it connects."""
+    capacity = deployment.decode.members[0].engine.kv_capacity_tokens
+    bytes_per_token = 4 * 2 * 4 * 32 * 4  # the built-in model: layers x (K, V) x KV heads x head size x float32
+    assert capacity is not None and 2**29 < capacity * bytes_per_token <= 2**30  # the engines' 1 GiB of KV

@@ -3,6 +3,8 @@ load figures are set directly)."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 from duet.router.lifecycle import RequestLifecycle
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import PoolMember, WorkerPool
@@ -23,6 +25,28 @@ def test_least_kv_load_prefers_free_kv_then_fewer_sequences():
     members[0].kv_usage, members[1].kv_usage, members[2].kv_usage = 0.70, 0.10, 0.10
     members[1].running, members[2].running = 9, 2
     assert LeastKvLoad().choose(members, []) is members[2]
+
+
+def test_least_kv_load_spreads_a_burst_whose_kv_has_not_arrived():
+    """Requests chosen for while their prompts are computed elsewhere count on their decode
+    worker at once: a burst is spread before any load report reflects it, by KV share where
+    the engine's capacity is known (else only among workers whose reported use ties)."""
+
+    class Engine:
+        kv_capacity_tokens = 100_000
+
+    for engine, usage in ((Engine(), (0.004, 0.006)), (None, (0.0, 0.0))):
+        members = [PoolMember(f"decode-{i}", actor=None, engine=engine, kv_usage=use) for i, use in enumerate(usage)]
+        with ExitStack() as burst:
+            chosen = []
+            for _ in range(20):
+                member = LeastKvLoad().choose(members, [])
+                burst.enter_context(member.assign(3_000))
+                chosen.append(member.name)
+            # 0.004 rounds to 0.00 and 0.006 to 0.01: without the burst's own share decode-0
+            # would take all of it; with equal use, a random tie-break only roughly halves it.
+            assert sorted(chosen.count(m.name) for m in members) == [10, 10], chosen
+        assert [(m.assigned, m.assigned_tokens) for m in members] == [(0, 0), (0, 0)]  # released
 
 
 def test_prefix_affinity_follows_the_longest_cached_prefix():

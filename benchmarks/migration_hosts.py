@@ -7,7 +7,7 @@ hosts (deploy/virtual_cluster.py) whose links are shaped to G Gbit/s, UCX over T
 stream's KV crosses the link from the drained decode worker's host to the other's.
 
 Which method a drain uses is the deployment's ``router.drain_moves_kv``, so each run starts a
-cluster of its own: ``kv`` (true: decode-1's streams move with their KV) or ``replay`` (false,
+cluster of its own: ``kv`` (true: the drained worker's streams move with their KV) or ``replay`` (false,
 drained with a timeout of 0: they resume on decode-0 by recomputing their contexts). Runs are
 interleaved round by round, the order alternating. The streams are spread over both decode
 workers by the decode policy; the stall of the moved ones is the router's own measurement
@@ -53,7 +53,7 @@ def _stall_samples(metrics_url: str) -> dict[tuple[str, str], float]:
 
 
 def run_on_hosts(method: str, prompts: list[list[int]], tokens: int, rate_mbit: float) -> dict[str, Any]:
-    """A fresh three-host cluster whose drains use ``method``; stream, drain decode-1, measure."""
+    """A fresh three-host cluster whose drains use ``method``; stream, drain the busier decode worker, measure."""
     from duet.deploy.hosts import LinkShape
     from duet.deploy.virtual_cluster import serve_on_hosts
     from duet.router.client import DuetClient

@@ -8,7 +8,7 @@ stream's KV crosses the link from the drained decode worker's host to the other'
 
 Which method a drain uses is the deployment's ``router.drain_moves_kv``, so each run starts a
 cluster of its own: ``kv`` (true: the drained worker's streams move with their KV) or ``replay`` (false,
-drained with a timeout of 0: they resume on decode-0 by recomputing their contexts). Runs are
+drained with a timeout of 0: they resume on the other by recomputing their contexts). Runs are
 interleaved round by round, the order alternating. The streams are spread over both decode
 workers by the decode policy; the stall of the moved ones is the router's own measurement
 (``duet_migration_stall_seconds``: last token before the move to first token after, on the

@@ -38,6 +38,15 @@ RESULTS = Path(__file__).resolve().parent / "results" / "migration_hosts.json"
 _STALL = "duet_migration_stall_seconds"
 
 
+def admin_key_settings(directory: Path, key: str) -> dict[str, Any]:
+    """Config settings that make ``key`` an admin key, through a keys file written in
+    ``directory``: draining takes an admin key, which only a keys file grants (and it replaces
+    the rendered Secret's keys: docs/guides/security.md)."""
+    keys_file = directory / "keys.yaml"
+    keys_file.write_text(yaml.safe_dump({"keys": [{"name": "admin", "key": key, "admin": True}]}))
+    return {"server": {"auth": {"api_keys_file": str(keys_file)}}}
+
+
 def _stall_samples(metrics_url: str) -> dict[tuple[str, str], float]:
     """The stall histogram's count and sum, by (sample name, method)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -60,11 +69,8 @@ def run_on_hosts(method: str, prompts: list[list[int]], tokens: int, rate_mbit: 
 
     print(f"bench migrate: {method} over {rate_mbit / 1000:g} Gbit/s: starting the cluster ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="duet-bench-") as scratch:
-        # Draining takes an admin key, which only a keys file grants (docs/guides/security.md).
         key = secrets.token_hex(16)
-        keys_file = Path(scratch) / "keys.yaml"
-        keys_file.write_text(yaml.safe_dump({"keys": [{"name": "bench", "key": key, "admin": True}]}))
-        settings = {"router": {"drain_moves_kv": method == "kv"}, "server": {"auth": {"api_keys_file": str(keys_file)}}}
+        settings = {"router": {"drain_moves_kv": method == "kv"}, **admin_key_settings(Path(scratch), key)}
         with serve_on_hosts(settings, LinkShape(rate_mbit=rate_mbit), plan=THREE_HOSTS_PLAN) as cluster:
             with DuetClient(cluster.targets, api_key=key) as client:
                 return _drain_under_load(cluster, client, method, prompts, tokens, rate_mbit)

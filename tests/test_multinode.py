@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from duet.benchmarks.greedy_streams import GreedyStreams
-from duet.benchmarks.migration_hosts import THREE_HOSTS_PLAN
+from duet.benchmarks.migration_hosts import THREE_HOSTS_PLAN, admin_key_settings
 from duet.deploy.hosts import HostsUnavailable, LinkShape
 from duet.deploy.virtual_cluster import TWO_HOSTS_PLAN, VirtualCluster, serve_on_hosts
 from duet.router.client import DuetClient, build_request
@@ -47,9 +47,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     plan = TWO_HOSTS_PLAN
     if request.param == "nixl":  # two decode hosts, and an admin key to drain one of them
         plan = THREE_HOSTS_PLAN
-        keys_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
-        keys_file.write_text(yaml.safe_dump({"keys": [{"name": "admin", "key": secrets.token_hex(16), "admin": True}]}))
-        settings["server"] = {"auth": {"api_keys_file": str(keys_file)}}
+        settings.update(admin_key_settings(tmp_path_factory.mktemp("keys"), secrets.token_hex(16)))
     try:
         with serve_on_hosts(settings, LinkShape(rate_mbit=1000), plan=plan) as running:
             yield running

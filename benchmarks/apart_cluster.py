@@ -41,10 +41,14 @@ class ClusterProcesses:
         self.control = control
         self.target = target
 
-    def status(self) -> Any:
+    def client(self) -> Any:
+        """A new client of the front doors (it resumes a broken stream on another)."""
         from duet.router.client import DuetClient
 
-        with DuetClient(self.target) as client:
+        return DuetClient(self.target)
+
+    def status(self) -> Any:
+        with self.client() as client:
             return client.status(timeout=10)
 
     def workers(self, role: str | None = None) -> list[tuple[str, int, int]]:

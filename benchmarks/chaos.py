@@ -24,6 +24,9 @@ Fault kinds (``--kinds``):
                                             takes the running deployment over)
   drain-decode                              a decode worker drained while it serves (as scaling
                                             down does), after a replacement was started
+
+``--hosts`` runs the three-host plan on virtual hosts instead, where a host's link can be cut
+(benchmarks/chaos_hosts.py has its fault kinds).
 """
 
 from __future__ import annotations
@@ -38,15 +41,18 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import psutil
 
 from duet.benchmarks.apart_cluster import ClusterProcesses, running_apart
+from duet.benchmarks.chaos_hosts import HOST_KINDS, HostsProcesses
 
 
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
@@ -54,9 +60,6 @@ KINDS = (
     "kill-prefill-engine", "kill-decode-engine", "hang-prefill-engine", "hang-decode-engine",
     "kill-prefill-actor", "kill-decode-actor", "delay-kv", "kill-front-door", "kill-control-plane", "drain-decode",
 )
-# drain-decode was added after the figures in docs/benchmarks/reliability.md and has not been
-# run yet: it is chosen with --kinds only.
-DEFAULT_KINDS = [kind for kind in KINDS if kind != "drain-decode"]
 DELAY_KV_S = 2.0
 
 
@@ -106,10 +109,8 @@ def _scale_away(cluster: ClusterProcesses) -> tuple[str, str, Callable[[dict[str
     """A decode worker drained while it serves: a new one is started and made ready first (not
     part of the fault), then the oldest is drained as ``duet drain`` does; recovered once it is
     gone and the pool is back at its size with every worker ready."""
-    from duet.router.client import DuetClient
-
     names = [name for name, _, _ in cluster.workers("decode")]
-    with DuetClient(cluster.target) as client:
+    with cluster.client() as client:
         client.scale("decode", len(names) + 1)
         deadline = time.monotonic() + 900
         while len(cluster.workers("decode")) <= len(names):
@@ -127,9 +128,8 @@ def _scale_away(cluster: ClusterProcesses) -> tuple[str, str, Callable[[dict[str
 
 
 def inject(cluster: ClusterProcesses, kind: str) -> tuple[str, str, Callable[[dict[str, int]], bool], float]:
-    """Inject one fault: (victim, detail, recovered, when) where ``recovered(restarts)`` says
-    whether the cluster has dealt with it, given the restart counts read now, and ``when`` is
-    the fault's moment (time.monotonic)."""
+    """Inject one fault into a deployment on this machine (an :data:`Injector` once
+    ``cluster`` is bound)."""
     if kind == "drain-decode":
         victim, detail, gone = _scale_away(cluster)
         return victim, detail, gone, time.monotonic()
@@ -178,13 +178,12 @@ def stopped_processes() -> list[int]:
 # ---- load ------------------------------------------------------------------------------------
 
 
-def _send(target: str, request: Any, timeout_s: float) -> tuple[list[int], int, str]:
-    """One request through a resuming client: (tokens, resumes, error status or "")."""
+def _send(connect: Callable[[], Any], request: Any, timeout_s: float) -> tuple[list[int], int, str]:
+    """One request through a resuming client (``connect()``, a new DuetClient): (tokens,
+    resumes, error status or "")."""
     import grpc
 
-    from duet.router.client import DuetClient
-
-    with DuetClient(target) as client:
+    with connect() as client:
         tokens: list[int] = []
         try:
             for message in client.stream(request, timeout=timeout_s):
@@ -194,14 +193,15 @@ def _send(target: str, request: Any, timeout_s: float) -> tuple[list[int], int, 
         return tokens, client.resumes, ""
 
 
-def replay(target: str, requests: list[Any], arrivals: list[float], timeout_s: float) -> list[tuple[list[int], int, str]]:
-    """Send each request at its arrival time (open loop); every result, in request order."""
+def replay(connect: Callable[[], Any], requests: list[Any], arrivals: list[float], timeout_s: float) -> list[tuple[list[int], int, str]]:
+    """Send each request at its arrival time (open loop), each on a client of its own; every
+    result, in request order."""
     with ThreadPoolExecutor(max_workers=64) as pool:
         start = time.monotonic()
         futures = []
         for request, at in zip(requests, arrivals):
             time.sleep(max(0.0, start + at - time.monotonic()))
-            futures.append(pool.submit(_send, target, request, timeout_s))
+            futures.append(pool.submit(_send, connect, request, timeout_s))
         return [future.result() for future in futures]
 
 
@@ -223,13 +223,28 @@ def fault_schedule(kinds: list[str], faults: int, seed: int) -> list[tuple[float
     return [(round(rng.uniform(2.0, 8.0), 2), rng.choice(kinds)) for _ in range(faults)]
 
 
+class ChaosCluster(Protocol):
+    """What the harness needs of a running deployment: clients, and whether it is at full
+    capacity (``ClusterProcesses`` on one machine, ``HostsProcesses`` across virtual hosts)."""
+
+    def client(self) -> Any: ...
+
+    def missing_capacity(self, replaced: Callable[[dict[str, int]], bool] | None = None) -> str: ...
+
+
+# Injects one fault of a kind: (victim, detail, recovered, when), where ``recovered(restarts)``
+# says whether the cluster has dealt with it, given the restart counts read now, and ``when``
+# is the fault's moment (time.monotonic).
+Injector = Callable[[str], tuple[str, str, Callable[[dict[str, int]], bool], float]]
+
+
 def run_chaos(
-    target: str, cluster: ClusterProcesses, requests: list[Any], arrivals: list[float], schedule: list[tuple[float, str]],
+    cluster: ChaosCluster, inject: Injector, requests: list[Any], arrivals: list[float], schedule: list[tuple[float, str]],
     seed: int = 0, recovery_timeout_s: float = 600.0, log: Callable[[str], None] = partial(print, flush=True),
 ) -> ChaosReport:
     """The fault-free replay, then the faulted one with the faults of ``schedule`` in turn."""
     log(f"reference replay: {len(requests)} requests, no fault")
-    reference = replay(target, requests, arrivals, timeout_s=600)
+    reference = replay(cluster.client, requests, arrivals, timeout_s=600)
     broken = [index for index, (tokens, _, error) in enumerate(reference) if error or not tokens]
     if broken:
         raise RuntimeError(f"the fault-free replay failed {len(broken)} requests (first: {reference[broken[0]][2]})")
@@ -238,13 +253,13 @@ def run_chaos(
     report = ChaosReport(seed=seed, requests=len(requests), rate=len(requests) / max(arrivals[-1], 1e-9))
     with ThreadPoolExecutor(max_workers=1) as load:
         started = time.monotonic()
-        results = load.submit(replay, target, requests, arrivals, 600)
+        results = load.submit(replay, cluster.client, requests, arrivals, 600)
         for number, (pause, kind) in enumerate(schedule):
             time.sleep(pause)
             if results.done():
                 log(f"the load ended after {number} faults")
                 break
-            victim, detail, recovered, when = inject(cluster, kind)
+            victim, detail, recovered, when = inject(kind)
             at = when - started
             deadline = time.monotonic() + recovery_timeout_s
             back: float | None = None
@@ -299,17 +314,45 @@ def _requests(args: argparse.Namespace) -> tuple[list[Any], list[float]]:
 
 def _command(args: argparse.Namespace) -> int:
     from duet.cluster.placement.cluster_spec import traces_dir
-    from duet.config import load_config
 
-    if args.front_ends < 2 and "kill-front-door" in args.kinds:
-        print("duet bench chaos: kill-front-door needs --front-ends 2 or more", file=sys.stderr)
-        return 2
-    unknown = sorted(set(args.kinds) - set(KINDS))
+    known = HOST_KINDS if args.hosts else KINDS
+    args.kinds = args.kinds or list(known)
+    unknown = sorted(set(args.kinds) - set(known))
     if unknown:
-        print(f"duet bench chaos: --kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})", file=sys.stderr)
+        where = "with --hosts" if args.hosts else "on one machine (--hosts for links)"
+        print(f"duet bench chaos: --kinds: unknown {where}: {', '.join(unknown)} (known: {', '.join(known)})", file=sys.stderr)
+        return 2
+    if args.hosts and args.config:
+        print("duet bench chaos: --config is for runs on one machine; --hosts runs the three-host plan", file=sys.stderr)
+        return 2
+    if not args.hosts and args.front_ends < 2 and "kill-front-door" in args.kinds:
+        print("duet bench chaos: kill-front-door needs --front-ends 2 or more", file=sys.stderr)
         return 2
     args.trace = args.trace or str(traces_dir() / "AzureLLMInferenceTrace_conv.csv")
     requests, arrivals = _requests(args)
+    schedule = fault_schedule(args.kinds, args.faults, args.seed)
+    with (_on_hosts(args) if args.hosts else _on_this_machine(args)) as (cluster, injector, setting):
+        try:
+            report = run_chaos(cluster, injector, requests, arrivals, schedule, args.seed)
+        except Exception:  # shown now: Ray's shutdown can end this process before it is printed
+            traceback.print_exc()
+            sys.stderr.flush()
+            raise
+        # Written before Ray shuts down: its shutdown can end this process abruptly (a raylet
+        # that exits first makes the core worker quit), which lost a soak's results once.
+        result = {**setting, **summary(report)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(format_report(result), flush=True)
+        print(f"results: {args.out}", file=sys.stderr, flush=True)
+    return 0 if report.altered_or_lost == 0 and not report.stopped_processes_left else 1
+
+
+@contextmanager
+def _on_this_machine(args: argparse.Namespace) -> Iterator[tuple[ChaosCluster, Injector, dict[str, Any]]]:
+    """duet as ``duet serve --front-ends N`` runs it, on this machine's Ray."""
+    from duet.config import load_config
+
     config = load_config(args.config)
     if "drain-decode" in args.kinds:
         # drain-decode starts a decode worker before it drains one: a CPU of headroom for it
@@ -317,21 +360,22 @@ def _command(args: argparse.Namespace) -> int:
         cpus = (config.ray.num_cpus or os.cpu_count() or 1) + 1
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"num_cpus": cpus})})
     with running_apart(config, args.front_ends) as (control, target):
-        schedule = fault_schedule(args.kinds, args.faults, args.seed)
-        try:
-            report = run_chaos(target, ClusterProcesses(control, target), requests, arrivals, schedule, args.seed)
-        except Exception:  # shown now: Ray's shutdown can end this process before it is printed
-            traceback.print_exc()
-            sys.stderr.flush()
-            raise
-        # Written before Ray shuts down: its shutdown can end this process abruptly (a raylet
-        # that exits first makes the core worker quit), which lost a soak's results once.
-        result = summary(report)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(format_report(result), flush=True)
-        print(f"results: {args.out}", file=sys.stderr, flush=True)
-    return 0 if report.altered_or_lost == 0 and not report.stopped_processes_left else 1
+        processes = ClusterProcesses(control, target)
+        yield processes, partial(inject, processes), {"deployment": f"this machine, {args.front_ends} front doors"}
+
+
+@contextmanager
+def _on_hosts(args: argparse.Namespace) -> Iterator[tuple[ChaosCluster, Injector, dict[str, Any]]]:
+    """The three-host plan on virtual hosts (benchmarks/chaos_hosts.py)."""
+    from duet.benchmarks.migration_hosts import THREE_HOSTS_PLAN
+    from duet.deploy.hosts import LinkShape
+    from duet.deploy.virtual_cluster import serve_on_hosts
+
+    with serve_on_hosts({}, LinkShape(rate_mbit=args.link_gbit * 1000), plan=THREE_HOSTS_PLAN) as running:
+        processes = HostsProcesses(running, args.outage_s)
+        setting = {"deployment": f"virtual hosts ({THREE_HOSTS_PLAN.name})", "link_gbit": args.link_gbit, "outage_s": args.outage_s}
+        yield processes, processes.inject, setting
+        setting["host_nodes_restarted"] = len(processes.node_restarts)
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -358,8 +402,12 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-input", type=int, default=512, help="cap prompt lengths")
     parser.add_argument("--max-output", type=int, default=48, help="cap output lengths")
     parser.add_argument("--faults", type=int, default=10, help="faults injected, one after another")
-    parser.add_argument("--kinds", type=lambda text: text.split(","), default=DEFAULT_KINDS,
-                        help=f"comma-separated, from {', '.join(KINDS)} (default: all but drain-decode, not run yet)")
+    parser.add_argument("--kinds", type=lambda text: text.split(","),
+                        help=f"comma-separated, from {', '.join(KINDS)}; with --hosts from {', '.join(HOST_KINDS)} (default: all)")
+    parser.add_argument("--hosts", action="store_true",
+                        help="run the three-host plan on virtual hosts (needs root), where links can be cut")
+    parser.add_argument("--outage-s", type=float, default=30.0, help="with --hosts: how long a cut link stays down")
+    parser.add_argument("--link-gbit", type=float, default=1.0, help="with --hosts: every host's link, Gbit/s")
     parser.add_argument("--seed", type=int, default=0, help="the fault schedule's and the prompts' seed")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON result")
     parser.set_defaults(handler=_command)

@@ -173,7 +173,7 @@ def measure_fault(kind: str, rate_mbit: float, requests: int, outage_s: float, d
             cluster.network.set_link(host, up=True)
         back = time.monotonic()
         restarts: list[float] = []
-        recovered = _serving_again(cluster, deadline=back + 600, supervise=lambda: _restart_if_gone(cluster, host, restarts))
+        recovered = _serving_again(cluster, deadline=back + 600, supervise=lambda: restart_if_gone(cluster, host, restarts))
         load.join()
         load_done = time.monotonic()
     return {
@@ -190,7 +190,7 @@ def measure_fault(kind: str, rate_mbit: float, requests: int, outage_s: float, d
     }
 
 
-def _restart_if_gone(cluster: VirtualCluster, host: str, restarts: list[float]) -> None:
+def restart_if_gone(cluster: VirtualCluster, host: str, restarts: list[float]) -> None:
     """Kubernetes' restart policy for ``host``'s node: once its command has exited (Ray gave
     the node up while it was unreachable, or it was killed), start it again."""
     if all(process.poll() is not None for process in cluster.network[host].processes):

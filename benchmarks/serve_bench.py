@@ -36,7 +36,8 @@ from typing import Any
 from duet.benchmarks.host_overhead import host_cpu_seconds, process_name
 from duet.benchmarks.loadgen import RequestRecord, replay
 from duet.benchmarks.openai_replay import replay_openai
-from duet.benchmarks.serve_report import progress_callback, render_table, summarize, write_plots
+from duet.benchmarks.serve_planned import planned_modes
+from duet.benchmarks.serve_report import DUET_MODES, progress_callback, render_table, summarize, write_plots
 from duet.benchmarks.serving_systems import DEFAULT_SYSTEMS, SYSTEMS, RunningSystem, SystemStartError, started
 from duet.config import DuetConfig, load_config
 from duet.cluster.placement.cluster_spec import traces_dir
@@ -192,6 +193,8 @@ def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:
             with started(name, config, plan.out / "logs") as system:
                 report["systems"][name] = bench_system(system, plan, config.model.name)
     report["machine"]["loadavg_after"] = os.getloadavg()
+    if any(system in DUET_MODES for system in report["systems"]):
+        report["planned_modes"] = planned_modes(plan.trace, plan.rates, SLOS)
     return report
 
 

@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from duet.benchmarks.loadgen import RequestRecord, replay_result
+from duet.benchmarks.serve_planned import describe, picked
 from duet.cluster.placement.simulator import Slo
 
 DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
@@ -54,6 +55,9 @@ VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG = "vllm-pd", "dynamo-agg", "dynamo-disagg"
 VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED = "vllm-pd-tuned", "dynamo-disagg-tuned"
 PEERS = (VLLM_PD, VLLM_PD_TUNED, DYNAMO_AGG, DYNAMO_DISAGG, DYNAMO_DISAGG_TUNED)
 GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
+# duet's deployments by the mode `duet plan` would choose between (benchmarks/serve_planned.py).
+DUET_MODES = {DISAGG: "disaggregated", DISAGG_HTTP: "disaggregated", DISAGG_FRONT_DOORS: "disaggregated", COLOCATED: "colocated"}
+PLANNED_MARK = " ◆"
 # The comparisons the table reports, for the systems a run included: duet against each peer
 # over the same protocol (OpenAI HTTP).
 RATIOS = (
@@ -160,6 +164,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
     header = ["system", "rate (req/s)", *(f"attainment {s}" for s in slos)]
     header += ["TTFT p90 (s)", "TPOT p50 (ms)", "CPU ms/token", "of it, front door"]
     lines = [_row(header), _row(["---"] * len(header))]
+    planned = report.get("planned_modes", {})
     for system in report["systems"]:
         for rate, run in _by_rate(report, system):
             summary = run["summary"][slos[0]]  # latencies do not depend on the SLO
@@ -168,7 +173,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
                     [
                         system,
                         f"{rate:g}",
-                        *(_fmt(run["summary"][s]["attainment"], ".1%") for s in slos),
+                        *(_fmt(run["summary"][s]["attainment"], ".1%") + _planned_mark(planned, system, s, rate) for s in slos),
                         _fmt(summary["ttft_p90_s"], ".3f"),
                         _fmt(1000 * summary["tpot_p50_s"], ".1f"),
                         _fmt(run.get("cpu_ms_per_token"), ".2f"),
@@ -196,7 +201,26 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
         else:
             cells = ["n/a"] * len(slos)
         lines.append(_row([f"{top} / {bottom}", *cells]))
-    return "\n".join(lines) + "\n" + _cpu_ratio_table(report)
+    return "\n".join(lines) + "\n" + _planned_table(planned) + _cpu_ratio_table(report)
+
+
+def _planned_mark(planned: Mapping[str, Any], system: str, slo: str, rate: float) -> str:
+    """The mark on a duet deployment's attainment where it runs the mode `duet plan` picks."""
+    mark = planned.get(slo, {}).get(f"{rate:g}")
+    return PLANNED_MARK if mark and system in DUET_MODES and DUET_MODES[system] == picked(mark) else ""
+
+
+def _planned_table(planned: Mapping[str, Any]) -> str:
+    """Markdown: the mode `duet plan` picks for this machine's cores, per rate and SLO."""
+    if not planned:
+        return ""
+    slos = list(planned)
+    header = ["rate (req/s)", *(f"`duet plan`, {slo} SLO" for slo in slos)]
+    lines = ["", f"The mode `duet plan` picks for this machine's cores, simulating the same requests ({PLANNED_MARK.strip()} above):", "",
+             _row(header), _row(["---"] * len(header))]
+    for rate in planned[slos[0]]:
+        lines.append(_row([rate, *(describe(planned[slo][rate]) for slo in slos)]))
+    return "\n".join(lines) + "\n"
 
 
 def _cpu_ratio_table(report: Mapping[str, Any]) -> str:

@@ -264,6 +264,10 @@ class HostNetwork:
                 pass
         host.processes.clear()
 
+    def pids(self, name: str) -> list[int]:
+        """Every process on host ``name`` (in its network namespace)."""
+        return self._pids(self.hosts[name].netns)
+
     @staticmethod
     def _pids(netns: str) -> list[int]:
         result = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from functools import partial
 
 import pytest
 import ray
@@ -104,7 +105,7 @@ def test_a_short_chaos_run_loses_duplicates_and_alters_nothing(control_plane_apa
     with the fault-free run's tokens or an explicit status, none lost or altered; the cluster is
     back at full capacity after each fault, and no process is left stopped."""
     from duet.benchmarks.apart_cluster import ClusterProcesses
-    from duet.benchmarks.chaos import run_chaos
+    from duet.benchmarks.chaos import inject, run_chaos
     from duet.benchmarks.loadgen import build_requests
     from duet.cluster.placement.trace import synthetic
 
@@ -113,7 +114,8 @@ def test_a_short_chaos_run_loses_duplicates_and_alters_nothing(control_plane_apa
     trace = synthetic(30, rate=1.0, lengths="uniform:300:40", seed=3)
     arrivals = [float(t - trace.arrival_s[0]) for t in trace.arrival_s]
     schedule = [(3.0, "kill-front-door"), (2.0, "kill-decode-engine")]
-    report = run_chaos(target, ClusterProcesses(control, target), build_requests(trace, seed=3), arrivals, schedule, recovery_timeout_s=300)
+    processes = ClusterProcesses(control, target)
+    report = run_chaos(processes, partial(inject, processes), build_requests(trace, seed=3), arrivals, schedule, recovery_timeout_s=300)
 
     assert sum(report.outcomes.values()) == 30
     assert report.altered_or_lost == 0, report.outcomes

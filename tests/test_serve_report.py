@@ -189,6 +189,31 @@ def test_render_table_reports_goodput_ratios_and_lower_bounds():
     assert f"{expected:.2f}x" in table
 
 
+def test_the_mode_duet_plan_picks_is_marked_on_duets_rows():
+    """The planner runs for real (this machine's profile) on a light and a heavy load of the
+    same requests: it deploys a mode at the light one and takes no mode's deployment at the
+    heavy one; the table marks duet's row of the picked mode at each rate and SLO."""
+    from duet.benchmarks.serve_planned import picked, planned_modes
+
+    trace = Trace("short", np.arange(40) * 0.5, np.full(40, 200), np.full(40, 16))
+    planned = planned_modes(trace, [1.0, 1000.0], {name: Slo(**slo) for name, slo in SLOS.items()})
+    light, heavy = planned["tight"]["1"], planned["tight"]["1000"]
+    assert light["mode"] in ("disaggregated", "colocated") and 1 <= light["cores"] <= 2
+    assert heavy["mode"] is None and set(heavy["most_rps"]) == {"disaggregated", "colocated"}
+    assert all(0 < rate < 1000 for rate in heavy["most_rps"].values())
+    assert picked(heavy) == max(heavy["most_rps"], key=heavy["most_rps"].get)
+
+    report = _report()
+    report["planned_modes"] = {slo: {"1": light, "2": light, "4": heavy} for slo in SLOS}
+    table = render_table(report)
+    marked = {(r.split("|")[1].strip(), r.split("|")[2].strip()) for r in table.splitlines() if "◆ |" in r and r.startswith("| duet")}
+    planned_row = DISAGG if light["mode"] == "disaggregated" else COLOCATED
+    assert {(planned_row, "1"), (planned_row, "2")} <= marked
+    assert all(system in (DISAGG, COLOCATED) for system, _ in marked)  # never vLLM's row
+    assert "neither meets the rate here" in table.split("The mode `duet plan` picks")[1]
+    assert "planned" not in json.dumps(_report()) and "◆" not in render_table(_report())
+
+
 def test_write_plots_writes_an_attainment_plot_and_a_cdf_per_rate(tmp_path):
     paths = write_plots(_report(), tmp_path / "plots")
     assert sorted(p.name for p in paths) == [

@@ -5,8 +5,10 @@ A member's state is one of:
 - ``starting``: its engine is coming up; it joins rotation when ready;
 - ``ready``: in rotation;
 - ``draining``: being removed; takes no new requests, finishes the ones it has;
-- ``restarting``: it died (actor or engine) and its replacement is starting;
-- ``failed``: its replacement could not start.
+- ``restarting``: it died (actor or engine) and its replacement is starting (started again,
+  backing off, while it fails to);
+- ``failed``: it died where nothing replaces it (a pool without ``restart``, or while draining),
+  or its first start failed.
 
 A member that fails is taken out of rotation at once and handed to the pool's ``restart``
 callback (the deployment replaces the actor); a draining member that fails is simply gone.
@@ -45,6 +47,8 @@ class NoWorkerAvailable(RuntimeError):
 WORKER_STATES = ("starting", "ready", "draining", "restarting", "failed")
 # States in which a member will (again) take requests, so requests may wait for it.
 _COMING = ("starting", "restarting")
+# A failed replacement is started again after this long, doubling up to the most (Pool._replace).
+RESTART_RETRY_FIRST_S, RESTART_RETRY_MAX_S = 1.0, 60.0
 
 
 @dataclass
@@ -187,12 +191,26 @@ class WorkerPool:
         asyncio.get_running_loop().create_task(self._replace(member))
 
     async def _replace(self, member: PoolMember) -> None:
-        try:
-            await self.restart(member)  # type: ignore[misc]
-        except Exception as error:
-            logger.error("could not restart %s worker %s: %s", self.role, member.name, error)
-            member.state, member.error = "failed", f"restart failed: {error}"
-        else:
+        """Start ``member``'s replacement, and again after a failed start (waiting 1 s, then
+        twice as long each time, at most a minute) until one starts or ``member`` leaves the
+        pool. A replacement can fail for a reason that passes: its host's Ray node was declared
+        dead while its link was down and is rejoining, or the resources are not free yet. Given
+        up on after one try, such a worker left its pool short until someone restarted duet
+        (found by ``duet bench chaos --hosts``)."""
+        wait_s = RESTART_RETRY_FIRST_S
+        while True:
+            try:
+                await self.restart(member)  # type: ignore[misc]
+            except Exception as error:
+                if member not in self.members or member.state != "restarting":
+                    return  # drained or removed meanwhile: nothing to replace
+                logger.error("could not restart %s worker %s (%s); trying again in %.0f s", self.role, member.name, error, wait_s)
+                member.error = f"restart failed, trying again in {wait_s:.0f} s: {error}"
+                self._changed.set()
+                await asyncio.sleep(wait_s)
+                wait_s = min(2 * wait_s, RESTART_RETRY_MAX_S)
+                continue
             member.state, member.error = "ready", ""
             member.restarts += 1
-        self._changed.set()
+            self._changed.set()
+            return

@@ -4,8 +4,10 @@ router/pools.py), without engines: the states a removal passes through."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from duet.cluster.health import HealthWatcher
+from duet.router import pools
 from duet.router.pools import PoolMember, WorkerPool
 
 
@@ -75,3 +77,46 @@ def test_a_worker_that_misses_its_pings_in_a_row_is_failed():
     member = _watch(_SlowEngine(slow=1000), seconds=0.5)
     assert member.state == "failed"
     assert "3 health ping(s) in a row" in member.error
+
+
+def _failing_restarts(failures: int, drain_after: int | None = None) -> tuple[PoolMember, list[float]]:
+    """A ready worker fails; its replacement fails to start ``failures`` times, then starts
+    (or, with ``drain_after``, the worker is drained after that many failed starts). Returns
+    the member and the moments each start was tried."""
+    member = PoolMember("prefill-0", actor=None, state="ready", engine=_SlowEngine(slow=0))
+    tries: list[float] = []
+
+    async def restart(replaced: PoolMember) -> None:
+        tries.append(time.monotonic())
+        if drain_after is not None and len(tries) == drain_after:
+            replaced.state = "draining"
+        if len(tries) <= failures:
+            raise RuntimeError("the actor died because its node has died")
+        replaced.engine = _SlowEngine(slow=0)
+
+    async def fail_and_wait() -> None:
+        pool = WorkerPool("prefill", members=[member], restart=restart)
+        pool.mark_failed(member, RuntimeError("no answer to 3 health pings"), member.engine)
+        deadline = time.monotonic() + 10
+        while member.state == "restarting" and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(fail_and_wait())
+    return member, tries
+
+
+def test_a_replacement_that_fails_to_start_is_tried_again_backing_off(monkeypatch):
+    """Found by ``duet bench chaos --hosts``: a prefill host's Ray node was declared dead while
+    its link was down, the replacement's actor died with it, and the worker stayed ``failed``
+    (its pool empty) for good. Now it is started again, each wait twice the last."""
+    monkeypatch.setattr(pools, "RESTART_RETRY_FIRST_S", 0.05)
+    member, tries = _failing_restarts(failures=2)
+    assert (member.state, member.error, member.restarts) == ("ready", "", 1)
+    waits = [later - earlier for earlier, later in zip(tries, tries[1:])]
+    assert len(tries) == 3 and waits[0] >= 0.05 and waits[1] >= 0.1, waits
+
+
+def test_a_worker_drained_while_its_replacement_fails_is_not_tried_again(monkeypatch):
+    monkeypatch.setattr(pools, "RESTART_RETRY_FIRST_S", 0.05)
+    member, tries = _failing_restarts(failures=100, drain_after=2)
+    assert len(tries) == 2 and member.state == "draining" and member.restarts == 0

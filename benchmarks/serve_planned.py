@@ -5,8 +5,10 @@ report marks which of the two the planner would have deployed: ``duet plan`` giv
 requests at the same rate and SLO, and this machine's cores as its cluster
 (``cluster/placement/examples/cpu-hosts/one-host.yaml``: the tiny model's measured profile, one
 engine per core). It picks the mode that meets the SLO with the fewest cores (ties: the higher
-goodput per core); where neither mode meets it on these cores, the mark says so, with the
-highest rate each mode could take by the planner's simulation.
+goodput per core); where no mode meets it on these cores, the mark says so, with the highest
+rate each mode could take by the planner's simulation. ``conditional`` (long prompts to the
+prefill pool, short ones prefilled where they decode) is deployed as duet's disaggregated
+deployment is: a prefill and a decode pool.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from duet.cluster.placement.simulator import Slo
 from duet.cluster.placement.trace import Trace
 
 THIS_MACHINE = Path(__file__).resolve().parents[1] / "cluster" / "placement" / "examples" / "cpu-hosts" / "one-host.yaml"
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "colocated", "conditional")
 # Where a mode cannot take the rate, the planner's error names the most it can: "--rate R".
 _CLOSEST_RATE = re.compile(r"--rate ([0-9.e+]+)")
 
 
 def planned_mode(cluster: ClusterSpec, trace: Trace, slo: Slo, rate: float) -> dict[str, Any]:
     """``{"mode": M, "cores": N}`` for what ``duet plan`` deploys, or ``{"mode": None,
-    "most_rps": {mode: R}}`` where neither mode meets ``slo`` at ``rate`` on ``cluster``."""
+    "most_rps": {mode: R}}`` where no mode meets ``slo`` at ``rate`` on ``cluster``."""
     try:
         plan = optimize(cluster, trace, slo, rate=rate, modes=MODES, workers=1).plan
     except InfeasibleError as error:
@@ -37,13 +39,13 @@ def planned_mode(cluster: ClusterSpec, trace: Trace, slo: Slo, rate: float) -> d
 
 
 def _most_rates(message: str) -> dict[str, float]:
-    """From the planner's error (``"<mode>, <algorithm>: ... --rate R ..." | ...``): the
-    highest rate each mode's closest option could take."""
+    """From the planner's error (``"<mode>[, <algorithm> | (threshold T)]: ... --rate R ..." |
+    ...``): the highest rate each mode's closest option could take."""
     most: dict[str, float] = {}
     for part in message.split(" | "):
-        mode = part.split(",", 1)[0].split(":", 1)[0].strip()
+        mode = next((m for m in MODES if part.strip().startswith(m)), None)
         found = _CLOSEST_RATE.search(part)
-        if mode in MODES and found:
+        if mode and found:
             most[mode] = max(most.get(mode, 0.0), float(found.group(1)))
     return most
 
@@ -55,17 +57,17 @@ def planned_modes(trace: Trace, rates: list[float], slos: dict[str, Slo], cluste
 
 
 def picked(mark: dict[str, Any]) -> str:
-    """The mode the planner prefers: the one it deploys, or where neither meets the rate on
-    these cores, the one that takes the higher rate."""
+    """The mode the planner prefers: the one it deploys, or where none meets the rate on these
+    cores, the one that takes the highest rate."""
     if mark["mode"]:
         return mark["mode"]
     return max(mark["most_rps"], key=mark["most_rps"].get) if mark["most_rps"] else ""
 
 
 def describe(mark: dict[str, Any]) -> str:
-    """One table cell: "disaggregated (2 cores)", or "colocated: neither meets the rate on
-    these cores (most req/s: colocated 6.85, disaggregated 6.76)"."""
+    """One table cell: "conditional (2 cores)", or "colocated: none meets the rate here (most
+    req/s: colocated 6.85, disaggregated 6.76)"."""
     if mark["mode"]:
         return f"{mark['mode']} ({mark['cores']} core{'s' if mark['cores'] != 1 else ''})"
     most = ", ".join(f"{mode} {rate:.3g}" for mode, rate in sorted(mark["most_rps"].items()))
-    return f"{picked(mark) or 'none'}: neither meets the rate here (most req/s: {most or '-'})"
+    return f"{picked(mark) or '-'}: none meets the rate here (most req/s: {most or '-'})"

@@ -56,7 +56,9 @@ VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED = "vllm-pd-tuned", "dynamo-disagg-tuned"
 PEERS = (VLLM_PD, VLLM_PD_TUNED, DYNAMO_AGG, DYNAMO_DISAGG, DYNAMO_DISAGG_TUNED)
 GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
 # duet's deployments by the mode `duet plan` would choose between (benchmarks/serve_planned.py).
-DUET_MODES = {DISAGG: "disaggregated", DISAGG_HTTP: "disaggregated", DISAGG_FRONT_DOORS: "disaggregated", COLOCATED: "colocated"}
+# Conditional disaggregation runs as duet's disaggregated deployment does: both pools.
+_POOLS = frozenset({"disaggregated", "conditional"})
+DUET_MODES = {DISAGG: _POOLS, DISAGG_HTTP: _POOLS, DISAGG_FRONT_DOORS: _POOLS, COLOCATED: frozenset({"colocated"})}
 PLANNED_MARK = " ◆"
 # The comparisons the table reports, for the systems a run included: duet against each peer
 # over the same protocol (OpenAI HTTP).
@@ -207,7 +209,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
 def _planned_mark(planned: Mapping[str, Any], system: str, slo: str, rate: float) -> str:
     """The mark on a duet deployment's attainment where it runs the mode `duet plan` picks."""
     mark = planned.get(slo, {}).get(f"{rate:g}")
-    return PLANNED_MARK if mark and system in DUET_MODES and DUET_MODES[system] == picked(mark) else ""
+    return PLANNED_MARK if mark and picked(mark) in DUET_MODES.get(system, ()) else ""
 
 
 def _planned_table(planned: Mapping[str, Any]) -> str:

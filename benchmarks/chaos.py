@@ -331,7 +331,7 @@ def _command(args: argparse.Namespace) -> int:
     args.trace = args.trace or str(traces_dir() / "AzureLLMInferenceTrace_conv.csv")
     requests, arrivals = _requests(args)
     schedule = fault_schedule(args.kinds, args.faults, args.seed)
-    with (_on_hosts(args) if args.hosts else _on_this_machine(args)) as (cluster, injector, setting):
+    with (_on_hosts(args) if args.hosts else _on_this_machine(args)) as (cluster, injector, described):
         try:
             report = run_chaos(cluster, injector, requests, arrivals, schedule, args.seed)
         except Exception:  # shown now: Ray's shutdown can end this process before it is printed
@@ -340,7 +340,7 @@ def _command(args: argparse.Namespace) -> int:
             raise
         # Written before Ray shuts down: its shutdown can end this process abruptly (a raylet
         # that exits first makes the core worker quit), which lost a soak's results once.
-        result = {**setting, **summary(report)}
+        result = {**described(), **summary(report)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
         print(format_report(result), flush=True)
@@ -348,8 +348,13 @@ def _command(args: argparse.Namespace) -> int:
     return 0 if report.altered_or_lost == 0 and not report.stopped_processes_left else 1
 
 
+# A deployment for a chaos run: the cluster, its injector, and what describes the deployment in
+# the results (read once the run is over).
+Deployment = tuple[ChaosCluster, Injector, Callable[[], dict[str, Any]]]
+
+
 @contextmanager
-def _on_this_machine(args: argparse.Namespace) -> Iterator[tuple[ChaosCluster, Injector, dict[str, Any]]]:
+def _on_this_machine(args: argparse.Namespace) -> Iterator[Deployment]:
     """duet as ``duet serve --front-ends N`` runs it, on this machine's Ray."""
     from duet.config import load_config
 
@@ -361,11 +366,11 @@ def _on_this_machine(args: argparse.Namespace) -> Iterator[tuple[ChaosCluster, I
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"num_cpus": cpus})})
     with running_apart(config, args.front_ends) as (control, target):
         processes = ClusterProcesses(control, target)
-        yield processes, partial(inject, processes), {"deployment": f"this machine, {args.front_ends} front doors"}
+        yield processes, partial(inject, processes), lambda: {"deployment": f"this machine, {args.front_ends} front doors"}
 
 
 @contextmanager
-def _on_hosts(args: argparse.Namespace) -> Iterator[tuple[ChaosCluster, Injector, dict[str, Any]]]:
+def _on_hosts(args: argparse.Namespace) -> Iterator[Deployment]:
     """The three-host plan on virtual hosts (benchmarks/chaos_hosts.py)."""
     from duet.benchmarks.migration_hosts import THREE_HOSTS_PLAN
     from duet.deploy.hosts import LinkShape
@@ -373,9 +378,10 @@ def _on_hosts(args: argparse.Namespace) -> Iterator[tuple[ChaosCluster, Injector
 
     with serve_on_hosts({}, LinkShape(rate_mbit=args.link_gbit * 1000), plan=THREE_HOSTS_PLAN) as running:
         processes = HostsProcesses(running, args.outage_s)
-        setting = {"deployment": f"virtual hosts ({THREE_HOSTS_PLAN.name})", "link_gbit": args.link_gbit, "outage_s": args.outage_s}
-        yield processes, processes.inject, setting
-        setting["host_nodes_restarted"] = len(processes.node_restarts)
+        yield processes, processes.inject, lambda: {
+            "deployment": f"virtual hosts ({THREE_HOSTS_PLAN.name})", "link_gbit": args.link_gbit, "outage_s": args.outage_s,
+            "host_nodes_restarted": len(processes.node_restarts),
+        }
 
 
 def format_report(result: dict[str, Any]) -> str:

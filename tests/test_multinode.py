@@ -143,6 +143,25 @@ def test_a_move_whose_path_is_cut_mid_pull_completes_by_recomputing(cluster: Vir
     assert moved("in", staying.name, "replay") >= 1, f"no move fell back to recomputing (resumed {resumed_after_s:.1f} s after the cut)"
 
 
+@pytest.mark.parametrize("cluster", ["nixl"], indirect=True)
+def test_the_hosts_chaos_harness_finds_each_worker_and_its_engine(cluster: VirtualCluster) -> None:
+    """``duet bench chaos --hosts`` (benchmarks/chaos_hosts.py) acts on hosts by what runs on
+    them: each worker's host from its KV channel's address, the engine core among the host's
+    processes; and it reads full capacity from the status. Checked here without a fault (the
+    faults themselves run in the benchmark)."""
+    from duet.benchmarks.chaos_hosts import HostsProcesses
+
+    processes = HostsProcesses(cluster, outage_s=30.0)
+    decode = processes.workers("decode")
+    assert sorted(host for _, host in decode) == ["decode-0", "decode-1"]
+    assert [host for _, host in processes.workers("prefill")] == ["prefill-0"]
+    for _, host in decode:
+        engine = processes.engine_pid(host)
+        assert engine in cluster.network.pids(host)
+        assert all(engine not in cluster.network.pids(other) for other in cluster.network.hosts if other != host)
+    assert processes.missing_capacity() == ""
+
+
 def test_link_shapes_are_tbf_under_netem() -> None:
     """Bandwidth alone is one tbf; delay or loss put netem at the root with tbf beneath it."""
     assert LinkShape().qdiscs() == []

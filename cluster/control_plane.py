@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.config import DuetConfig
 from duet.cluster.ray_runtime import start_ray
+from duet.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class ControlPlane:
     """The deployment's control plane as a restartable Ray actor (the module docstring)."""
 
     def __init__(self, config: DuetConfig, deployment_id: str) -> None:
+        configure_logging()
         self.config = config
         self.deployment_id = deployment_id
         self.deployment: Any = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from duet.logs import configure_logging
 from duet.router.client import DEFAULT_TARGET, DuetClient, build_request
 from duet.router.proto import duet_api_pb2 as pb
 
@@ -463,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         # A benchmark may start a whole deployment in this process (a local Ray and its daemons):

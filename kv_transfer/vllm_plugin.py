@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 
+from duet.logs import configure_logging
 from duet.worker_runtime.engine_clients import ENV_CLIENT_RECONNECT
 from duet.worker_runtime.engine_clients import install as install_client_reconnect
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
@@ -92,6 +93,7 @@ def _pin_worker_to_core(core: int) -> None:
 
 def register() -> None:
     """Entry point called by vLLM's plugin loader."""
+    configure_logging()
     progress_thread = os.environ.get(ENV_NIXL_PROGRESS_THREAD)
     if progress_thread in ("off", "wait"):  # "poll" is NIXL's own behaviour
         _set_progress_thread(progress_thread)

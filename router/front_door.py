@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from duet.config import DuetConfig
+from duet.logs import configure_logging
 from duet.worker_runtime.worker_api import EngineAddresses
 from duet.router.actor_channel import ActorChannel
 from duet.router.admin import ForwardingAdmin
@@ -94,6 +95,7 @@ class FrontDoor:
     """One front door in a process of its own (an async Ray actor; module docstring)."""
 
     def __init__(self, index: int, count: int, config: DuetConfig, control_address: str, control_token: str | None) -> None:
+        configure_logging()
         self.index = index
         self.count = count
         self.config = config

@@ -28,6 +28,7 @@ from multiprocessing.connection import wait as wait_for_exit
 from typing import Any, Literal
 
 from duet.config import DuetConfig, PoolConfig
+from duet.logs import configure_logging
 from duet.worker_runtime.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
 from duet.worker_runtime.engine_clients import ENV_CLIENT_RECONNECT
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
@@ -64,6 +65,7 @@ class WorkerHost:
     def __init__(self, name: str, config: DuetConfig, cpu_core: int | None) -> None:
         """``cpu_core`` is the core its forward pass is pinned to on a CPU host (the
         deployment's core allocator chooses it)."""
+        configure_logging()
         self.name = name
         self.config = config
         self.cpu_core = cpu_core

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import psutil
 
 from duet.benchmarks.multinode import restart_if_gone
-from duet.deploy.virtual_cluster import VirtualCluster
+from duet.deploy.virtual_cluster import HEAD, VirtualCluster
 
 HOST_KINDS = ("cut-decode-link", "cut-prefill-link", "kill-decode-engine", "kill-prefill-engine")
 _ENGINE_TITLE = "VLLM::EngineCore"  # the engine-core process's title (vLLM sets it)
@@ -81,7 +81,7 @@ class HostsProcesses:
         with self._lock:
             down = sorted(self._links_down)
         for host in self.cluster.network.hosts:
-            if host not in down and host != "head":
+            if host not in down and host != HEAD:
                 restart_if_gone(self.cluster, host, self.node_restarts)
         try:
             status = self.status()

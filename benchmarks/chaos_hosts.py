@@ -36,15 +36,17 @@ _ENGINE_TITLE = "VLLM::EngineCore"  # the engine-core process's title (vLLM sets
 class HostsProcesses:
     """A deployment on virtual hosts, as the chaos harness acts on it and watches it."""
 
-    def __init__(self, cluster: VirtualCluster, outage_s: float) -> None:
+    def __init__(self, cluster: VirtualCluster, outage_s: float, connect: Callable[[], Any] | None = None) -> None:
+        """``connect`` makes a client (default: the cluster's, with its rendered API key)."""
         self.cluster = cluster
         self.outage_s = outage_s
+        self._connect = connect or cluster.client
         self.node_restarts: list[float] = []  # when a host's node was started again
         self._links_down: set[str] = set()
         self._lock = threading.Lock()
 
     def client(self) -> Any:
-        return self.cluster.client()
+        return self._connect()
 
     def status(self) -> Any:
         with self.client() as client:

@@ -151,7 +151,7 @@ def test_the_hosts_chaos_harness_finds_each_worker_and_its_engine(cluster: Virtu
     faults themselves run in the benchmark)."""
     from duet.benchmarks.chaos_hosts import HostsProcesses
 
-    processes = HostsProcesses(cluster, outage_s=30.0)
+    processes = HostsProcesses(cluster, outage_s=30.0, connect=lambda: _client(cluster))
     decode = processes.workers("decode")
     assert sorted(host for _, host in decode) == ["decode-0", "decode-1"]
     assert [host for _, host in processes.workers("prefill")] == ["prefill-0"]

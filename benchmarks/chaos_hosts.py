@@ -55,12 +55,12 @@ class HostsProcesses:
     def workers(self, role: str) -> list[tuple[str, str]]:
         """Every ready worker of ``role``: (its name, the host it runs on, found by its KV
         channel's address)."""
-        by_address = {host.address: name for name, host in self.cluster.network.hosts.items()}
-        return [
-            (worker.name, by_address[worker.kv_endpoint.rsplit(":", 1)[0]])
+        found = [
+            (worker.name, self.cluster.network.host_at(worker.kv_endpoint))
             for pool in self.status().pools if pool.role == role
-            for worker in pool.workers if worker.state == "ready" and worker.kv_endpoint.rsplit(":", 1)[0] in by_address
+            for worker in pool.workers if worker.state == "ready"
         ]
+        return [(name, host) for name, host in found if host is not None]
 
     def engine_pid(self, host: str) -> int:
         """The live vLLM engine core on ``host``."""

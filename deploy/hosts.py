@@ -209,6 +209,11 @@ class HostNetwork:
             route = ("blackhole", f"{self.hosts[there].address}/32")
             _ip("route", "del" if up else "add", *route, netns=self.hosts[here].netns)
 
+    def host_at(self, endpoint: str) -> str | None:
+        """The host whose address ``endpoint`` (ADDRESS or ADDRESS:PORT) is on; None if none."""
+        address = endpoint.rsplit(":", 1)[0]  # IPv4: a bare address has no colon
+        return next((name for name, host in self.hosts.items() if host.address == address), None)
+
     def bytes_sent(self, name: str) -> int:
         """Bytes host ``name`` has sent over its link so far (its veth's root end received them)."""
         return int(Path(f"/sys/class/net/{self.hosts[name].veth}/statistics/rx_bytes").read_text())

@@ -47,7 +47,7 @@ class NoWorkerAvailable(RuntimeError):
 WORKER_STATES = ("starting", "ready", "draining", "restarting", "failed")
 # States in which a member will (again) take requests, so requests may wait for it.
 _COMING = ("starting", "restarting")
-# A failed replacement is started again after this long, doubling up to the most (Pool._replace).
+# A failed replacement is started again after this long, doubling up to the most (WorkerPool._replace).
 RESTART_RETRY_FIRST_S, RESTART_RETRY_MAX_S = 1.0, 60.0
 
 

@@ -77,8 +77,9 @@ def test_tokens_cross_hosts_exactly(cluster: VirtualCluster, reference) -> None:
 
 def _host_of(cluster: VirtualCluster, endpoint: str) -> str:
     """The virtual host whose address ``endpoint`` (ADDRESS:PORT) is on."""
-    address = endpoint.rsplit(":", 1)[0]
-    return next(name for name, host in cluster.network.hosts.items() if host.address == address)
+    host = cluster.network.host_at(endpoint)
+    assert host is not None, f"{endpoint} is on none of the hosts"
+    return host
 
 
 def _client(cluster: VirtualCluster) -> DuetClient:

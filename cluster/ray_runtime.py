@@ -25,8 +25,14 @@ RAY_NAMESPACE = "duet"
 # - task events sent to the GCS every second by every process (they feed Ray's state API and
 #   dashboard, which a local duet does not run), and Ray's own metrics collection (duet exports
 #   its own and its engines' on the router's Prometheus endpoint).
+# - the raylet's check of the object store's disk (every 100 ms; duet stores nothing there), the
+#   backlog reports and resource loads that only feed Ray's autoscaler (every second; duet stops
+#   it and sizes its pools itself), the debug-state dump to a file (10 s), and the timing of
+#   every event-loop handler in every Ray process with its probes (Ray's event stats, read only
+#   by its debug dump and metrics).
 # Together with the stopped daemons below, an idle local Ray's daemons fell from about 0.95 to
-# 0.6 s of CPU a minute. The memory monitor still runs, once a second.
+# 0.6 s of CPU a minute, and the second group took a whole idle deployment from 1.29 to 1.03
+# (2026-11-28). The memory monitor still runs, once a second.
 _QUIET_HOUSEKEEPING = {
     "memory_monitor_refresh_ms": 1000,
     "kill_idle_workers_interval_ms": 5000,
@@ -35,6 +41,13 @@ _QUIET_HOUSEKEEPING = {
     "raylet_report_resources_period_milliseconds": 1000,
     "task_events_report_interval_ms": 5000,
     "enable_metrics_collection": False,
+    "local_fs_monitor_interval_ms": 5000,
+    "report_worker_backlog_interval_ms": 10000,
+    "gcs_pull_resource_loads_period_milliseconds": 10000,
+    "debug_dump_period_milliseconds": 0,
+    "event_stats": False,
+    "emit_main_service_metrics": False,
+    "io_context_monitor_probe_interval_ms": 10000,
 }
 
 

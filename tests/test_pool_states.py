@@ -8,6 +8,7 @@ import time
 
 from duet.cluster.health import HealthWatcher
 from duet.router import pools
+from duet.router.engine_front_end import ping_needs_round_trip
 from duet.router.pools import PoolMember, WorkerPool
 
 
@@ -77,6 +78,17 @@ def test_a_worker_that_misses_its_pings_in_a_row_is_failed():
     member = _watch(_SlowEngine(slow=1000), seconds=0.5)
     assert member.state == "failed"
     assert "3 health ping(s) in a row" in member.error
+
+
+def test_an_idle_engine_is_pinged_less_often_and_a_busy_silent_one_every_time():
+    """A ping asks the engine core unless it just streamed an output; an engine with nothing
+    of this front end's in flight is asked again only 5 s after its last answer (a hang there
+    delays no stream), one with requests in flight at every ping (a hang there is a stall)."""
+    now = 100.0
+    assert not ping_needs_round_trip(now, output_at=now - 0.5, answered_at=0.0, in_flight=3)
+    assert ping_needs_round_trip(now, output_at=now - 2.0, answered_at=now - 1.0, in_flight=1)
+    assert not ping_needs_round_trip(now, output_at=0.0, answered_at=now - 1.0, in_flight=0)
+    assert ping_needs_round_trip(now, output_at=0.0, answered_at=now - 6.0, in_flight=0)
 
 
 def _failing_restarts(failures: int, drain_after: int | None = None) -> tuple[PoolMember, list[float]]:

@@ -13,7 +13,6 @@ deployment is: a prefill and a decode pool.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,6 @@ from duet.cluster.placement.trace import Trace
 
 THIS_MACHINE = Path(__file__).resolve().parents[1] / "cluster" / "placement" / "examples" / "cpu-hosts" / "one-host.yaml"
 MODES = ("disaggregated", "colocated", "conditional")
-# Where a mode cannot take the rate, the planner's error names the most it can: "--rate R".
-_CLOSEST_RATE = re.compile(r"--rate ([0-9.e+]+)")
 
 
 def planned_mode(cluster: ClusterSpec, trace: Trace, slo: Slo, rate: float) -> dict[str, Any]:
@@ -34,19 +31,19 @@ def planned_mode(cluster: ClusterSpec, trace: Trace, slo: Slo, rate: float) -> d
     try:
         plan = optimize(cluster, trace, slo, rate=rate, modes=MODES, workers=1).plan
     except InfeasibleError as error:
-        return {"mode": None, "most_rps": _most_rates(str(error))}
+        return {"mode": None, "most_rps": _most_rates(error)}
     return {"mode": plan.mode, "cores": plan.gpus}
 
 
-def _most_rates(message: str) -> dict[str, float]:
-    """From the planner's error (``"<mode>[, <algorithm> | (threshold T)]: ... --rate R ..." |
-    ...``): the highest rate each mode's closest option could take."""
+def _most_rates(error: InfeasibleError) -> dict[str, float]:
+    """The highest rate each mode's closest option could take, from the planner's error: one
+    per deployment it compared ("disaggregated, high-affinity", "conditional (threshold 512)",
+    ...), each with the rate its closest option serves, if any."""
     most: dict[str, float] = {}
-    for part in message.split(" | "):
-        mode = next((m for m in MODES if part.strip().startswith(m)), None)
-        found = _CLOSEST_RATE.search(part)
-        if mode and found:
-            most[mode] = max(most.get(mode, 0.0), float(found.group(1)))
+    for name, option in error.options.items():
+        mode = next(m for m in MODES if name.startswith(m))
+        if option.closest_rate_rps is not None:
+            most[mode] = max(most.get(mode, 0.0), option.closest_rate_rps)
     return most
 
 

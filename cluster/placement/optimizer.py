@@ -70,7 +70,18 @@ LOCAL_PREFILL_THRESHOLDS = (128, 256, 512, 1024)
 
 
 class InfeasibleError(ValueError):
-    """No plan meets the request; the message says what fails and the closest feasible option."""
+    """No plan meets the request; the message says what fails and the closest feasible option.
+
+    Callers that act on the answer read it as data: ``closest_rate_rps`` is the most req/s the
+    closest option serves within the cluster (None where no rate would do, e.g. an SLO no
+    configuration meets even unloaded), and ``options`` holds, when every deployment compared
+    failed, each one's own error by its name ("colocated", "conditional (threshold 512)", ...).
+    """
+
+    def __init__(self, message: str, closest_rate_rps: float | None = None, options: dict[str, InfeasibleError] | None = None) -> None:
+        super().__init__(message)
+        self.closest_rate_rps = closest_rate_rps
+        self.options = options or {}
 
 
 def unit_costs(cluster: ClusterSpec, objective: Objective) -> dict[str, float]:
@@ -330,7 +341,7 @@ class _Planner:
                 if self._fits(self._need_pools(p.candidate, n_p, d.candidate, n_d)):
                     options.append((cost, p, n_p, d, n_d))
         if not options:
-            raise InfeasibleError(self._over_budget_pools(pre, dec))
+            raise self._over_budget_pools(pre, dec)
         _, p, n_p, d, n_d = min(options, key=lambda o: o[0])
         return _Sizing("high-affinity", p, d, n_p, n_d, local_prefill_max_tokens=threshold)
 
@@ -411,21 +422,22 @@ class _Planner:
             lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
         return lo
 
-    def _over_budget_pools(self, pre: list[Evaluation], dec: list[Evaluation]) -> str:
+    def _over_budget_pools(self, pre: list[Evaluation], dec: list[Evaluation]) -> InfeasibleError:
         have = {t: self.cluster.gpu_count(t) for t in self.cluster.gpu_types}
         best_rate, p, d = max(((self._max_rate_within_budget(p, d), p, d) for p in pre for d in dec), key=lambda x: x[0])
         if best_rate == 0.0:
-            return (
+            return InfeasibleError(
                 f"even one replica of each SLO-meeting prefill and decode configuration needs more "
                 f"GPUs than the cluster has ({have}); the smallest prefill is "
                 f"[{min(pre, key=lambda e: e.candidate.gpus).candidate.describe()}]. Add GPUs or relax the SLO."
             )
         n_p, n_d = self._pool_sizes(p, d, self.rate)
-        return (
+        return InfeasibleError(
             f"target rate {self.rate:.3g} req/s needs {n_p} x [{p.candidate.describe()}] + {n_d} x "
             f"[{d.candidate.describe()}] = {p.candidate.gpus * n_p + d.candidate.gpus * n_d} GPUs, but "
             f"the cluster has {have}. Closest feasible: --rate {best_rate:.3g} (the most these pools "
-            f"serve within the budget), or add GPUs."
+            f"serve within the budget), or add GPUs.",
+            closest_rate_rps=best_rate,
         )
 
     # -- replicated configurations: low affinity units, colocated engines --
@@ -457,10 +469,12 @@ class _Planner:
                 options.append((self._cost(e.candidate, count), e, count))
         if not options:
             e = ranked[0]
+            closest = most(e.candidate) * e.goodput_rps
             raise InfeasibleError(
                 f"target rate {self.rate:.3g} req/s needs {math.ceil(self.rate / e.goodput_rps)} x "
                 f"[{e.candidate.describe()}], but only {most(e.candidate)} fit. Closest feasible: --rate "
-                f"{most(e.candidate) * e.goodput_rps:.3g}, or add GPUs."
+                f"{closest:.3g}, or add GPUs.",
+                closest_rate_rps=closest,
             )
         _, e, count = min(options, key=lambda o: o[0])
         return e, count
@@ -781,16 +795,17 @@ def optimize(
     evals = outcome.evaluations
     planner = _Planner(cluster, ctx, trace.head(verify_requests), rate, objective, costs)
 
-    plans, errors = [], []
+    plans, failed = [], {}
     for name, sizer in _sizers(planner, modes, algorithm, splits):
         try:
             plans.append(planner.build(planner.grow_until_met(sizer(evals)), evals, outcome))
         except InfeasibleError as exc:
-            errors.append(f"{name}: {exc}")
+            failed[name] = exc
     if "conditional" in modes and not splits:
-        errors.append(f"conditional: no threshold of {tuple(thresholds)} tokens splits this trace's prompts")
+        failed["conditional"] = InfeasibleError(f"no threshold of {tuple(thresholds)} tokens splits this trace's prompts")
+    errors = [f"{name}: {exc}" for name, exc in failed.items()]
     if not plans:
-        raise InfeasibleError(" | ".join(errors))
+        raise InfeasibleError(" | ".join(errors), options=failed)
 
     def cost(p: Plan) -> float:
         return sum(pool.gpus * costs[pool.gpu_type] for _, pool in p.pools())

@@ -92,6 +92,9 @@ def test_over_budget_rate_names_the_closest_feasible_rate(cluster):
         optimize(cluster, trace, SLO, rate=5000.0, algorithm="high-affinity", workers=1, modes=["disaggregated"])
     closest = float(re.search(r"--rate ([\d.e+]+)", str(err.value)).group(1))
     assert 0 < closest < 5000
+    # The same rate as data, under the deployment it belongs to, for callers that act on it.
+    option = err.value.options["disaggregated, high-affinity"]
+    assert option.closest_rate_rps == pytest.approx(closest, rel=1e-2)
     plan = optimize(
         cluster, trace, SLO, rate=closest * 0.9, algorithm="high-affinity", workers=1, modes=["disaggregated"]
     ).plan

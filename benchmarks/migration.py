@@ -1,7 +1,7 @@
 """Live migration against token replay: the pause a drained decode worker's streams see.
 
 ``duet bench migrate`` starts the default deployment (one prefill and one decode worker, NIXL,
-the built-in model, float32) and, round after round, grows the decode pool to two workers,
+or with ``--transport nccl`` duet's push connector, the built-in model, float32) and, round after round, grows the decode pool to two workers,
 starts ``--streams`` greedy streams with prompts of ``--context`` tokens, waits until every
 stream is decoding, and drains the new decode worker, once per method, the order alternating:
 
@@ -31,6 +31,7 @@ from duet.benchmarks.arguments import positive_float, write_results
 from duet.benchmarks.greedy_streams import GreedyStreams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "migration.json"
+NCCL_RESULTS = RESULTS.with_name("migration_nccl.json")
 
 
 def wait_settled(client: Any, decode_workers: int, timeout_s: float = 600) -> list[str]:
@@ -84,9 +85,9 @@ def random_prompts(streams: int, context: tuple[int, int], seed: int) -> list[li
     return [[rng.randrange(10, 700) for _ in range(rng.randint(*context))] for _ in range(streams)]
 
 
-def start_default_deployment(source: str) -> tuple[Any, Any]:
-    """The default deployment, started in-process on a background loop (its ``background``),
-    with room for a second decode worker; returns it and the loop."""
+def start_default_deployment(source: str, transport: str = "nixl") -> tuple[Any, Any]:
+    """The default deployment over ``transport``, started in-process on a background loop (its
+    ``background``), with room for a second decode worker; returns it and the loop."""
     from duet.background_loop import BackgroundLoop
     from duet.cluster.deployment import Deployment
     from duet.config import load_config, parse_config
@@ -94,17 +95,20 @@ def start_default_deployment(source: str) -> tuple[Any, Any]:
     data = load_config().model_dump()
     data["server"].update(metrics_port=None)  # beside another deployment: no fixed port of its own
     data["ray"]["num_cpus"] = 3  # room for the second decode worker (two engines share a core)
+    data["kv_transfer"]["transport"] = transport
     loop = BackgroundLoop()
     deployment = loop.run(Deployment(parse_config(data, source)).start(port=0, http_port=None), timeout=900)
     deployment.background = loop
     return deployment, loop
 
 
-def run_benchmark(streams: int, context: tuple[int, int], tokens: int, rounds: int, seed: int) -> list[dict[str, Any]]:
+def run_benchmark(
+    streams: int, context: tuple[int, int], tokens: int, rounds: int, seed: int, transport: str = "nixl"
+) -> list[dict[str, Any]]:
     from duet.router.client import DuetClient
 
     prompts = random_prompts(streams, context, seed)
-    deployment, loop = start_default_deployment("bench migrate")
+    deployment, loop = start_default_deployment("bench migrate", transport)
     try:
         with DuetClient(f"127.0.0.1:{deployment.port}") as client:
             return alternating_rounds(
@@ -141,13 +145,15 @@ def context_range(text: str) -> tuple[int, int]:
 
 
 def _command(args: argparse.Namespace) -> int:
+    if args.link_gbit is not None and args.transport != "nixl":
+        raise SystemExit("duet bench migrate: --transport nccl runs on one machine; drop --link-gbit or the transport")
     if args.link_gbit is not None:
         from duet.benchmarks.migration_hosts import RESULTS as HOSTS_RESULTS, run_benchmark_on_hosts
 
         prompts = random_prompts(args.streams, args.context, args.seed)
         return write_results(run_benchmark_on_hosts(prompts, args.tokens, args.rounds, args.link_gbit), args.out, HOSTS_RESULTS)
-    results = run_benchmark(args.streams, args.context, args.tokens, args.rounds, args.seed)
-    return write_results(results, args.out, RESULTS)
+    results = run_benchmark(args.streams, args.context, args.tokens, args.rounds, args.seed, args.transport)
+    return write_results(results, args.out, NCCL_RESULTS if args.transport == "nccl" else RESULTS)
 
 
 def add_stream_arguments(
@@ -172,5 +178,10 @@ def register_command(benches: argparse._SubParsersAction) -> None:
         "--link-gbit", type=positive_float, default=None,
         help="run on virtual hosts instead (prefill, decode-0 and decode-1 each a host, a cluster per run; "
              "benchmarks/migration_hosts.py) with links shaped to this many Gbit/s; results default to migration_hosts.json",
+    )
+    parser.add_argument(
+        "--transport", choices=("nixl", "nccl"), default="nixl",
+        help="the KV transport on one machine (nccl: duet's push connector, gloo on CPU; results default to "
+             "migration_nccl.json); not with --link-gbit",
     )
     parser.set_defaults(handler=_command)

@@ -290,14 +290,14 @@ class RouterConfig(_Strict):
     """Removing a worker waits this long for its requests to finish; the rest resume elsewhere."""
     drain_moves_kv: bool = True
     """A draining decode worker hands its running requests to the other decode workers with
-    their KV (disaggregated, ``kv_transfer.transport: nixl``); false: they finish in place, or
-    resume by recomputing at the drain timeout."""
+    their KV (disaggregated serving; ``nixl`` has the targets pull it, ``nccl`` sends it to them);
+    false: they finish in place, or resume by recomputing at the drain timeout."""
     rebalance_kv_gap: float | None = Field(default=None, gt=0, le=1)
     """Rebalancing the decode pool (off by default: null). A decode worker whose KV cache use is
     this much above the pool's mean (0.25: 25 points) hands its longest running requests to the
     other decode workers with their KV, as a drain does, until it is back near the mean: a
     worker that got the long requests does not keep them (router/rebalancer.py). Each front door
-    moves the requests it serves. Needs disaggregated serving with kv_transfer.transport nixl."""
+    moves the requests it serves. Needs disaggregated serving."""
     rebalance_interval_s: float = Field(default=2.0, gt=0)
     """How often rebalancing compares the decode workers' KV cache use (each front door asks
     every decode engine); also the least time between two moves off one worker. A request that
@@ -368,10 +368,10 @@ class DuetConfig(_Strict):
 
     @model_validator(mode="after")
     def _rebalance_moves_kv(self) -> "DuetConfig":
-        if self.router.rebalance_kv_gap is not None and (self.mode == "colocated" or self.kv_transfer.transport != "nixl"):
+        if self.router.rebalance_kv_gap is not None and self.mode == "colocated":
             raise ValueError(
-                "router.rebalance_kv_gap: rebalancing moves requests with their KV over the pull path; "
-                "it needs mode: disaggregated and kv_transfer.transport: nixl (or set it to null)"
+                "router.rebalance_kv_gap: rebalancing moves requests with their KV between decode workers; "
+                "it needs mode: disaggregated (or set it to null)"
             )
         return self
 

@@ -6,7 +6,8 @@ place before vLLM spawns its engine processes (NIXL's side-channel address, and 
 read by :mod:`duet.kv_transfer.vllm_plugin`). This module builds both from duet's config so that
 the prefill and decode sides can never disagree.
 
-Transports differ in one way the router must know (``Transport.pushes_to_decode``):
+Transports differ in one way the router must know (``Transport.pushes_to_decode``), for a
+prefill's KV and for a running request's that moves to another decode worker alike:
 - ``nixl`` (vLLM's NixlConnector) is pull-based: prefill keeps the KV and publishes where it is;
   the decode worker, chosen after prefill, reads it.
 - ``nccl`` (duet's P2pConnector, torch.distributed send/recv: NCCL on GPUs, gloo on CPUs) is
@@ -112,13 +113,30 @@ def engine_environment(
     return env
 
 
+def move_out_params(settings: KVTransferConfig, target_endpoint: str | None) -> dict[str, Any]:
+    """``kv_transfer_params`` with which a decode engine gives up a running request and keeps
+    (nixl: for the target's pull) or sends (nccl: to ``target_endpoint``) its KV."""
+    if settings.transport == "nccl":
+        from duet.kv_transfer.p2p.params import move_out_params as p2p_move_out_params
+
+        return p2p_move_out_params(_peer(target_endpoint, "moving a request"))
+    return {"do_remote_decode": True}
+
+
+def _peer(endpoint: str | None, what: str) -> Any:
+    """The p2p peer listening at ``endpoint`` ("host:port")."""
+    from duet.kv_transfer.p2p.params import PeerAddress
+
+    if not endpoint:
+        raise ValueError(f"the nccl transport needs the receiving decode worker's address before {what}")
+    host, port = endpoint.rsplit(":", 1)
+    return PeerAddress(host, int(port))
+
+
 def prefill_request_params(settings: KVTransferConfig, decode_endpoint: str | None) -> dict[str, Any]:
     """``kv_transfer_params`` that make a prefill request keep (nixl) or send (nccl) its KV."""
     if settings.transport == "nccl":
-        from duet.kv_transfer.p2p.params import PeerAddress, prefill_request_params as p2p_params
+        from duet.kv_transfer.p2p.params import prefill_request_params as p2p_params
 
-        if not decode_endpoint:
-            raise ValueError("the nccl transport needs the decode worker's address before prefill")
-        host, port = decode_endpoint.rsplit(":", 1)
-        return p2p_params(PeerAddress(host, int(port)))
+        return p2p_params(_peer(decode_endpoint, "prefill"))
     return {"do_remote_decode": True}

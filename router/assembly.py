@@ -60,9 +60,9 @@ def request_service(
         local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,
     )
     lifecycle.on_move = cluster.moved
-    if prefill is not None and transfer.transport == "nixl" and config.router.drain_moves_kv:
+    if prefill is not None and config.router.drain_moves_kv:
         # A draining decode worker hands its requests on with their KV, as prefill hands its
-        # own (the pull path); other transports, and colocated workers, finish them in place.
+        # own (pulled with nixl, pushed with nccl); colocated workers finish them in place.
         decode.on_draining.append(lifecycle.migrate)
     limits = ModelLimits(config.model.name, max_model_len, vocab_size)
     service = RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)

@@ -22,11 +22,12 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from duet.config import KVTransferConfig
+from duet.kv_transfer.config import move_out_params
 from duet.worker_runtime.engine_host import WATCH_HOLD_S
 from duet.worker_runtime.engine_clients import READDRESS_METHOD
 from duet.worker_runtime.kv_migration import MIGRATE_OUT_METHOD
@@ -35,6 +36,9 @@ from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
 from duet.router.engine_metrics import read_engine_metrics, registry_bound_stat_logger
 from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket
+
+if TYPE_CHECKING:
+    from duet.router.pools import PoolMember
 
 logger = logging.getLogger(__name__)
 
@@ -231,17 +235,22 @@ class EngineFrontEnd:
             self._migrated.pop(request_id, None)
             self._finished(request_id)
 
-    async def migrate_out(self, request_id: str) -> MigrationTicket | None:
+    async def migrate_out(self, request_id: str, target: PoolMember | None = None) -> MigrationTicket | None:
         """Have the engine give up ``request_id``, decoding here, with its KV kept for another
-        worker to pull (worker_runtime/kv_migration.py); its :meth:`decode` stream then ends
-        with :class:`Migrated`. None when it cannot move now (not decoding yet, or done)."""
+        worker to pull, or with a push transport sent to ``target``'s engine
+        (worker_runtime/kv_migration.py); its :meth:`decode` stream then ends with
+        :class:`Migrated`. None when it cannot move now (not decoding yet, or done)."""
         internal_ids = self.engine.output_processor.external_req_ids.get(request_id)
         if request_id not in self._requests or not internal_ids:
             return None
-        answer = await self.engine.engine_core.call_utility_async(MIGRATE_OUT_METHOD, internal_ids[0])
+        params = move_out_params(self.transfer, target.kv_endpoint if target is not None else None)
+        answer = await self.engine.engine_core.call_utility_async(MIGRATE_OUT_METHOD, internal_ids[0], params)
         if answer is None:
             return None
-        ticket = MigrationTicket(self.name, list(answer["token_ids"]), answer["kv_transfer_params"])
+        ticket = MigrationTicket(
+            self.name, list(answer["token_ids"]), answer["kv_transfer_params"],
+            target.name if target is not None else None, target.engine if target is not None else None,
+        )
         self._migrated[request_id] = ticket
         # The engine core let the request go without a last output: ending it here, in the front
         # end only, ends the stream (vLLM sends the core an abort it ignores for a finished request).

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
-from duet.router.pools import PoolMember, WorkerPool
+from duet.router.pools import NoWorkerAvailable, PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
 from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket
 
@@ -297,7 +297,7 @@ class RequestLifecycle:
         wanted = None if request_ids is None else set(request_ids)
         # Asked together: the engine core takes every queued call between two of its steps.
         calls = [
-            round_.engine.migrate_out(round_.request_id)
+            self._move_out(round_)
             for round_ in self.decoding()
             if round_.worker is worker and hasattr(round_.engine, "migrate_out")
             and (wanted is None or round_.request_id in wanted)
@@ -308,6 +308,27 @@ class RequestLifecycle:
                 logger.warning("moving a request off %s failed: %s", worker.name, ticket)
         return sum(1 for ticket in tickets if isinstance(ticket, MigrationTicket))
 
+    async def _move_out(self, round_: Decoding) -> MigrationTicket | None:
+        """Have ``round_``'s engine give its request up with its KV: kept for whichever worker
+        continues it to pull, or with a push transport sent to the worker chosen for it now, as
+        a prefill's is (None, and the request stays, when no other decode worker is ready)."""
+        if not self.prefill_pushes_kv:
+            return await round_.engine.migrate_out(round_.request_id)
+        try:
+            target = self.decode_pool.pick(avoid=round_.worker.name)
+        except NoWorkerAvailable:
+            return None
+        if target is round_.worker:
+            return None
+        return await round_.engine.migrate_out(round_.request_id, target)
+
+    def _moved_target(self, ticket: MigrationTicket | None) -> PoolMember | None:
+        """The decode worker a push transport sent a moved request's KV to, if still ready."""
+        if ticket is None or ticket.target is None:
+            return None
+        member = self.decode_pool.find(ticket.target)
+        return member if member is not None and member.state == "ready" and ticket.kv_usable_on(member.name, member.engine) else None
+
     async def _start_round(self, round_: _Round) -> AsyncIterator[DecodeChunk]:
         """The round's token chunks: colocated, one worker computes the prompt and streams every
         token; disaggregated, prefill's first token, then the decode worker's.
@@ -317,7 +338,9 @@ class RequestLifecycle:
         until its lease runs out), and push transports need its address."""
         prompt = round_.prompt_token_ids
         source = round_.moved.source if round_.moved is not None else None
-        decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, prompt, avoid=source)
+        decode_worker = self._moved_target(round_.moved) or await self.decode_pool.acquire(
+            self.policy.worker_wait_s, prompt, avoid=source
+        )
         if round_.moved is not None:
             return self._moved_round(round_, decode_worker, round_.moved)
         if self.prefill_pool is None or not self._prefill_remotely(decode_worker, len(prompt)):
@@ -360,9 +383,9 @@ class RequestLifecycle:
         (The source's engine counts the request as its own until the pull is done, so a drain
         does not remove it while its KV is being read: cluster/pool_manager.py.)"""
         round_.decode_worker = decode_worker.name
-        # Only the source was ready (rebalancing: the others left meanwhile): it recomputes the
-        # request, as after a pull that timed out.
-        kv_transfer_params = ticket.kv_transfer_params if decode_worker.name != ticket.source else None
+        # Only the source was ready (rebalancing: the others left meanwhile), or the worker the
+        # KV was sent to is gone: it recomputes the request, as after a pull that timed out.
+        kv_transfer_params = ticket.kv_transfer_params if ticket.kv_usable_on(decode_worker.name, decode_worker.engine) else None
         round_.recomputed = kv_transfer_params is None
         handoff = PrefillResult(
             first_token_id=ticket.token_ids[-1],

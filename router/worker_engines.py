@@ -18,7 +18,7 @@ request up with its KV, for another worker to pull and continue (worker_runtime/
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
 from duet.worker_runtime.worker_api import DecodeChunk, PrefillResult, SamplingSpec, WorkerStatus
@@ -36,15 +36,27 @@ class EngineRejected(RuntimeError):
 
 @dataclass(frozen=True)
 class MigrationTicket:
-    """A request its decode engine gave up with its KV kept for a pull.
+    """A request its decode engine gave up with its KV kept for a pull, or sent to ``target``.
 
     ``token_ids`` are the engine's tokens of the round, as its own list has them (the KV covers
-    every one but the last); ``kv_transfer_params`` are what a decode engine needs to pull that
-    KV, None when no connector kept it (the request then resumes by recomputing)."""
+    every one but the last); ``kv_transfer_params`` are what a decode engine needs to load that
+    KV, None when no connector kept it (the request then resumes by recomputing). ``target`` is
+    the worker a push transport sent the KV to, and ``target_engine`` its engine then (None: any
+    worker but the source may pull it)."""
 
     source: str
     token_ids: list[int]
     kv_transfer_params: dict[str, Any] | None
+    target: str | None = None
+    target_engine: Any = field(default=None, compare=False, repr=False)
+
+    def kv_usable_on(self, worker: str, engine: Any) -> bool:
+        """Whether ``worker``, running ``engine``, can continue the request from this KV (else
+        it recomputes): not the source, and with a push transport, the very engine the KV was
+        sent to (a replacement under the same name never got it)."""
+        if self.kv_transfer_params is None or worker == self.source:
+            return False
+        return self.target is None or (worker == self.target and engine is self.target_engine)
 
 
 class Migrated(Exception):

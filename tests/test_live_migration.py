@@ -258,8 +258,8 @@ def _migration_samples(client, metrics_url: str | None = None) -> dict[tuple[str
 
 
 def test_drain_moves_kv_decides_whether_a_drain_moves_requests(duet_config):
-    """Only a disaggregated NIXL deployment with ``router.drain_moves_kv`` hands a draining
-    decode worker's requests on (colocated workers and the nccl transport have no pull path)."""
+    """Only a disaggregated deployment with ``router.drain_moves_kv`` hands a draining decode
+    worker's requests on, over either transport (colocated workers have no KV to hand on)."""
     from duet.config import parse_config
     from duet.router.assembly import request_service
     from duet.router.auth import Gatekeeper
@@ -278,5 +278,5 @@ def test_drain_moves_kv_decides_whether_a_drain_moves_requests(duet_config):
 
     assert hooks({}) == 1
     assert hooks({"router": {"drain_moves_kv": False}}) == 0
-    assert hooks({"kv_transfer": {"transport": "nccl"}}) == 0
+    assert hooks({"kv_transfer": {"transport": "nccl"}}) == 1
     assert hooks({}, colocated=True) == 0

@@ -41,11 +41,15 @@ def test_nothing_moves_below_the_gap_or_when_one_request_would_only_move_the_pea
     assert plan_moves({"decode-0": 0.1, "decode-1": 0.9}, _rounds(("decode-0", 100)), gap=0.2) is None
 
 
-def test_rebalancing_needs_the_pull_path(duet_config) -> None:
+def test_rebalancing_needs_disaggregated_serving(duet_config) -> None:
+    """Either transport moves requests with their KV (nixl pulls it, nccl pushes it); colocated
+    workers have no decode pool of their own to rebalance."""
     data = duet_config.model_dump()
     data["router"]["rebalance_kv_gap"] = 0.25
     assert parse_config(data, "test").router.rebalance_kv_gap == 0.25
     data["kv_transfer"]["transport"] = "nccl"
+    assert parse_config(data, "test").router.rebalance_kv_gap == 0.25
+    data["mode"] = "colocated"
     with pytest.raises(ConfigError, match="router.rebalance_kv_gap: rebalancing moves requests with their KV"):
         parse_config(data, "test")
 

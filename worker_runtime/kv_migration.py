@@ -1,15 +1,17 @@
 """Moving a running request out of its engine core with its KV (live migration).
 
 A decode engine that must give up a request (its worker drains, or is scaled away) used to stop
-it and let another worker recompute the whole context. With the ``nixl`` transport the context's
-KV can move instead: :func:`migrate_out`, a utility call the router makes on the engine core's
-own thread between two steps, finishes the request as vLLM's NIXL connector finishes a prefill
-whose KV a decode engine will pull (status ``FINISHED_LENGTH_CAPPED``, ``do_remote_decode``).
-The connector then keeps the request's blocks for the lease (``kv_transfer.kv_lease_s``) and
-answers with the transfer parameters a pull needs, which the router hands to the target worker
-as it hands a prefill's to a decode worker; the source frees the blocks when the target has read
-them. No scheduler is changed: this is the path every prefill's KV already takes, entered from a
-running request instead of a finished prefill.
+it and let another worker recompute the whole context. Now the context's KV moves instead:
+:func:`migrate_out`, a utility call the router makes on the engine core's own thread between two
+steps, finishes the request as the connector finishes a prefill whose KV goes to a decode engine
+(status ``FINISHED_LENGTH_CAPPED``, with the transport's ``kv_transfer_params``:
+kv_transfer/config.py ``move_out_params``). With ``nixl`` the connector keeps the request's
+blocks for the lease (``kv_transfer.kv_lease_s``) and answers with the parameters a pull needs;
+the source frees the blocks when the target has read them. With ``nccl`` (push) the router names
+the target first, and duet's connector sends it the KV at the next step, then frees the blocks
+(kv_transfer/p2p/scheduler.py). Either way the router hands the answer to the target worker as it
+hands a prefill's to a decode worker. No scheduler is changed: this is the path every prefill's
+KV already takes, entered from a running request instead of a finished prefill.
 
 The request's tokens so far travel with the answer: the engine core's own list is what the KV
 covers (every token but the last, which was sampled and not yet computed), so the router knows
@@ -24,10 +26,11 @@ from typing import Any
 MIGRATE_OUT_METHOD = "duet_migrate_out"
 
 
-def migrate_out(core: Any, request_id: str) -> dict[str, Any] | None:
-    """Finish ``request_id`` (the engine core's id) keeping its KV for a pull; returns
-    ``{"kv_transfer_params", "token_ids"}``, or None when it cannot move now: unknown,
-    finished, not running (waiting, or its own KV still arriving), or without an output yet.
+def migrate_out(core: Any, request_id: str, kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Finish ``request_id`` (the engine core's id) handing its KV on as ``kv_transfer_params``
+    say (default: kept for a pull); returns ``{"kv_transfer_params", "token_ids"}``, or None
+    when it cannot move now: unknown, finished, not running (waiting, or its own KV still
+    arriving), or without an output yet.
 
     Runs between engine steps (utility calls do), so no step of the request is in flight.
     ``kv_transfer_params`` is None when no connector keeps the blocks (then they are freed and
@@ -40,8 +43,8 @@ def migrate_out(core: Any, request_id: str) -> dict[str, Any] | None:
         return None
     if getattr(request, "num_output_placeholders", 0):  # asynchronous scheduling: a step in flight
         return None
-    # What a prefill finishing for a remote decode carries: the connector keeps the blocks.
-    request.kv_transfer_params = {"do_remote_decode": True}
+    # What a prefill finishing for a remote decode carries: the connector keeps (or sends) the blocks.
+    request.kv_transfer_params = kv_transfer_params or {"do_remote_decode": True}
     _track_for_pull(scheduler, request_id)
     # Counted among the engine's requests until the pull (or the lease) ends it: a drain must
     # not remove the worker while the target still reads its KV (engine_clients.py).

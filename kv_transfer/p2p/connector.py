@@ -102,7 +102,7 @@ class P2pConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return False, self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request, block_ids)
 
     # -- worker side ----------------------------------------------------------------------
 

@@ -26,6 +26,15 @@ class SaveSpec:
 
 
 @dataclass
+class MoveSpec:
+    """A running request's whole KV, sent once outside any forward (live migration): its blocks
+    are held until the worker has copied them out, then ``req_id`` is reported finished sending."""
+
+    req_id: str
+    save: SaveSpec
+
+
+@dataclass
 class LoadSpec:
     """Decode side: fill tokens [start, start + num_tokens) of ``req_id``'s blocks from staging."""
 
@@ -39,6 +48,7 @@ class LoadSpec:
 @dataclass
 class P2pMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
+    moves: list[MoveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     # Decode side: staged transfers nobody will load (request aborted or fully cached locally).
     releases: list[str] = field(default_factory=list)

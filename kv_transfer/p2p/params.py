@@ -3,6 +3,11 @@
 Prefill request in:   ``{"do_remote_decode": True, "p2p_peer": {"host", "port", "engine_id"}}``
 Prefill output out:   ``{"do_remote_prefill": True, "p2p_transfer_id", "p2p_num_tokens", ...}``
 Decode request in:    the prefill output's params, unchanged.
+
+A running decode request moving to another decode worker (live migration) is finished by its
+engine with ``{"do_remote_decode": True, "p2p_peer": target, "p2p_move": True}``; the connector
+sends the KV of every computed token to ``target`` and answers with params of the same form as
+a prefill's output, which the target's request carries as a decode request's would.
 """
 
 from __future__ import annotations
@@ -54,6 +59,16 @@ def kv_transfer_config(
 def prefill_request_params(peer: PeerAddress) -> dict[str, Any]:
     """kv_transfer_params for a prefill request whose KV goes to the decode worker ``peer``."""
     return {"do_remote_decode": True, "p2p_peer": peer.to_dict()}
+
+
+def move_out_params(peer: PeerAddress) -> dict[str, Any]:
+    """kv_transfer_params that finish a running decode request whose KV moves to ``peer``."""
+    return {**prefill_request_params(peer), "p2p_move": True}
+
+
+def wants_move(params: dict[str, Any] | None) -> bool:
+    """True for a decode request finished to move, with its KV, to another decode worker."""
+    return bool(wants_send(params) and params and params.get("p2p_move"))
 
 
 def wants_send(params: dict[str, Any] | None) -> bool:

@@ -7,6 +7,10 @@ KV into send buffers during the forward.
 
 Decode (consumer): a request carrying a transfer id reports its prompt as external tokens
 loaded asynchronously; once blocks are allocated the worker fills them from staging.
+
+Moving (live migration, any role): a running request finished with move params keeps its
+blocks; the next step's metadata asks the worker to send the KV of every computed token to the
+target, and the blocks are freed once the worker has copied them out.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from duet.kv_transfer.p2p import params as p2p_params
-from duet.kv_transfer.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
+from duet.kv_transfer.p2p.metadata import LoadSpec, MoveSpec, P2pMetadata, SaveSpec
 from duet.kv_transfer.p2p.params import PeerAddress
 
 if TYPE_CHECKING:
@@ -46,6 +50,7 @@ class P2pScheduler:
         self._loading: set[str] = set()  # decode requests whose load the worker runs
         self._releases: list[str] = []
         self._cancels: list[str] = []
+        self._moves: list[MoveSpec] = []
         self._kv_cache_manager: KVCacheManager | None = None
 
     def on_new_request(self, request: Request) -> None:
@@ -89,9 +94,10 @@ class P2pScheduler:
             loads=self._loads,
             releases=self._releases,
             cancels=self._cancels,
+            moves=self._moves,
             idle_step=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._loads, self._releases, self._cancels = [], [], []
+        self._loads, self._releases, self._cancels, self._moves = [], [], [], []
         if self._sends:
             meta.saves = self._build_saves(scheduler_output)
         return meta
@@ -120,10 +126,14 @@ class P2pScheduler:
     def update_connector_output(self, finished_recving: set[str]) -> None:
         self._loading -= finished_recving
 
-    def request_finished(self, request: Request) -> dict[str, Any] | None:
-        """Clean up; for a prefill request return the params its decode request needs."""
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Clean up; for a prefill request return the params its decode request needs, and
+        for a request moving out, also keep its blocks (True) until its KV is sent."""
         req_id = request.request_id
         params = request.kv_transfer_params
+        if p2p_params.wants_move(params):
+            assert params is not None
+            return True, self._move(request, PeerAddress.from_dict(params["p2p_peer"]), block_ids)
         send = self._sends.pop(req_id, None)
         if req_id in self._loading:
             self._cancels.append(req_id)  # aborted while waiting: the worker reports it done
@@ -132,12 +142,23 @@ class P2pScheduler:
             self._releases.append(params["p2p_transfer_id"])  # aborted before allocation
             params["do_remote_prefill"] = False
         if send is None or send.sent_upto < request.num_prompt_tokens:
-            return None
+            return False, None
+        return False, self._load_params(send.tid, request.num_prompt_tokens, send.peer)
+
+    def _move(self, request: Request, peer: PeerAddress, block_ids: list[int]) -> dict[str, Any]:
+        """Queue the send of ``request``'s computed tokens (all but its last, sampled one) to
+        ``peer``; the params the target's request carries to load them."""
+        tid = p2p_params.transfer_id(self._engine_id, request.request_id)
+        tokens = request.num_computed_tokens
+        self._moves.append(MoveSpec(request.request_id, SaveSpec(tid, peer, list(block_ids), 0, tokens, tokens)))
+        return self._load_params(tid, tokens, peer)
+
+    def _load_params(self, tid: str, num_tokens: int, peer: PeerAddress) -> dict[str, Any]:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "p2p_transfer_id": send.tid,
-            "p2p_num_tokens": request.num_prompt_tokens,
-            "p2p_peer": send.peer.to_dict(),
+            "p2p_transfer_id": tid,
+            "p2p_num_tokens": num_tokens,
+            "p2p_peer": peer.to_dict(),
             "p2p_source_engine_id": self._engine_id,
         }

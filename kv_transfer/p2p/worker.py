@@ -10,6 +10,11 @@ KV at once instead (the send-after-prefill baseline the benchmark compares again
 Decode: the listener lands chunks in staging as they arrive; a decode request's load is
 registered in ``start_load_kv`` and finished in ``get_transfer_results`` once its staged KV is
 complete (copied into its blocks), failed, cancelled or past the transfer timeout.
+
+Moving out (live migration): ``start_load_kv``, which runs at every step, forward or not,
+copies a moved request's KV, every layer, into message buffers for the target's sender, and
+the step's ``get_transfer_results`` reports the request finished sending, so the engine frees
+its blocks: once copied out they are no longer read.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class P2pWorker:
         self._staging: StagingArea | None = None
         self._pending: dict[str, _PendingLoad] = {}
         self._cancelled: set[str] = set()
+        self._moved_out: set[str] = set()  # requests whose KV was queued for their target this step
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Fix the layer order (both engines run the same model) and start the listener."""
@@ -100,8 +106,11 @@ class P2pWorker:
                 continue
             self.stats.forward_ended(spec.tid, f"{spec.peer.host}:{spec.peer.port + self._rank}", now)
             if not self._cfg.layerwise:
-                for name, layer in self._layer_index.items():
-                    self._submit(spec, layer, self._kv_caches[name], 0)
+                self._send_all_layers(spec)
+
+    def _send_all_layers(self, spec: SaveSpec) -> None:
+        for name, layer in self._layer_index.items():
+            self._submit(spec, layer, self._kv_caches[name], 0)
 
     def _submit(self, spec: SaveSpec, layer: int, kv_layer: torch.Tensor, start: int) -> None:
         """Queue tokens [start, spec.end) of one layer for the peer's sender."""
@@ -125,6 +134,9 @@ class P2pWorker:
     # -- decode side ----------------------------------------------------------------------
 
     def start_load_kv(self, meta: P2pMetadata) -> None:
+        for move in meta.moves:
+            self._send_all_layers(move.save)
+            self._moved_out.add(move.req_id)
         if self._staging is None:
             return
         now = time.monotonic()
@@ -138,11 +150,12 @@ class P2pWorker:
 
     def get_transfer_results(self, meta: P2pMetadata) -> KVConnectorTransferResults:
         results = self._collect_results()
-        if meta.idle_step and self._pending and not results.finished_recving:
+        if meta.idle_step and self._pending and not results.finished_recving and not self._moved_out:
             # Nothing else to do this step: wait for the KV here rather than in a spinning loop.
             assert self._staging is not None
             self._staging.wait_for_news(self._cfg.idle_wait_s)
             results = self._collect_results()
+        results.finished_sending, self._moved_out = self._moved_out, set()
         return results
 
     def _collect_results(self) -> KVConnectorTransferResults:

@@ -97,3 +97,24 @@ def test_decode_killed_during_handoff_resumes(nccl_client, nccl_deployment, refe
     assert decode.restarts == 1
     ids, _ = nccl_client.generate_ids(build_request("after the restart", max_tokens=4, ignore_eos=True), timeout=120)
     assert len(ids) == 4
+
+
+def test_a_drained_decode_worker_sends_its_streams_kv_to_the_other(nccl_deployment, nccl_client, reference):
+    """Live migration over the push transport: six streams on a second decode worker, which is
+    drained mid-stream. Each stream's engine sends the KV of its whole context (prompt and the
+    tokens so far) to decode-0, named before it lets the stream go, and frees its blocks once
+    copied out; decode-0 loads those contexts instead of computing them (it computes one token
+    per stream, the last one streamed, which it re-derives), and every stream completes
+    token-identical to a colocated engine."""
+    from test_live_migration import STREAMS, _drain_under_load
+
+    drain = _drain_under_load(nccl_deployment, nccl_client, reference, seed=41, skew=True)
+    moving, counted = drain.moving, drain.counted
+    assert moving == STREAMS
+    assert drain.pulled >= 200 * moving, (drain.pulled, moving)
+    assert drain.computed <= 2 * moving, (drain.computed, moving)
+    assert counted[("duet_migrations_total", drain.grown, "out", "kv")] == moving, counted
+    assert counted[("duet_migrations_total", "decode-0", "in", "kv")] == moving, counted
+    stall = max(b - a for times in drain.arrivals for a, b in zip(times, times[1:]) if b > drain.drained_at)
+    print(f"drained {drain.grown} over nccl: {moving} streams moved with {drain.pulled:.0f} context tokens sent, "
+          f"{drain.computed:.0f} computed on decode-0; all exact; longest pause after the drain {stall * 1000:.0f} ms")

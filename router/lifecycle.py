@@ -320,7 +320,10 @@ class RequestLifecycle:
             return None
         if target is round_.worker:
             return None
-        return await round_.engine.migrate_out(round_.request_id, target)
+        # Counted as the target's meanwhile, so that the next request moving now is spread by the
+        # policy instead of following this one.
+        with target.assign(round_.context_tokens):
+            return await round_.engine.migrate_out(round_.request_id, target)
 
     def _moved_target(self, ticket: MigrationTicket | None) -> PoolMember | None:
         """The decode worker a push transport sent a moved request's KV to, if still ready."""

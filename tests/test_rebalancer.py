@@ -65,3 +65,37 @@ def test_a_request_that_just_moved_in_stays_a_while() -> None:
     assert plan_moves(usage, rounds, gap=0.2) == ("decode-0", ["r0"])
     assert plan_moves(usage, rounds, gap=0.2, settled_before=90.0) == ("decode-0", ["r1"])
     assert plan_moves(usage, rounds, gap=0.2, settled_before=110.0) == ("decode-0", ["r0"])
+
+
+def test_requests_moving_together_over_a_push_transport_are_spread_over_the_targets() -> None:
+    """With a push transport (nccl) each moving request's target is picked before its KV leaves;
+    while one is being given up it counts as its target's, so the decode policy spreads twelve
+    requests leaving a drained worker at once over both others: each second pick goes to the
+    worker the one before did not take. (Picked from the same state, they went wherever the
+    random tie-break sent them, all twelve to one worker at times.)"""
+    import asyncio
+
+    from duet.router.lifecycle import RequestLifecycle
+    from duet.router.pools import WorkerPool
+    from duet.router.worker_engines import MigrationTicket
+
+    targets: list[str] = []
+
+    class _LeavingEngine:
+        """The drained worker's engine front end, as the lifecycle calls it: gives each request up."""
+
+        async def migrate_out(self, request_id: str, target: PoolMember | None = None) -> MigrationTicket:
+            assert target is not None, "a push transport names the target"
+            targets.append(target.name)
+            await asyncio.sleep(0.01)  # the engine core's answer comes later: all are asked first
+            return MigrationTicket("decode-0", [1, 2], {"p2p_transfer_id": request_id}, target.name, target.engine)
+
+    members = [PoolMember(f"decode-{i}", actor=None, state="ready") for i in range(3)]
+    leaving = members[0]
+    leaving.state = "draining"
+    lifecycle = RequestLifecycle(WorkerPool("prefill"), WorkerPool("decode", members=members), prefill_pushes_kv=True)
+    for i in range(12):
+        lifecycle._decoding[f"r{i}"] = Decoding(f"r{i}", leaving, _LeavingEngine(), context_tokens=1000)
+    assert asyncio.run(lifecycle.migrate(leaving)) == 12
+    assert all(first != second for first, second in zip(targets[::2], targets[1::2])), targets
+    assert all(member.assigned == 0 for member in members), "an assignment outlived its move"

@@ -7,9 +7,10 @@ rebalancer) and read each stream's pauses after it.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
 
 class GreedyStreams:
@@ -63,3 +64,14 @@ class GreedyStreams:
             max((b - max(a, moment) for (a, _), (b, _) in zip(messages, messages[1:]) if b > moment), default=0.0)
             for messages in self.arrivals
         ]
+
+    def time_per_token_in(self, start: float, end: float, streams: Iterable[int]) -> float | None:
+        """The median over ``streams`` (indexes) of each one's time per token between ``start``
+        and ``end``: its engine's step time then. None if none of them streamed twice in it."""
+        per_token = []
+        for index in streams:
+            inside = [(when, count) for when, count in self.arrivals[index] if start < when <= end]
+            tokens = sum(count for _, count in inside[1:])
+            if tokens:
+                per_token.append((inside[-1][0] - inside[0][0]) / tokens)
+        return statistics.median(per_token) if per_token else None

@@ -46,37 +46,75 @@ def wait_settled(client: Any, decode_workers: int, timeout_s: float = 600) -> li
     raise TimeoutError(f"the decode pool did not settle at {decode_workers} workers")
 
 
+def kv_reads(client: Any, worker: str) -> tuple[int, float]:
+    """The KV transfers ``worker`` has made since it started, and their seconds in all (its
+    vLLM metrics, as ``duet status`` shows them)."""
+    for pool in client.status(timeout=30).pools:
+        for state in pool.workers:
+            if state.name == worker:
+                return state.kv_transfers, state.kv_transfer_seconds
+    raise LookupError(f"no worker {worker}")
+
+
+def mean_transfer_s(before: tuple[int, float], after: tuple[int, float]) -> float | None:
+    """The mean duration of the transfers between two :func:`kv_reads` (None: there were none)."""
+    count = after[0] - before[0]
+    return (after[1] - before[1]) / count if count else None
+
+
 def run_once(deployment: Any, client: Any, method: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
-    """Grow decode to two workers, stream, drain the new one by ``method``; the moved streams' pauses."""
+    """Grow decode to two workers, stream, drain the new one by ``method``; the moved streams'
+    pauses, the router's split of their stalls, and decode-0's KV reads meanwhile."""
     client.scale("decode", 2)
     grown = next(name for name in wait_settled(client, 2) if name != "decode-0")
     leaving = deployment.decode.find(grown)
     streams = GreedyStreams(client, prompts, tokens)
     streams.start(decoding_tokens=10)
-    moving = {
-        round_.request_id.split("-", 1)[0] for round_ in deployment.service.lifecycle.decoding() if round_.worker is leaving
-    }
-    hooks = list(deployment.decode.on_draining)
+    lifecycle = deployment.service.lifecycle
+    moving = {round_.request_id.split("-", 1)[0] for round_ in lifecycle.decoding() if round_.worker is leaving}
+    hooks, observe = list(deployment.decode.on_draining), lifecycle.on_move
+    moves: list[Any] = []
+
+    def record(move: Any) -> None:
+        moves.append(move)
+        if observe is not None:
+            observe(move)
+
+    lifecycle.on_move = record
     if method == "replay":
         deployment.decode.on_draining.clear()
+    reads_before = kv_reads(client, "decode-0")
     try:
         drained_at = time.monotonic()
         client.drain(grown, timeout_s=0 if method == "replay" else None)
         streams.join(method)
     finally:
         deployment.decode.on_draining[:] = hooks
+        lifecycle.on_move = observe
     wait_settled(client, 1)
     stalls = {f"s{i}": pause for i, pause in enumerate(streams.longest_pauses_after(drained_at))}
     moved = sorted(stalls[name] for name in moving)
+    # decode-0's step time while the moved streams resumed there, from the streams it kept.
+    staying = [i for i in range(len(prompts)) if f"s{i}" not in moving]
+    step = streams.time_per_token_in(drained_at, drained_at + max(moved, default=0.0), staying)
     return {
         "method": method,
         "moved_streams": len(moving),
         "stall_s": moved,
         "stall_median_s": statistics.median(moved) if moved else None,
         "stall_max_s": max(moved, default=None),
+        "phase_median_s": median_phases(moves),
+        "kv_read_mean_s": mean_transfer_s(reads_before, kv_reads(client, "decode-0")),
+        "target_step_s": step,
         "others_longest_pause_s": max((v for k, v in stalls.items() if k not in moving), default=None),
         "tokens": streams.tokens,
     }
+
+
+def median_phases(moves: list[Any]) -> dict[str, float]:
+    """Per phase of the router's split of a stall (router/lifecycle.py ``Move``), its median over ``moves``."""
+    phases = sorted({phase for move in moves for phase in move.phases})
+    return {phase: statistics.median(move.phases[phase] for move in moves if phase in move.phases) for phase in phases}
 
 
 def random_prompts(streams: int, context: tuple[int, int], seed: int) -> list[list[int]]:
@@ -122,7 +160,16 @@ def run_benchmark(
 
 def _describe(result: dict[str, Any]) -> str:
     return (f"{result['moved_streams']} streams moved; stall median {_ms(result['stall_median_s'])}, max "
-            f"{_ms(result['stall_max_s'])} ms; other streams' longest pause {_ms(result['others_longest_pause_s'])} ms")
+            f"{_ms(result['stall_max_s'])} ms ({describe_phases(result)}); other streams' longest pause "
+            f"{_ms(result['others_longest_pause_s'])} ms")
+
+
+def describe_phases(result: dict[str, Any]) -> str:
+    """The router's split of the stall, and the target's mean KV read, in milliseconds."""
+    phases = ", ".join(f"{phase} {_ms(seconds)}" for phase, seconds in result["phase_median_s"].items())
+    step = result.get("target_step_s")
+    return (f"{phases or 'no split'}; KV reads on the target {_ms(result['kv_read_mean_s'])} ms each"
+            + (f"; its step {_ms(step)} ms meanwhile" if step is not None else ""))
 
 
 def _compare(pair: dict[str, dict[str, Any]]) -> str:

@@ -31,11 +31,12 @@ import yaml
 
 from duet.benchmarks.alternating import alternating_rounds
 from duet.benchmarks.greedy_streams import GreedyStreams
-from duet.benchmarks.migration import wait_settled
+from duet.benchmarks.migration import kv_reads, mean_transfer_s, wait_settled
 
 THREE_HOSTS_PLAN = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "three-hosts-cpu.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "migration_hosts.json"
 _STALL = "duet_migration_stall_seconds"
+_PHASE = "duet_migration_phase_seconds"
 
 
 def admin_key_settings(directory: Path, key: str) -> dict[str, Any]:
@@ -47,17 +48,18 @@ def admin_key_settings(directory: Path, key: str) -> dict[str, Any]:
     return {"server": {"auth": {"api_keys_file": str(keys_file)}}}
 
 
-def _stall_samples(metrics_url: str) -> dict[tuple[str, str], float]:
-    """The stall histogram's count and sum, by (sample name, method)."""
+def _stall_samples(metrics_url: str) -> dict[tuple[str, str, str], float]:
+    """The stall and stall-phase histograms' counts and sums, by (sample name, method, phase:
+    "" for the stall)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
     return {
-        (sample.name, sample.labels["method"]): sample.value
+        (sample.name, sample.labels["method"], sample.labels.get("phase", "")): sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == _STALL
+        if family.name in (_STALL, _PHASE)
         for sample in family.samples
-        if sample.name in (f"{_STALL}_count", f"{_STALL}_sum")
+        if sample.name.endswith(("_count", "_sum"))
     }
 
 
@@ -94,14 +96,21 @@ def _drain_under_load(
     leaving = max((w for pool in client.list_workers().pools if pool.role == "decode" for w in pool.workers),
                   key=lambda worker: worker.requests_inflight)
     on_leaving = leaving.requests_inflight
+    staying = next(name for name in ("decode-0", "decode-1") if name != leaving.name)
+    reads_before = kv_reads(client, staying)
     drained_at = time.monotonic()
     client.drain(leaving.name, timeout_s=0 if method == "replay" else None)
     streams.join(method)
     wait_settled(client, 1)
     time.sleep(1.0)  # the last move's stall is observed as its stream's next token leaves
     after = _stall_samples(cluster.metrics_url)
-    moved = int(after.get((f"{_STALL}_count", method), 0) - before.get((f"{_STALL}_count", method), 0))
-    stall_sum = after.get((f"{_STALL}_sum", method), 0) - before.get((f"{_STALL}_sum", method), 0)
+
+    def grew(sample: str, phase: str = "") -> float:
+        return after.get((sample, method, phase), 0) - before.get((sample, method, phase), 0)
+
+    moved = int(grew(f"{_STALL}_count"))
+    phases = {phase: grew(f"{_PHASE}_sum", phase) / count for phase in ("give_up", "hand_off", "resume")
+              if (count := grew(f"{_PHASE}_count", phase))}
     pauses = sorted(streams.longest_pauses_after(drained_at), reverse=True)
     longest = pauses[:moved]
     return {
@@ -109,7 +118,9 @@ def _drain_under_load(
         "link_gbit": rate_mbit / 1000,
         "streams_on_drained_worker": on_leaving,
         "moved_streams": moved,
-        "stall_mean_s": stall_sum / moved if moved else None,
+        "stall_mean_s": grew(f"{_STALL}_sum") / moved if moved else None,
+        "phase_mean_s": phases,
+        "kv_read_mean_s": mean_transfer_s(reads_before, kv_reads(client, staying)),
         "client_pause_median_s": statistics.median(longest) if longest else None,
         "client_pause_max_s": max(longest, default=None),
         "others_longest_pause_s": pauses[moved] if moved < len(pauses) else None,
@@ -123,8 +134,10 @@ def run_benchmark_on_hosts(prompts: list[list[int]], tokens: int, rounds: int, l
         return f"kv / replay mean stall {kv / replay if kv and replay else float('nan'):.2f}x"
 
     def describe(result: dict[str, Any]) -> str:
+        phases = ", ".join(f"{phase} {_ms(seconds)}" for phase, seconds in result["phase_mean_s"].items())
         return (f"{result['moved_streams']} of {result['streams_on_drained_worker']} streams on the drained worker moved; stall mean "
-                f"{_ms(result['stall_mean_s'])} ms (router); clients' longest pauses: median "
+                f"{_ms(result['stall_mean_s'])} ms (router; {phases or 'no split'}; KV reads on the target "
+                f"{_ms(result['kv_read_mean_s'])} ms each); clients' longest pauses: median "
                 f"{_ms(result['client_pause_median_s'])}, max {_ms(result['client_pause_max_s'])} ms, the next stream's "
                 f"{_ms(result['others_longest_pause_s'])} ms")
 

@@ -128,6 +128,28 @@ class PoolManager:
         member.kv_endpoint = status.kv_endpoint
         if self.front_doors is not None:
             await self.front_doors.connect(member, self.pool)
+        await self._connect_kv_peers(member)
+
+    async def _connect_kv_peers(self, member: PoolMember) -> None:
+        """Where decode workers move requests to each other with their KV over NIXL (a drain,
+        the rebalancer), have ``member``'s engine and every other ready decode engine handshake
+        now (worker_runtime/kv_migration.py ``connect_kv_peer``): the first move between two of
+        them then does not wait for it. Best effort: a handshake not made now is made by the
+        first pull, as before."""
+        router = self.config.router
+        moves = router.drain_moves_kv or router.rebalance_kv_gap is not None
+        if self.pool.role != "decode" or not moves or not hasattr(member.engine, "kv_peer"):
+            return
+        others = [other for other in self.pool.ready() if other is not member and hasattr(other.engine, "kv_peer")]
+        try:
+            mine = await member.engine.kv_peer() if others else None
+            if mine is None:
+                return
+            for other in others:
+                theirs = await other.engine.kv_peer()
+                await asyncio.gather(member.engine.connect_kv_peer(theirs), other.engine.connect_kv_peer(mine))
+        except Exception as error:
+            logger.warning("%s: NIXL handshakes with the other decode workers not made ahead (%s)", member.name, error)
 
     async def adopt(self) -> None:
         """Take over this pool's workers that run (a control plane started again): connect

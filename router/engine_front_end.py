@@ -30,7 +30,7 @@ from duet.config import KVTransferConfig
 from duet.kv_transfer.config import move_out_params
 from duet.worker_runtime.engine_host import WATCH_HOLD_S
 from duet.worker_runtime.engine_clients import READDRESS_METHOD
-from duet.worker_runtime.kv_migration import MIGRATE_OUT_METHOD
+from duet.worker_runtime.kv_migration import CONNECT_KV_PEER_METHOD, KV_PEER_METHOD, MIGRATE_OUT_METHOD
 from duet.worker_runtime.worker_api import DecodeChunk, EngineAborted, EngineAddresses, PrefillResult, SamplingSpec, WorkerStatus
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
@@ -250,12 +250,22 @@ class EngineFrontEnd:
         ticket = MigrationTicket(
             self.name, list(answer["token_ids"]), answer["kv_transfer_params"],
             target.name if target is not None else None, target.engine if target is not None else None,
+            given_up_at=time.perf_counter(),
         )
         self._migrated[request_id] = ticket
         # The engine core let the request go without a last output: ending it here, in the front
         # end only, ends the stream (vLLM sends the core an abort it ignores for a finished request).
         await self.engine.abort(request_id)
         return ticket
+
+    async def kv_peer(self) -> dict[str, Any] | None:
+        """Where other engines' NIXL agents reach this engine's (None without NIXL)."""
+        return await self.engine.engine_core.call_utility_async(KV_PEER_METHOD)
+
+    async def connect_kv_peer(self, peer: dict[str, Any]) -> None:
+        """Have the engine start NIXL's handshake with ``peer`` (another's :meth:`kv_peer`),
+        so that requests moving between them find it made (worker_runtime/kv_migration.py)."""
+        await self.engine.engine_core.call_utility_async(CONNECT_KV_PEER_METHOD, peer)
 
     async def requests_by_client(self) -> dict[int, int]:
         """The requests the engine core holds, by client (front door) index: every front

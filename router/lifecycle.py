@@ -21,9 +21,10 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
+from duet.worker_runtime.engine_output import MOVED_ROUND_MARK
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import NoWorkerAvailable, PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
@@ -64,12 +65,16 @@ class Move:
     """A request that left decode worker ``source`` (drained, scaled away, or dead) and
     continued on ``target``: with its KV pulled (``method`` "kv") or by recomputing its context
     there ("replay"); ``stall_s`` is the gap it left in the client's stream, from the last token
-    before the move to the first after it."""
+    before the move to the first after it. A move its source gave up (a drain, a rebalance; not
+    a death) splits the stall into ``phases``: ``give_up`` (to the source's answer, which comes
+    between two of its steps), ``hand_off`` (the router sending the request on) and ``resume``
+    (to the target's first token: its KV pull or recomputation, and its next step)."""
 
     source: str
     target: str
     method: str
     stall_s: float
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class WorkerFailed(RuntimeError):
@@ -134,6 +139,8 @@ class _Round:
     moved: MigrationTicket | None = None
     # Its KV hand-off timed out, so its decode worker computed the context itself.
     recomputed: bool = False
+    # When its decode worker was sent the request to continue from another engine's KV.
+    handed_off_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,19 @@ class _Departure:
         """The departure from ``round_``'s decode worker; None if the round had none yet (its
         prefill failed: the stream never reached a decode worker)."""
         return _Departure(round_.decode_worker, clock.last) if round_.decode_worker else None
+
+
+def _phases(departure: _Departure, round_: _Round) -> dict[str, float]:
+    """Where a move's stall went (:class:`Move`), for a round that continues a request its source
+    gave up; none for one that resumes after a failure."""
+    if round_.moved is None or departure.resumed_at is None:
+        return {}
+    given_up = max(round_.moved.given_up_at, departure.left_at)  # a token relayed as it was given up
+    return {
+        "give_up": given_up - departure.left_at,
+        "hand_off": max(round_.handed_off_at - given_up, 0.0),
+        "resume": departure.resumed_at - max(round_.handed_off_at, given_up),
+    }
 
 
 class RequestLifecycle:
@@ -261,7 +281,8 @@ class RequestLifecycle:
             return False
         if self.on_move is not None:
             method = "kv" if round_.moved is not None and not round_.recomputed else "replay"
-            self.on_move(Move(departure.source, round_.decode_worker, method, departure.resumed_at - departure.left_at))
+            stall = departure.resumed_at - departure.left_at
+            self.on_move(Move(departure.source, round_.decode_worker, method, stall, _phases(departure, round_)))
         return True
 
     def _next_round(
@@ -271,7 +292,7 @@ class RequestLifecycle:
         """The round that serves what is left of ``request`` after ``sent``: a moved round
         where ``moved`` kept the KV (the last streamed token re-derived from it), else a round
         that computes the prompt and everything streamed."""
-        suffix = "".join((f"-retry{attempt}" if attempt else "", f"-moved{moves}" if moves else ""))
+        suffix = "".join((f"-retry{attempt}" if attempt else "", f"{MOVED_ROUND_MARK}{moves}" if moves else ""))
         left = request.sampling.max_tokens - len(sent)
         if moved is not None:
             return _Round(
@@ -406,6 +427,7 @@ class RequestLifecycle:
     ) -> AsyncIterator[DecodeChunk]:
         """Decode on ``decode_worker`` from KV another engine holds (a prefill's, or a moved
         request's) and its first token (``handoff``); past the transfer timeout, recompute it."""
+        round_.handed_off_at = time.perf_counter()
         chunks = self._decode(decode_worker, round_, handoff, handoff.kv_transfer_params)
         try:
             first = await asyncio.wait_for(anext(chunks), self.policy.transfer_timeout_s)

@@ -58,6 +58,15 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.migration_phase = Histogram(
+            "duet_migration_phase_seconds",
+            "Where the stall of a move its source gave up went, by method and phase: give_up (from the last token "
+            "to the source's answer), hand_off (the router sending the request on), resume (to the target's first "
+            "token: its KV pull or recomputation, and its next step).",
+            ["method", "phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
 
 
 class WorkerMetricsCollector(Collector):

@@ -78,6 +78,8 @@ class ClusterView:
             self.metrics.migrations.labels(move.source, "out", move.method).inc()
             self.metrics.migrations.labels(move.target, "in", move.method).inc()
             self.metrics.migration_stall.labels(move.method).observe(move.stall_s)
+            for phase, seconds in move.phases.items():
+                self.metrics.migration_phase.labels(move.method, phase).observe(seconds)
 
     async def status(self) -> pb.ClusterStatus:
         """The cluster as ``duet status`` shows it; request and migration counts are every

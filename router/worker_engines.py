@@ -42,13 +42,16 @@ class MigrationTicket:
     every one but the last); ``kv_transfer_params`` are what a decode engine needs to load that
     KV, None when no connector kept it (the request then resumes by recomputing). ``target`` is
     the worker a push transport sent the KV to, and ``target_engine`` its engine then (None: any
-    worker but the source may pull it)."""
+    worker but the source may pull it). ``given_up_at`` is when the source's answer came
+    (``time.perf_counter``, the router's clock): where a move's stall splits between the source
+    and the target."""
 
     source: str
     token_ids: list[int]
     kv_transfer_params: dict[str, Any] | None
     target: str | None = None
     target_engine: Any = field(default=None, compare=False, repr=False)
+    given_up_at: float = field(default=0.0, compare=False)
 
     def kv_usable_on(self, worker: str, engine: Any) -> bool:
         """Whether ``worker``, running ``engine``, can continue the request from this KV (else

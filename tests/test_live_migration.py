@@ -5,7 +5,8 @@ streams run on both; draining the new one must move its streams to decode-0 with
 (worker_runtime/kv_migration.py): every stream completes token-identical to a colocated engine,
 and decode-0 pulls those streams' contexts instead of computing them (vLLM's own count of
 prompt tokens by source), computing one token per moved stream (the last one streamed, which
-it re-derives). ``duet status`` and Prometheus count the moves, by worker and method. A
+it re-derives); the two decode engines handshake over NIXL as the second one joins, before
+any move. ``duet status`` and Prometheus count the moves, by worker and method. A
 source that dies between giving its streams up and their pull costs recomputing, not a stream;
 so does a target that dies as they arrive (they resume on its replacement).
 """
@@ -65,6 +66,9 @@ def _drain_under_load(deployment, client, reference, seed: int, skew: bool = Fal
     assert _wait_settled(client)["decode"] == ["decode-0", grown]
     survivor = deployment.decode.find("decode-0")
     leaving = deployment.decode.find(grown)
+    # The two decode engines' NIXL agents handshake as the new one joins, not at the first move.
+    wait_for(lambda: _handshaken(deployment, survivor, leaving) and _handshaken(deployment, leaving, survivor), 15,
+             "the decode engines handshaken with each other ahead of any move")
 
     tokens: list[list[int]] = [[] for _ in prompts]
     arrivals: list[list[float]] = [[] for _ in prompts]
@@ -145,10 +149,22 @@ def test_a_rebalanced_then_drained_decode_worker_moves_its_streams_with_their_kv
     assert counted[("duet_migrations_total", "decode-0", "in", "kv")] == moving, counted
     assert counted[("duet_migration_stall_seconds_count", None, None, "kv")] == moving, counted
     assert 0 < counted[("duet_migration_stall_seconds_sum", None, None, "kv")] < 30 * moving, counted
+    # Each stall split where it went: the source giving the request up, the router handing it
+    # on, the target resuming it; the parts add up to the stall.
+    phases = {phase: counted[("duet_migration_phase_seconds_sum", phase, None, "kv")] for phase in ("give_up", "hand_off", "resume")}
+    assert all(counted[("duet_migration_phase_seconds_count", phase, None, "kv")] == moving for phase in phases), counted
+    assert phases["resume"] > 0, phases
+    assert abs(sum(phases.values()) - counted[("duet_migration_stall_seconds_sum", None, None, "kv")]) < 0.001 * moving, phases
     # The longest pause any stream saw after the drain: a moved stream's stall.
     stall = max(b - a for times in drain.arrivals for a, b in zip(times, times[1:]) if b > drain.drained_at)
     print(f"rebalanced {rebalanced[0]} of {moving} streams off {drain.grown}, then drained it: all moved with {drain.pulled:.0f} prompt tokens pulled, "
           f"{drain.computed:.0f} computed; all {STREAMS} streams exact; longest pause after the drain {stall * 1000:.0f} ms")
+
+
+def _handshaken(deployment, worker, other) -> bool:
+    """Whether ``worker``'s NIXL agent has handshaken with ``other``'s."""
+    mine, theirs = (deployment.background.run(member.engine.kv_peer(), timeout=30) for member in (worker, other))
+    return theirs["engine_id"] in mine["connected"]
 
 
 def _engine_pid(worker) -> int:
@@ -245,12 +261,12 @@ def _engine_requests(deployment, worker) -> int:
 
 
 def _migration_samples(client, metrics_url: str | None = None) -> dict[tuple[str, str | None, str | None, str | None], float]:
-    """The deployment's Prometheus samples of moved requests, by (name, worker, direction, method),
-    from ``metrics_url`` or the endpoint its status names."""
+    """The deployment's Prometheus samples of moved requests, by (name, worker or stall phase,
+    direction, method), from ``metrics_url`` or the endpoint its status names."""
     metrics_url = metrics_url or f"http://{client.status().metrics_endpoint}/metrics"
     text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
     return {
-        (sample.name, sample.labels.get("worker"), sample.labels.get("direction"), sample.labels.get("method")): sample.value
+        (sample.name, sample.labels.get("worker", sample.labels.get("phase")), sample.labels.get("direction"), sample.labels.get("method")): sample.value
         for family in text_string_to_metric_families(text)
         if family.name.startswith("duet_migration")
         for sample in family.samples

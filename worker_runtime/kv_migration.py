@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# The utility's name on vLLM's EngineCoreProc (router/engine_front_end.py calls it).
+# The utilities' names on vLLM's EngineCoreProc (router/engine_front_end.py calls them).
 MIGRATE_OUT_METHOD = "duet_migrate_out"
+KV_PEER_METHOD = "duet_kv_peer"
+CONNECT_KV_PEER_METHOD = "duet_connect_kv_peer"
 
 
 def migrate_out(core: Any, request_id: str, kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -71,8 +73,58 @@ def _track_for_pull(scheduler: Any, request_id: str) -> None:
         in_batch.add(request_id)
 
 
+def kv_peer(core: Any) -> dict[str, Any] | None:
+    """Where another engine's NIXL agent reaches this one's (its side channel, as a pull's
+    ``kv_transfer_params`` name it), and the engines it has handshaken with (``connected``);
+    None without NixlConnector."""
+    connector = getattr(getattr(core.scheduler, "connector", None), "connector_scheduler", None)
+    if connector is None or not hasattr(connector, "side_channel_port"):
+        return None
+    connected = core.model_executor.collective_rpc(_connected_engines)
+    return {
+        "engine_id": connector.engine_id,
+        "host": connector.side_channel_host,
+        "port": connector.side_channel_port,
+        "tp_size": connector.transfer_tp_size,
+        "connected": sorted(set().union(*connected)),
+    }
+
+
+def connect_kv_peer(core: Any, peer: dict[str, Any]) -> None:
+    """Start NIXL's handshake with ``peer`` (:func:`kv_peer` of another engine) now, in the
+    connector's background thread, instead of at the first pull from it.
+
+    Decode engines read each other's KV only when a request moves, so the first move between
+    two of them found no handshake done: its requests waited for it, and for the engine step
+    that then posts their reads (a handshake took 15-45 ms here, a step 25-40 ms; with RDMA,
+    registering the peer's memory takes longer). Handshaking when a decode worker joins takes
+    that off the first move. Returns at once: the engine's steps do not wait for it."""
+    core.model_executor.collective_rpc(_start_handshake, args=(peer,))
+
+
+def _connected_engines(worker: Any) -> list[str]:
+    """In each of the engine's workers: the remote engines its NIXL agent has handshaken with."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector_worker = get_kv_transfer_group().connector_worker
+    with connector_worker._handshake_lock:  # the background handshakes add to it
+        return list(connector_worker._remote_agents)
+
+
+def _start_handshake(worker: Any, peer: dict[str, Any]) -> None:
+    """In each of the engine's workers: NixlConnector's own entry for a handshake, idempotent
+    (a peer already known, or being handshaken with, is left as it is)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector_worker = get_kv_transfer_group().connector_worker
+    connector_worker._ensure_handshake(peer["engine_id"], peer["host"], peer["port"], peer["tp_size"])
+
+
 def install() -> None:
-    """Add :func:`migrate_out` to vLLM's engine core as a utility call; idempotent."""
+    """Add :func:`migrate_out`, :func:`kv_peer` and :func:`connect_kv_peer` to vLLM's engine
+    core as utility calls; idempotent."""
     from vllm.v1.engine.core import EngineCoreProc
 
     setattr(EngineCoreProc, MIGRATE_OUT_METHOD, migrate_out)
+    setattr(EngineCoreProc, KV_PEER_METHOD, kv_peer)
+    setattr(EngineCoreProc, CONNECT_KV_PEER_METHOD, connect_kv_peer)

@@ -37,13 +37,14 @@ async def decode_updates(
     sampling: SamplingSpec,
     kv_transfer_params: dict[str, Any] | None,
     first_token_id: int | None = None,
-    first_text: str | None = "",
+    first_text: str = "",
 ) -> AsyncIterator[tuple[list[int], str, FinishReason | None]]:
     """The request's new tokens, text and finish as ``engine`` produces them, step by step.
 
     ``first_token_id`` is the token prefill already sent, which is skipped; None streams every
-    token. ``first_text`` is that token's text, None where it is not known (a request moved off
-    another decode worker, which re-derives the last token it streamed). Delta outputs: vLLM hands over only what is new, merging steps a slow reader missed.
+    token (a request computed here, or moved here from another decode worker, whose first
+    output is new). ``first_text`` is that token's text. Delta outputs: vLLM hands over only
+    what is new, merging steps a slow reader missed.
     """
     params = make_params(sampling, kv_transfer_params, True)
     skip_first = first_token_id is not None
@@ -56,13 +57,7 @@ async def decode_updates(
                 # Only possible with sampling and float noise between the two engines.
                 logger.warning("request %s: decode re-derived a different first token", request_id)
             token_ids = token_ids[1:]
-            if first_text is None:  # unknown (a moved request): the output's text is that token's alone
-                if token_ids:
-                    logger.warning("request %s: the re-derived token came with others; its text is kept", request_id)
-                else:
-                    text = ""
-            else:
-                text = text[len(first_text):] if text.startswith(first_text) else text
+            text = text[len(first_text):] if text.startswith(first_text) else text
         finish = completion.finish_reason if output.finished else None
         if token_ids or text or finish is not None:
             yield list(token_ids), text, finish
@@ -90,7 +85,7 @@ class SimulatedDecodeWorker(SimulatedHost):
         sampling: SamplingSpec,
         kv_transfer_params: dict[str, Any] | None,
         first_token_id: int | None = None,
-        first_text: str | None = "",
+        first_text: str = "",
         *,
         reply: Callable[[Message], None],
     ) -> None:

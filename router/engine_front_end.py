@@ -207,7 +207,7 @@ class EngineFrontEnd:
         sampling: SamplingSpec,
         kv_transfer_params: dict[str, Any] | None,
         first_token_id: int | None,
-        first_text: str | None,
+        first_text: str,
     ) -> AsyncIterator[DecodeChunk]:
         self._check_alive()
         self._requests.add(request_id)

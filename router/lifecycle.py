@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
-from duet.worker_runtime.engine_output import MOVED_ROUND_MARK
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
 from duet.router.pools import NoWorkerAvailable, PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
@@ -135,7 +134,7 @@ class _Round:
     prefill_worker: str = ""
     decode_worker: str = ""
     # A round that continues a request its decode worker gave up with its KV: no prefill; a
-    # decode worker pulls that KV (every token but the last streamed one, which it re-derives).
+    # decode worker loads that KV (every token but the last streamed one, which it computes).
     moved: MigrationTicket | None = None
     # Its KV hand-off timed out, so its decode worker computed the context itself.
     recomputed: bool = False
@@ -289,22 +288,16 @@ class RequestLifecycle:
         self, request: ValidatedRequest, internal_id: str, attempt: int, moves: int, sent: list[int],
         moved: MigrationTicket | None,
     ) -> _Round:
-        """The round that serves what is left of ``request`` after ``sent``: a moved round
-        where ``moved`` kept the KV (the last streamed token re-derived from it), else a round
-        that computes the prompt and everything streamed."""
-        suffix = "".join((f"-retry{attempt}" if attempt else "", f"{MOVED_ROUND_MARK}{moves}" if moves else ""))
+        """The round that serves what is left of ``request`` after ``sent``: its prompt is the
+        request's and everything streamed; a moved round (``moved`` kept the KV of all of it
+        but the last token) computes only that last token, any other computes it all."""
+        suffix = "".join((f"-retry{attempt}" if attempt else "", f"-moved{moves}" if moves else ""))
         left = request.sampling.max_tokens - len(sent)
-        if moved is not None:
-            return _Round(
-                request_id=internal_id + suffix,
-                prompt_token_ids=request.prompt_token_ids + sent[:-1],
-                sampling=replace(request.sampling, max_tokens=left + 1),
-                moved=moved,
-            )
         return _Round(
             request_id=internal_id + suffix,
             prompt_token_ids=request.prompt_token_ids + sent,
             sampling=replace(request.sampling, max_tokens=left) if sent else request.sampling,
+            moved=moved,
         )
 
     def decoding(self) -> list[Decoding]:
@@ -397,7 +390,7 @@ class RequestLifecycle:
         if result.finish_reason is not None:
             return
         decode_worker = await self._still_ready(decode_worker, round_)  # the prompt took a while
-        async for chunk in self._pull_and_decode(decode_worker, round_, result):
+        async for chunk in self._pull_and_decode(decode_worker, round_, result.kv_transfer_params, result):
             yield chunk
 
     async def _moved_round(
@@ -411,24 +404,18 @@ class RequestLifecycle:
         # KV was sent to is gone: it recomputes the request, as after a pull that timed out.
         kv_transfer_params = ticket.kv_transfer_params if ticket.kv_usable_on(decode_worker.name, decode_worker.engine) else None
         round_.recomputed = kv_transfer_params is None
-        handoff = PrefillResult(
-            first_token_id=ticket.token_ids[-1],
-            first_text=None,  # the text of the re-derived token, whatever the target makes it
-            num_prompt_tokens=len(round_.prompt_token_ids),
-            kv_transfer_params=kv_transfer_params,
-            finish_reason=None,
-            worker=ticket.source,
-        )
-        async for chunk in self._pull_and_decode(decode_worker, round_, handoff):
+        async for chunk in self._pull_and_decode(decode_worker, round_, kv_transfer_params):
             yield chunk
 
     async def _pull_and_decode(
-        self, decode_worker: PoolMember, round_: _Round, handoff: PrefillResult
+        self, decode_worker: PoolMember, round_: _Round, kv_transfer_params: dict[str, Any] | None,
+        handoff: PrefillResult | None = None,
     ) -> AsyncIterator[DecodeChunk]:
-        """Decode on ``decode_worker`` from KV another engine holds (a prefill's, or a moved
-        request's) and its first token (``handoff``); past the transfer timeout, recompute it."""
+        """Decode on ``decode_worker`` from KV another engine holds: a prefill's (``handoff``,
+        whose first token the stream has: the decode engine re-derives it, and it is skipped)
+        or a moved request's; past the transfer timeout, recompute it."""
         round_.handed_off_at = time.perf_counter()
-        chunks = self._decode(decode_worker, round_, handoff, handoff.kv_transfer_params)
+        chunks = self._decode(decode_worker, round_, handoff, kv_transfer_params)
         try:
             first = await asyncio.wait_for(anext(chunks), self.policy.transfer_timeout_s)
         except TimeoutError:

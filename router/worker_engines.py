@@ -84,7 +84,7 @@ class WorkerEngine(Protocol):
         sampling: SamplingSpec,
         kv_transfer_params: dict[str, Any] | None,
         first_token_id: int | None,
-        first_text: str | None,
+        first_text: str,
     ) -> AsyncIterator[DecodeChunk]:
         """New tokens as they come; closing the iterator early aborts the request."""
         ...
@@ -148,7 +148,7 @@ class ActorEngine:
         sampling: SamplingSpec,
         kv_transfer_params: dict[str, Any] | None,
         first_token_id: int | None,
-        first_text: str | None,
+        first_text: str,
     ) -> AsyncIterator[DecodeChunk]:
         """Start the request on the worker and relay its tokens as they come.
 

@@ -102,29 +102,6 @@ def test_a_first_token_is_sent_at_once_and_a_last_one_ends_the_wait():
     assert time.monotonic() - started < INTERVAL_S / 2, "the last token waited"
 
 
-def test_a_moved_request_sends_its_second_token_at_once_and_others_wait():
-    """A round continuing a moved request (router/lifecycle.py names it ``...-moved1``) first
-    re-derives a token its client has; its next one ends the move's stall and is not held. A
-    request from an ordinary hand-off holds its second token as any other."""
-    for request_id, held in (("s1-ab-moved1", False), ("s1-ab", True)):
-        inner: queue.Queue = queue.Queue()
-        coalescing = _sent_recently(inner)
-        first = _step((request_id, [7]))
-        first[1].outputs[0].prefill_stats = PrefillStats(num_prompt_tokens=40)
-        inner.put_nowait(first)
-        assert coalescing.get()[1].outputs[0].new_token_ids == [7]
-        inner.put_nowait(_step((request_id, [8])))
-        started = time.monotonic()
-        assert coalescing.get()[1].outputs[0].new_token_ids == [8]
-        waited = time.monotonic() - started
-        assert (waited > INTERVAL_S / 2) == held, (request_id, waited)
-        if not held:  # only the second: the third waits again
-            inner.put_nowait(_step((request_id, [9])))
-            started = time.monotonic()
-            coalescing.get()
-            assert time.monotonic() - started > INTERVAL_S / 2, "the moved request's third token was not held"
-
-
 def test_utility_answers_and_the_shutdown_sentinel_are_not_merged_and_keep_their_place():
     inner: queue.Queue = queue.Queue()
     coalescing = _sent_recently(inner)

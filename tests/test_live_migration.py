@@ -4,8 +4,8 @@ The session deployment (one prefill and one decode worker, NIXL) grows a second 
 streams run on both; draining the new one must move its streams to decode-0 with their KV
 (worker_runtime/kv_migration.py): every stream completes token-identical to a colocated engine,
 and decode-0 pulls those streams' contexts instead of computing them (vLLM's own count of
-prompt tokens by source), computing one token per moved stream (the last one streamed, which
-it re-derives); the two decode engines handshake over NIXL as the second one joins, before
+prompt tokens by source), computing one token per moved stream (the last one streamed, whose
+KV its source had not computed yet); the two decode engines handshake over NIXL as the second one joins, before
 any move. ``duet status`` and Prometheus count the moves, by worker and method. A
 source that dies between giving its streams up and their pull costs recomputing, not a stream;
 so does a target that dies as they arrive (they resume on its replacement).
@@ -139,7 +139,7 @@ def test_a_rebalanced_then_drained_decode_worker_moves_its_streams_with_their_kv
     assert 1 <= rebalanced[0] < STREAMS, f"rebalancing moved {rebalanced[0]} of {STREAMS} streams"
     moving, counted = drain.moving, drain.counted
     # Each moved stream's context (its prompt and 20+ tokens) came over NIXL; decode-0 computed
-    # only the token each re-derived. Recomputing would have cost it the whole contexts.
+    # only each one's last token. Recomputing would have cost it the whole contexts.
     assert drain.pulled >= 200 * moving, (drain.pulled, moving)
     assert drain.computed <= 2 * moving, (drain.computed, moving)
     # Every move counted where operators look: status (its workers, by method) and Prometheus.
@@ -162,8 +162,11 @@ def test_a_rebalanced_then_drained_decode_worker_moves_its_streams_with_their_kv
 
 
 def _handshaken(deployment, worker, other) -> bool:
-    """Whether ``worker``'s NIXL agent has handshaken with ``other``'s."""
+    """Whether ``worker``'s NIXL agent has handshaken with ``other``'s (trivially, over a
+    transport without NIXL: duet's push connector connects as it sends)."""
     mine, theirs = (deployment.background.run(member.engine.kv_peer(), timeout=30) for member in (worker, other))
+    if mine is None and theirs is None:
+        return True
     return theirs["engine_id"] in mine["connected"]
 
 

@@ -11,9 +11,7 @@ With an interval set, the engine core's output thread sends what the busy loop p
 holds later outputs until ``interval`` has passed since that send, merging each request's new
 tokens meanwhile. A request's first token and its last are sent at once, so time to first
 token and end-to-end latency do not move; the tokens in between wait at most ``interval``, and
-when steps take longer than the interval nothing waits. A request moved from another decode
-worker sends its second token at once too: its first re-derives a token the client has, and the
-second ends the move's stall (held, it added up to the interval to it). Tokens, their order and finish reasons
+when steps take longer than the interval nothing waits. Tokens, their order and finish reasons
 are unchanged: the front end already takes several new tokens per request in one output
 (speculative decoding sends them so). Messages that carry anything not safely merged (utility
 calls, logprobs, pooling, per-step counters) are sent as they are, in order.
@@ -32,10 +30,6 @@ from typing import Any
 
 # Set by duet for each worker's engine core; read by duet's vLLM plugin in that process.
 ENV_OUTPUT_INTERVAL_MS = "DUET_OUTPUT_INTERVAL_MS"
-# In the request id of a round that continues a request moved off another decode worker
-# (router/lifecycle.py names its rounds so). Such a round's first token re-derives the last one
-# the client has (the router drops it), so its second is the one the stalled stream waits for.
-MOVED_ROUND_MARK = "-moved"
 # Per-step counters a message's scheduler statistics may carry (besides the prefix caches'); a
 # message with any of them is not merged into, so vLLM's counters lose nothing.
 _DELTA_STATS = ("spec_decoding_stats", "kv_connector_stats", "ec_connector_stats")
@@ -60,8 +54,6 @@ class CoalescingOutputQueue:
         self._interval_s = interval_s
         self._held: Any = None  # a message taken while merging that could not be merged
         self._last_sent = 0.0
-        # Moved requests whose first (re-derived) token went out: their next one is urgent.
-        self._resuming: set[str] = set()
 
     def put_nowait(self, item: Any) -> None:
         self._inner.put_nowait(item)
@@ -72,7 +64,7 @@ class CoalescingOutputQueue:
             return item
         client_index, merged = item
         deadline = self._last_sent + self._interval_s
-        while not self._urgent(merged):
+        while not _urgent(merged):
             wait_s = deadline - time.monotonic()
             try:
                 following = self._inner.get(timeout=wait_s) if wait_s > 0 else self._inner.get_nowait()
@@ -83,27 +75,7 @@ class CoalescingOutputQueue:
                 break
             _merge_into(merged, following[1])
         self._last_sent = time.monotonic()
-        self._follow_moved(merged)
         return client_index, merged
-
-    def _urgent(self, outputs: Any) -> bool:
-        """A request's first token (vLLM attaches its prefill statistics to it), a moved
-        request's second, or any request's last: the time to first token, a move's stall and
-        the end of a stream never wait."""
-        return any(
-            output.prefill_stats is not None or output.finish_reason is not None or output.request_id in self._resuming
-            for output in outputs.outputs
-        )
-
-    def _follow_moved(self, sent: Any) -> None:
-        """After a send: a moved request whose only token so far was just sent sends its next
-        at once; one whose second token went, or that finished, is no longer followed."""
-        for output in sent.outputs:
-            if output.request_id in self._resuming or output.finish_reason is not None:
-                self._resuming.discard(output.request_id)
-            elif output.prefill_stats is not None and len(output.new_token_ids) == 1 and MOVED_ROUND_MARK in output.request_id:
-                self._resuming.add(output.request_id)
-        self._resuming.difference_update(sent.finished_requests or ())  # aborted meanwhile
 
 
 def _mergeable(item: Any) -> bool:
@@ -113,6 +85,12 @@ def _mergeable(item: Any) -> bool:
     if outputs.utility_output is not None or outputs.wave_complete is not None or outputs.start_wave is not None:
         return False
     return all(getattr(output, name) is None for output in outputs.outputs for name in _UNMERGED_OUTPUT_FIELDS)
+
+
+def _urgent(outputs: Any) -> bool:
+    """A request's first token (vLLM attaches its prefill statistics to it) or last one: the
+    time to first token and the end of a stream never wait."""
+    return any(output.prefill_stats is not None or output.finish_reason is not None for output in outputs.outputs)
 
 
 def carries_deltas(outputs: Any) -> bool:

@@ -15,7 +15,12 @@ KV already takes, entered from a running request instead of a finished prefill.
 
 The request's tokens so far travel with the answer: the engine core's own list is what the KV
 covers (every token but the last, which was sampled and not yet computed), so the router knows
-exactly where the stream stands whatever it had received.
+exactly where the stream stands whatever it had received. The target's prompt is the context
+with every token, the last included; the answer's parameters say how many of its tokens the KV
+covers (``KV_TOKENS_PARAM``), so the target loads those and computes only the last, whose step
+samples the next new token. (A prefill's hand-off loads every prompt token and recomputes the
+last to re-derive a token the client has: for a move, a whole step of the target's spent on a
+token the stream already carries. Measured, docs/benchmarks/migration.md.)
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from typing import Any
 MIGRATE_OUT_METHOD = "duet_migrate_out"
 KV_PEER_METHOD = "duet_kv_peer"
 CONNECT_KV_PEER_METHOD = "duet_connect_kv_peer"
+# In a moved request's ``kv_transfer_params``: how many of the target's prompt tokens the KV
+# covers. duet's push connector carries its own count (``p2p_num_tokens``); NixlConnector's pull
+# is capped to this one (:func:`_cap_nixl_pull`).
+KV_TOKENS_PARAM = "duet_kv_tokens"
 
 
 def migrate_out(core: Any, request_id: str, kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -54,6 +63,8 @@ def migrate_out(core: Any, request_id: str, kv_transfer_params: dict[str, Any] |
     scheduler.running.remove(request)
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     kv_transfer_params, _ = scheduler._free_request(request)
+    if kv_transfer_params is not None:
+        kv_transfer_params[KV_TOKENS_PARAM] = request.num_computed_tokens
     return {"kv_transfer_params": kv_transfer_params, "token_ids": list(request.output_token_ids)}
 
 
@@ -120,11 +131,37 @@ def _start_handshake(worker: Any, peer: dict[str, Any]) -> None:
     connector_worker._ensure_handshake(peer["engine_id"], peer["host"], peer["port"], peer["tp_size"])
 
 
+def _cap_nixl_pull() -> None:
+    """Make NixlConnector's decode side load no more of a moved request's prompt than its
+    source holds KV for (``KV_TOKENS_PARAM``); idempotent.
+
+    For a remote prefill it loads every prompt token, and vLLM then recomputes the last one to
+    get its logits. A moved request's prompt ends with the token the source sampled but never
+    computed: loading only what precedes it, the target computes that token, as the source's
+    next step would have, and its first output is the stream's next token. The source's blocks
+    cover exactly those tokens, so the read lines up block for block."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+    original = getattr(NixlPullConnectorScheduler.get_num_new_matched_tokens, "_duet_original", NixlPullConnectorScheduler.get_num_new_matched_tokens)
+
+    def get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        count, load_async = original(self, request, num_computed_tokens)
+        held = (request.kv_transfer_params or {}).get(KV_TOKENS_PARAM)
+        if held is None or count <= 0:
+            return count, load_async
+        count = min(count, held - num_computed_tokens)
+        return (count, load_async) if count > 0 else (0, False)  # the local prefix cache covers it
+
+    get_num_new_matched_tokens._duet_original = original  # type: ignore[attr-defined]
+    NixlPullConnectorScheduler.get_num_new_matched_tokens = get_num_new_matched_tokens  # type: ignore[method-assign]
+
+
 def install() -> None:
     """Add :func:`migrate_out`, :func:`kv_peer` and :func:`connect_kv_peer` to vLLM's engine
-    core as utility calls; idempotent."""
+    core as utility calls, and cap NixlConnector's pull of a moved request; idempotent."""
     from vllm.v1.engine.core import EngineCoreProc
 
     setattr(EngineCoreProc, MIGRATE_OUT_METHOD, migrate_out)
     setattr(EngineCoreProc, KV_PEER_METHOD, kv_peer)
     setattr(EngineCoreProc, CONNECT_KV_PEER_METHOD, connect_kv_peer)
+    _cap_nixl_pull()

@@ -72,7 +72,7 @@ class PrefillResult:
     """What prefill hands on: the first token and where the decode side can pull the KV."""
 
     first_token_id: int
-    first_text: str | None  # None: unknown (a moved request's re-derived token, decode_worker/worker.py)
+    first_text: str
     num_prompt_tokens: int
     # None when prefill already finished the request (EOS or stop on the first token).
     kv_transfer_params: dict[str, Any] | None

@@ -104,7 +104,7 @@ def test_a_drained_decode_worker_sends_its_streams_kv_to_the_other(nccl_deployme
     drained mid-stream. Each stream's engine sends the KV of its whole context (prompt and the
     tokens so far) to decode-0, named before it lets the stream go, and frees its blocks once
     copied out; decode-0 loads those contexts instead of computing them (it computes one token
-    per stream, the last one streamed, which it re-derives), and every stream completes
+    per stream, the last one streamed, whose KV the source had not computed yet), and every stream completes
     token-identical to a colocated engine."""
     from test_live_migration import STREAMS, _drain_under_load
 

@@ -145,9 +145,12 @@ class PoolManager:
             mine = await member.engine.kv_peer() if others else None
             if mine is None:
                 return
-            for other in others:
-                theirs = await other.engine.kv_peer()
-                await asyncio.gather(member.engine.connect_kv_peer(theirs), other.engine.connect_kv_peer(mine))
+            # Each answered between two of that engine's steps: asked of every engine at once.
+            theirs = await asyncio.gather(*(other.engine.kv_peer() for other in others))
+            await asyncio.gather(
+                *(member.engine.connect_kv_peer(peer) for peer in theirs),
+                *(other.engine.connect_kv_peer(mine) for other in others),
+            )
         except Exception as error:
             logger.warning("%s: NIXL handshakes with the other decode workers not made ahead (%s)", member.name, error)
 

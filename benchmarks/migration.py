@@ -160,16 +160,16 @@ def run_benchmark(
 
 def _describe(result: dict[str, Any]) -> str:
     return (f"{result['moved_streams']} streams moved; stall median {_ms(result['stall_median_s'])}, max "
-            f"{_ms(result['stall_max_s'])} ms ({describe_phases(result)}); other streams' longest pause "
-            f"{_ms(result['others_longest_pause_s'])} ms")
+            f"{_ms(result['stall_max_s'])} ms ({describe_split(result['phase_median_s'], result['kv_read_mean_s'], result['target_step_s'])}); "
+            f"other streams' longest pause {_ms(result['others_longest_pause_s'])} ms")
 
 
-def describe_phases(result: dict[str, Any]) -> str:
-    """The router's split of the stall, and the target's mean KV read, in milliseconds."""
-    phases = ", ".join(f"{phase} {_ms(seconds)}" for phase, seconds in result["phase_median_s"].items())
-    step = result.get("target_step_s")
-    return (f"{phases or 'no split'}; KV reads on the target {_ms(result['kv_read_mean_s'])} ms each"
-            + (f"; its step {_ms(step)} ms meanwhile" if step is not None else ""))
+def describe_split(phases: dict[str, float], kv_read_s: float | None, target_step_s: float | None = None) -> str:
+    """The router's split of a stall by phase, the target's mean KV read and, where known, its
+    step time, in milliseconds."""
+    split = ", ".join(f"{phase} {_ms(seconds)}" for phase, seconds in phases.items())
+    return (f"{split or 'no split'}; KV reads on the target {_ms(kv_read_s)} ms each"
+            + (f"; its step {_ms(target_step_s)} ms meanwhile" if target_step_s is not None else ""))
 
 
 def _compare(pair: dict[str, dict[str, Any]]) -> str:

@@ -31,7 +31,7 @@ import yaml
 
 from duet.benchmarks.alternating import alternating_rounds
 from duet.benchmarks.greedy_streams import GreedyStreams
-from duet.benchmarks.migration import kv_reads, mean_transfer_s, wait_settled
+from duet.benchmarks.migration import describe_split, kv_reads, mean_transfer_s, wait_settled
 
 THREE_HOSTS_PLAN = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "three-hosts-cpu.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "migration_hosts.json"
@@ -134,10 +134,9 @@ def run_benchmark_on_hosts(prompts: list[list[int]], tokens: int, rounds: int, l
         return f"kv / replay mean stall {kv / replay if kv and replay else float('nan'):.2f}x"
 
     def describe(result: dict[str, Any]) -> str:
-        phases = ", ".join(f"{phase} {_ms(seconds)}" for phase, seconds in result["phase_mean_s"].items())
         return (f"{result['moved_streams']} of {result['streams_on_drained_worker']} streams on the drained worker moved; stall mean "
-                f"{_ms(result['stall_mean_s'])} ms (router; {phases or 'no split'}; KV reads on the target "
-                f"{_ms(result['kv_read_mean_s'])} ms each); clients' longest pauses: median "
+                f"{_ms(result['stall_mean_s'])} ms (router; {describe_split(result['phase_mean_s'], result['kv_read_mean_s'])}); "
+                f"clients' longest pauses: median "
                 f"{_ms(result['client_pause_median_s'])}, max {_ms(result['client_pause_max_s'])} ms, the next stream's "
                 f"{_ms(result['others_longest_pause_s'])} ms")
 

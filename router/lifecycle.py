@@ -176,11 +176,13 @@ def _phases(departure: _Departure, round_: _Round) -> dict[str, float]:
     gave up; none for one that resumes after a failure."""
     if round_.moved is None or departure.resumed_at is None:
         return {}
-    given_up = max(round_.moved.given_up_at, departure.left_at)  # a token relayed as it was given up
+    # Tokens the source produced before giving the request up may be relayed after its answer;
+    # the round is handed on only after both.
+    given_up = max(round_.moved.given_up_at, departure.left_at)
     return {
         "give_up": given_up - departure.left_at,
-        "hand_off": max(round_.handed_off_at - given_up, 0.0),
-        "resume": departure.resumed_at - max(round_.handed_off_at, given_up),
+        "hand_off": round_.handed_off_at - given_up,
+        "resume": departure.resumed_at - round_.handed_off_at,
     }
 
 

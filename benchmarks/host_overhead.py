@@ -57,10 +57,8 @@ def _is_engine(pid: int) -> bool:
         return False
 
 
-def host_cpu_seconds(root_pid: int, include_self: bool = True) -> dict[int, float]:
-    """CPU seconds so far of each serving-path process under ``root_pid``, and of this process
-    (the load generator) unless ``include_self`` is False."""
-    stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p)))}
+def _tree(root_pid: int, stats: dict[int, tuple[int, float]]) -> list[int]:
+    """``root_pid`` and every live process below it, from each process's parent in ``stats``."""
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in stats.items():
         children.setdefault(parent, []).append(pid)
@@ -69,8 +67,33 @@ def host_cpu_seconds(root_pid: int, include_self: bool = True) -> dict[int, floa
         pid = stack.pop()
         tree.append(pid)
         stack.extend(children.get(pid, []))
-    counted = {*tree, os.getpid()} if include_self else set(tree)
+    return [pid for pid in tree if pid in stats]
+
+
+def _all_stats() -> dict[int, tuple[int, float]]:
+    return {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p)))}
+
+
+def host_cpu_seconds(root_pid: int, include_self: bool = True) -> dict[int, float]:
+    """CPU seconds so far of each serving-path process under ``root_pid``, and of this process
+    (the load generator) unless ``include_self`` is False."""
+    stats = _all_stats()
+    counted = {*_tree(root_pid, stats), os.getpid()} if include_self else set(_tree(root_pid, stats))
     return {pid: stats[pid][1] for pid in counted if pid in stats and not _is_engine(pid)}
+
+
+def tree_memory_bytes(root_pid: int) -> int:
+    """The memory ``root_pid`` and every process below it hold, engines included: the sum of
+    their proportional set sizes (PSS), so that pages they share (torch's and vLLM's libraries,
+    mapped by every engine and front end) count once in all, not once per process."""
+    total = 0
+    for pid in _tree(root_pid, _all_stats()):
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        total += next((int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss:")), 0)
+    return total
 
 
 def process_name(pid: int) -> str:

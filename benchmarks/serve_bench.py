@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duet.benchmarks.host_overhead import host_cpu_seconds, process_name
+from duet.benchmarks.host_overhead import host_cpu_seconds, process_name, tree_memory_bytes
 from duet.benchmarks.loadgen import RequestRecord, replay
 from duet.benchmarks.openai_replay import replay_openai
 from duet.benchmarks.serve_planned import planned_modes
@@ -48,6 +48,10 @@ EXIT_BAD_INPUT = 2
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "serve"
 SLOS = {"tight": Slo(1.0, 0.04), "loose": Slo(1.0, 0.1)}
 WARMUP_S = 60.0
+# How long each system is left idle after its warm-up to read its CPU floor: what it spends a
+# second whatever the load (Ray's daemons and actors, a frontend's runtime, health checks).
+IDLE_WINDOW_S = 20.0
+_GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class Measurement:
     cpu_s_by_process: dict[str, float] = field(default_factory=dict)
     front_door_s: float = 0.0  # of it, the server process alone: duet's router, vLLM's API server
     measured_cpu: bool = False
+    wall_s: float = 0.0  # the replay's duration, first request sent to last answer
 
     @property
     def streamed_tokens(self) -> int:
@@ -90,10 +95,10 @@ class Measurement:
 def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, seed: int) -> Measurement:
     """Replay ``trace`` at ``rate`` with prompts from ``seed``, reading the system's CPU around it."""
     pid = system.pid or None
-    before = _serving_cpu(pid)
+    before, started = _serving_cpu(pid), time.monotonic()
     with progress_callback(len(trace), f"{system.name} @ {rate:g} req/s") as on_done:
         records = asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done))
-    after = _serving_cpu(pid)
+    after, wall_s = _serving_cpu(pid), time.monotonic() - started
     spent = {p: seconds - before.get(p, 0.0) for p, seconds in after.items()}
     by_process: Counter[str] = Counter()
     for p, seconds in spent.items():
@@ -103,31 +108,67 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
     else:
         front_door = system.front_door_pid or pid
         front_door_s = spent.get(front_door, 0.0) if front_door else 0.0
-    return Measurement(records, dict(by_process), front_door_s, pid is not None)
+    return Measurement(records, dict(by_process), front_door_s, pid is not None, wall_s)
 
 
-def rate_entry(measurements: list[Measurement]) -> dict[str, Any]:
+def rate_entry(measurements: list[Measurement], idle_cpu_s_per_s: float | None = None) -> dict[str, Any]:
     """The report's entry for one system at one rate: its replays pooled (one, or one per round),
-    and with several, each round's own CPU per token and attainment."""
+    and with several, each round's own CPU per token and attainment.
+
+    With the system's idle CPU floor (``idle_cpu_s_per_s``, :func:`footprint`), the entry also
+    gives the CPU per token above it: what serving the tokens cost beyond what the system spends
+    whatever the load. At low rates the floor is most of the total, and systems built of
+    different processes (Ray's daemons and actors, a Rust frontend) differ most in it."""
     records = [r for m in measurements for r in m.records]
     tokens = sum(m.streamed_tokens for m in measurements)
     by_process: Counter[str] = Counter()
     for m in measurements:
         by_process.update(m.cpu_s_by_process)
     measured = all(m.measured_cpu for m in measurements)
+    cpu_s = sum(by_process.values())
     entry: dict[str, Any] = {
         "records": [r.to_dict() for r in records],
         "summary": {name: summarize(records, slo) for name, slo in SLOS.items()},
-        "cpu_ms_per_token": 1000.0 * sum(by_process.values()) / tokens if tokens and measured else None,
+        "cpu_ms_per_token": 1000.0 * cpu_s / tokens if tokens and measured else None,
+        "cpu_ms_per_request": 1000.0 * cpu_s / len(records) if records and measured else None,
         # The server process alone: duet's router, or vLLM's API server; what the total adds to
         # it for duet is Ray (its worker actors and daemons).
         "front_door_ms_per_token": 1000.0 * sum(m.front_door_s for m in measurements) / tokens if tokens and measured else None,
         "cpu_s_by_process": {k: round(v, 3) for k, v in sorted(by_process.items(), key=lambda kv: -kv[1]) if v > 0.005},
         "streamed_tokens": tokens,
     }
+    if idle_cpu_s_per_s is not None and tokens and measured:
+        above = cpu_s - idle_cpu_s_per_s * sum(m.wall_s for m in measurements)
+        entry["cpu_ms_per_token_above_idle"] = 1000.0 * above / tokens
     if len(measurements) > 1:
-        entry["rounds"] = [{k: v for k, v in rate_entry([m]).items() if k != "records"} for m in measurements]
+        entry["rounds"] = [
+            {k: v for k, v in rate_entry([m], idle_cpu_s_per_s).items() if k != "records"} for m in measurements
+        ]
     return entry
+
+
+def footprint(system: RunningSystem) -> dict[str, Any]:
+    """What a started, warmed-up system costs before any load: its start-up time, the memory its
+    processes hold (engines included, :func:`tree_memory_bytes`) and its serving path's CPU a
+    minute over :data:`IDLE_WINDOW_S` of idleness (engine processes left out, as in every CPU
+    figure here). Empty for a server the benchmark did not start and has no process id of."""
+    if not system.pid:
+        return {}
+    before, started = _serving_cpu(system.pid), time.monotonic()
+    time.sleep(IDLE_WINDOW_S)
+    after, wall_s = _serving_cpu(system.pid), time.monotonic() - started
+    idle_s = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+    return {
+        "startup_s": system.startup_s,
+        "idle_cpu_s_per_min": 60.0 * idle_s / wall_s,
+        "memory_gib": tree_memory_bytes(system.pid) / _GIB,
+    }
+
+
+def _idle_rate(measured: dict[str, Any]) -> float | None:
+    """CPU seconds a second of the system's floor, from its :func:`footprint`."""
+    per_min = measured.get("idle_cpu_s_per_min")
+    return per_min / 60.0 if per_min is not None else None
 
 
 def warm_up(system: RunningSystem, plan: Plan, model: str) -> None:
@@ -145,12 +186,17 @@ def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any
     skip most of its prefill work; every replay (the warm-up too) therefore draws fresh random
     prompts from its own seed, the same seeds for every system."""
     warm_up(system, plan, model)
-    return {
+    measured = footprint(system)
+    entry = {
+        "footprint": measured,
         "rates": {
-            str(rate): rate_entry([measure_rate(system, model, plan.trace, rate, plan.seed + 1 + index)])
+            str(rate): rate_entry([measure_rate(system, model, plan.trace, rate, plan.seed + 1 + index)], _idle_rate(measured))
             for index, rate in enumerate(plan.rates)
-        }
+        },
     }
+    if measured:
+        measured["memory_gib_after"] = tree_memory_bytes(system.pid) / _GIB
+    return entry
 
 
 def bench_interleaved(plan: Plan, config: DuetConfig) -> dict[str, Any]:
@@ -162,13 +208,24 @@ def bench_interleaved(plan: Plan, config: DuetConfig) -> dict[str, Any]:
         systems = [stack.enter_context(started(name, config, plan.out / "logs")) for name in plan.systems]
         for system in systems:
             warm_up(system, plan, model)
+        # Every system warm and idle: each one's floor is read while the others are idle too.
+        measured = {system.name: footprint(system) for system in systems}
         runs: dict[str, dict[str, list[Measurement]]] = {s.name: {str(rate): [] for rate in plan.rates} for s in systems}
         for round_ in range(plan.rounds):
             for index, rate in enumerate(plan.rates):
                 seed = plan.seed + 1 + round_ * len(plan.rates) + index
                 for system in systems if round_ % 2 == 0 else reversed(systems):
                     runs[system.name][str(rate)].append(measure_rate(system, model, plan.trace, rate, seed))
-    return {name: {"rates": {rate: rate_entry(ms) for rate, ms in by_rate.items()}} for name, by_rate in runs.items()}
+        for system in systems:
+            if measured[system.name]:
+                measured[system.name]["memory_gib_after"] = tree_memory_bytes(system.pid) / _GIB
+    return {
+        name: {
+            "footprint": measured[name],
+            "rates": {rate: rate_entry(ms, _idle_rate(measured[name])) for rate, ms in by_rate.items()},
+        }
+        for name, by_rate in runs.items()
+    }
 
 
 def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:

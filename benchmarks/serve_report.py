@@ -17,8 +17,14 @@ The report the runner writes, and every function here reads::
               "summary": {slo_name: summarize(records, slo), ...},
               "cpu_ms_per_token": float,          # serving-path CPU per streamed token
               "front_door_ms_per_token": float,   # of it, the server process alone (optional)
+              "cpu_ms_per_request": float,        # the same CPU per request (optional)
+              "cpu_ms_per_token_above_idle": float,  # less the idle floor's share (optional)
               "rounds": [{...}, ...],             # --rounds: each round's own entry, no records
             },
+          },
+          "footprint": {                          # optional: measured warm, before the load
+            "startup_s": float | None, "idle_cpu_s_per_min": float,
+            "memory_gib": float, "memory_gib_after": float,
           },
         },
       },
@@ -164,7 +170,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
     """
     slos = list(report["slos"])
     header = ["system", "rate (req/s)", *(f"attainment {s}" for s in slos)]
-    header += ["TTFT p90 (s)", "TPOT p50 (ms)", "CPU ms/token", "of it, front door"]
+    header += ["TTFT p90 (s)", "TPOT p50 (ms)", "CPU ms/token", "of it, front door", "above idle", "CPU ms/request"]
     lines = [_row(header), _row(["---"] * len(header))]
     planned = report.get("planned_modes", {})
     for system in report["systems"]:
@@ -180,6 +186,8 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
                         _fmt(1000 * summary["tpot_p50_s"], ".1f"),
                         _fmt(run.get("cpu_ms_per_token"), ".2f"),
                         _fmt(run.get("front_door_ms_per_token"), ".2f"),
+                        _fmt(run.get("cpu_ms_per_token_above_idle"), ".2f"),
+                        _fmt(run.get("cpu_ms_per_request"), ".1f"),
                     ]
                 )
             )
@@ -203,7 +211,21 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
         else:
             cells = ["n/a"] * len(slos)
         lines.append(_row([f"{top} / {bottom}", *cells]))
-    return "\n".join(lines) + "\n" + _planned_table(planned) + _cpu_ratio_table(report)
+    return "\n".join(lines) + "\n" + _footprint_table(report) + _planned_table(planned) + _cpu_ratio_table(report)
+
+
+def _footprint_table(report: Mapping[str, Any]) -> str:
+    """Markdown: each started system's start-up time, memory and idle CPU floor."""
+    rows = [(system, entry["footprint"]) for system, entry in report["systems"].items() if entry.get("footprint")]
+    if not rows:
+        return ""
+    header = ["system", "start-up (s)", "memory, warm idle / after the run (GiB)", "idle CPU (s a minute)"]
+    lines = ["", "What each system costs before any load (engines' memory included, their CPU not):", "",
+             _row(header), _row(["---"] * len(header))]
+    for system, measured in rows:
+        memory = f"{_fmt(measured.get('memory_gib'), '.2f')} / {_fmt(measured.get('memory_gib_after'), '.2f')}"
+        lines.append(_row([system, _fmt(measured.get("startup_s"), ".0f"), memory, _fmt(measured.get("idle_cpu_s_per_min"), ".2f")]))
+    return "\n".join(lines) + "\n"
 
 
 def _planned_mark(planned: Mapping[str, Any], system: str, slo: str, rate: float) -> str:

@@ -67,6 +67,7 @@ class RunningSystem:
     front_door_pid: int = 0
     front_door_process: str = ""
     connections: int = 1  # the gRPC client's
+    startup_s: float | None = None  # from its launch to serving; None for a server started elsewhere
 
 
 def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[str, str]]:
@@ -135,23 +136,25 @@ def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSys
     command, env = _command(name, config, port)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
+    launched = time.monotonic()
     with log.open("w") as log_file:
         process = subprocess.Popen(
             command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
         )
     try:
-        deadline = time.monotonic() + _START_TIMEOUT_S
+        deadline = launched + _START_TIMEOUT_S
         while not _ready(name, port, log):
             if process.poll() is not None or time.monotonic() > deadline:
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
                 raise SystemStartError(f"{name} did not start (log {log}):\n{tail}")
             time.sleep(1)
+        startup_s = time.monotonic() - launched  # to within the 1-s poll
         target = f"127.0.0.1:{port}"
         yield RunningSystem(
             name, process.pid, grpc_target="" if name in _HTTP else target, http_url=f"http://{target}" if name in _HTTP else "",
             front_door_pid=_front_door_pid(name, process.pid),
             front_door_process="ray::FrontDoor" if name == DISAGG_FRONT_DOORS else "",
-            connections=8 if name == DISAGG_FRONT_DOORS else 1,
+            connections=8 if name == DISAGG_FRONT_DOORS else 1, startup_s=startup_s,
         )
     finally:
         _stop(process)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from duet.benchmarks.host_overhead import host_cpu_seconds
+from duet.benchmarks.host_overhead import host_cpu_seconds, tree_memory_bytes
 from duet.benchmarks.loadgen import RequestRecord, build_requests, prompt_token_ids
 from duet.benchmarks.openai_replay import replay_openai
 from duet.benchmarks.serve_report import (
@@ -172,6 +172,53 @@ def test_rounds_are_pooled_and_each_is_kept_for_a_ratio_round_by_round():
     rows = [r for r in table.split("Round by round")[1].splitlines() if r.startswith(f"| {DISAGG}")]
     assert rows == [f"| {DISAGG} | 1 | 0.80x, 1.50x | 1.15x |"]
     assert "Round by round" not in render_table(_report())
+
+
+def test_cpu_above_the_idle_floor_takes_the_floors_share_of_each_replay_out():
+    """A system that spends 0.5 CPU-s a second idle and 0.9 CPU-s over a 1-s replay of 1,000
+    tokens spent 0.4 ms per token on them; per request is the whole 0.9 s over 10 requests."""
+    from duet.benchmarks.serve_bench import Measurement, rate_entry
+
+    def replayed(cpu_s: float, wall_s: float) -> Measurement:
+        records = [_record(i, 0.3, 0.03, tokens=100) for i in range(10)]
+        return Measurement(records, {"raylet": cpu_s}, 0.0, True, wall_s)
+
+    entry = rate_entry([replayed(0.9, 1.0), replayed(1.2, 2.0)], idle_cpu_s_per_s=0.5)
+    assert entry["cpu_ms_per_token_above_idle"] == pytest.approx(1000 * (2.1 - 1.5) / 2000)
+    assert [r["cpu_ms_per_token_above_idle"] for r in entry["rounds"]] == [pytest.approx(0.4), pytest.approx(0.2)]
+    assert entry["cpu_ms_per_request"] == pytest.approx(1000 * 2.1 / 20)
+    assert "cpu_ms_per_token_above_idle" not in rate_entry([replayed(0.9, 1.0)])  # no floor measured
+
+
+def test_render_table_lists_each_systems_start_up_memory_and_idle_floor():
+    report = _report()
+    report["systems"][DISAGG]["footprint"] = {
+        "startup_s": 41.6, "idle_cpu_s_per_min": 0.98, "memory_gib": 5.234, "memory_gib_after": 5.61,
+    }
+    report["systems"][DISAGG]["rates"]["1.0"]["cpu_ms_per_token_above_idle"] = 0.37
+    table = render_table(report)
+    footprints = table.split("before any load")[1].split("CPU per streamed token")[0]
+    assert f"| {DISAGG} | 42 | 5.23 / 5.61 | 0.98 |" in footprints
+    assert f"| {COLOCATED} |" not in footprints  # no footprint measured
+    assert f"| {DISAGG} | 1 | 88.9% | 88.9% |" in table and " | 0.37 | " in table
+    assert "before any load" not in render_table(_report())
+
+
+def test_tree_memory_counts_a_childs_memory_once():
+    """A child that holds 200 MiB raises its parent's tree by about that much; its pages are its
+    own, so proportional set size counts them whole."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys,time\nb=bytearray(200*2**20)\nprint(flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        holder.stdout.readline()  # allocated (bytearray zero-fills, so the pages are touched)
+        alone = tree_memory_bytes(holder.pid)
+        assert 200 * 2**20 <= alone < 400 * 2**20
+        assert tree_memory_bytes(os.getpid()) >= alone  # the test process's tree includes it
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_render_table_reports_goodput_ratios_and_lower_bounds():

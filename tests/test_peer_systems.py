@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from duet.benchmarks.host_overhead import tree_memory_bytes
 from duet.benchmarks.peer_systems import PEERS_PYTHON
 from duet.benchmarks.serve_report import DYNAMO_AGG, DYNAMO_DISAGG_TUNED, VLLM_PD
 from duet.benchmarks.serving_systems import started
@@ -46,6 +47,10 @@ def test_peer_serves_exactly_and_stops_cleanly(name: str, duet_config, reference
     }
     with started(name, duet_config, tmp_path) as system:
         group = os.getpgid(system.pid)
+        # What the benchmark's footprint table reports: its start-up, and its memory with the
+        # engines' (at least their KV caches, 1 GiB an engine).
+        assert system.startup_s is not None and 0 < system.startup_s < 600
+        assert tree_memory_bytes(system.pid) >= 2**30
         request = urllib.request.Request(
             f"{system.http_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )

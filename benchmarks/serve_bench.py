@@ -165,6 +165,13 @@ def footprint(system: RunningSystem) -> dict[str, Any]:
     }
 
 
+def _memory_after_run(measured: dict[str, Any], system: RunningSystem) -> None:
+    """Add to a system's :func:`footprint` the memory it holds once every round has run (its
+    engines' caches and its front ends' buffers grown)."""
+    if measured:
+        measured["memory_gib_after"] = tree_memory_bytes(system.pid) / _GIB
+
+
 def _idle_rate(measured: dict[str, Any]) -> float | None:
     """CPU seconds a second of the system's floor, from its :func:`footprint`."""
     per_min = measured.get("idle_cpu_s_per_min")
@@ -194,8 +201,7 @@ def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any
             for index, rate in enumerate(plan.rates)
         },
     }
-    if measured:
-        measured["memory_gib_after"] = tree_memory_bytes(system.pid) / _GIB
+    _memory_after_run(measured, system)
     return entry
 
 
@@ -217,8 +223,7 @@ def bench_interleaved(plan: Plan, config: DuetConfig) -> dict[str, Any]:
                 for system in systems if round_ % 2 == 0 else reversed(systems):
                     runs[system.name][str(rate)].append(measure_rate(system, model, plan.trace, rate, seed))
         for system in systems:
-            if measured[system.name]:
-                measured[system.name]["memory_gib_after"] = tree_memory_bytes(system.pid) / _GIB
+            _memory_after_run(measured[system.name], system)
     return {
         name: {
             "footprint": measured[name],

@@ -7,7 +7,7 @@ variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinni
 :func:`duet.worker_runtime.engine.cpu_engine_environment` for the shared gloo device, the engine host
 for the output interval), so plain vLLM use in the same environment is unaffected.
 
-Six adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, docs/benchmarks/serving.md,
+Seven adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, docs/benchmarks/serving.md,
 ../shared/ENVIRONMENT.md):
 - NIXL's UCX progress thread. NIXL's Python API always asks for a poll timeout of 0, so the
   thread busy-polls a whole core per engine even when idle (a 1,500-token request took 639 ms
@@ -25,6 +25,8 @@ Six adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, d
   dropped front door's requests and greets a reconnected one (worker_runtime/engine_clients.py).
 - The engine core can give up a running request with its KV, for another worker to pull and
   continue (live migration, worker_runtime/kv_migration.py).
+- A seeded request whose prompt takes several steps no longer kills a CPU engine
+  (worker_runtime/seeded_sampling.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from duet.worker_runtime.engine_clients import install as install_client_reconne
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.worker_runtime.engine_output import install as install_output_coalescing
 from duet.worker_runtime.kv_migration import install as install_kv_migration
+from duet.worker_runtime.seeded_sampling import install as install_seeded_sampling
 from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE, share_single_rank_device
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
 
@@ -108,3 +111,4 @@ def register() -> None:
     if os.environ.get(ENV_CLIENT_RECONNECT) == "1":
         install_client_reconnect()
         install_kv_migration()
+        install_seeded_sampling()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,6 +62,36 @@ def test_seeded_sampling_is_reproducible(client):
     first, _ = client.generate_ids(request, timeout=60)
     second, _ = client.generate_ids(request, timeout=60)
     assert first == second and len(first) == 16
+
+
+def test_seeded_sampling_survives_a_prompt_prefilled_in_steps(client):
+    """A 3,000-token prompt takes two prefill steps (2,048 tokens each at most), the first of
+    which samples a token vLLM discards, then rewinds the request's generator in a way only
+    CUDA generators allow: on CPU the engine died (worker_runtime/seeded_sampling.py). Sent
+    again, the prompt's cached prefix leaves one step: the same tokens show that the discarded
+    draw did not move the seeded stream (skipping vLLM's rewind would have)."""
+    prompt = random.Random(3000).choices(range(5, 700), k=3000)
+    request = build_request(prompt_token_ids=prompt, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    in_two_steps, last = client.generate_ids(request, timeout=120)
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(in_two_steps) == 8
+    hits_before = _worker_metric(client, "vllm:prefix_cache_hits_total", last.usage.prefill_worker)
+    in_one_step, last = client.generate_ids(request, timeout=120)
+    hits = _worker_metric(client, "vllm:prefix_cache_hits_total", last.usage.prefill_worker) - hits_before
+    assert hits >= 2048, f"the second prefill found {hits:g} tokens cached: it was not one step"
+    assert in_one_step == in_two_steps
+
+
+def _worker_metric(client, name: str, worker: str) -> float:
+    """One worker's value of a vLLM metric, from the deployment's Prometheus endpoint."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{client.status().metrics_endpoint}/metrics", timeout=30).read().decode()
+    return sum(
+        sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+        if sample.name == name and sample.labels.get("worker") == worker
+    )
 
 
 def test_status_reports_pools_and_requests(client):

@@ -14,7 +14,7 @@ generators live on the CPU (vllm-rbln pull request 1025, which skips the rewind)
 duet gives every sampled request a seed (router/validation.py), so that a stream resumed on
 another worker continues as it would have; so on a CPU engine every sampled request with a long
 prompt, or arriving under load, killed its engine (measured: 125 of 150 requests of a load at
-8 req/s failed, the prefill engine restarted six times in two minutes).
+8 req/s failed, the prefill engine died seven times in two minutes).
 
 Skipping the rewind would keep the engine alive but make a seeded request's tokens depend on how
 its prompt was split. Here the discarded token is drawn from a throwaway copy of the request's

@@ -159,6 +159,7 @@ class Deployment:
             self.config.router.health_interval_s,
             self.config.router.health_timeout_s,
             self.config.router.health_failures,
+            self.config.router.health_starved_limit_s,
         )
         if self.front_doors is not None:  # they route by load they cannot measure themselves
             self.health.on_loads = lambda loads: self.front_doors.tell("report_loads", loads)

@@ -285,7 +285,12 @@ class RouterConfig(_Strict):
     health_timeout_s: float = Field(default=5.0, gt=0)
     """Seconds a health ping may take before it counts as missed."""
     health_failures: int = Field(default=3, ge=1)
-    """Missed pings in a row after which a worker counts as hung and is replaced."""
+    """Missed pings in a row after which a worker counts as hung and is replaced. A ping missed
+    while the engine's threads were waiting for a CPU (its host oversubscribed, as the kernel's
+    scheduler statistics show) is not counted."""
+    health_starved_limit_s: float = Field(default=60.0, gt=0)
+    """... but a worker that has answered no ping for this long is replaced, starved or not: an
+    engine that hangs on an oversubscribed host is found this late."""
     drain_timeout_s: float = Field(default=60.0, ge=0)
     """Removing a worker waits this long for its requests to finish; the rest resume elsewhere."""
     drain_moves_kv: bool = True

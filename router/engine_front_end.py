@@ -341,6 +341,9 @@ class EngineFrontEnd:
             pass
         return reason
 
+    async def threads_cpu_wait(self) -> dict[int, float] | None:
+        return await self.actor.threads_cpu_wait.remote()
+
     async def status(self) -> WorkerStatus:
         status: WorkerStatus = await self.actor.status.remote()
         status.requests_served = self._served

@@ -98,6 +98,11 @@ class WorkerEngine(Protocol):
         """Ends (saying why, or raising) only when the worker's actor or engine is gone."""
         ...
 
+    async def threads_cpu_wait(self) -> dict[int, float] | None:
+        """Seconds each thread of the engine has waited for a CPU so far, by thread id (None
+        where the kernel does not say): read on the worker's host, by its actor."""
+        ...
+
     async def status(self) -> WorkerStatus: ...
 
     def metrics_text(self) -> str:
@@ -204,6 +209,9 @@ class ActorEngine:
 
     async def watch(self) -> str:
         return await self.actor.watch.remote()
+
+    async def threads_cpu_wait(self) -> dict[int, float] | None:
+        return await self.actor.threads_cpu_wait.remote()
 
     async def status(self) -> WorkerStatus:
         return await self.actor.status.remote()

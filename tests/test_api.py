@@ -176,3 +176,15 @@ def test_start_up_objects_are_exempt_from_garbage_collection(deployment):
     import gc
 
     assert gc.get_freeze_count() > 100_000
+
+
+def test_each_worker_reports_how_long_its_engine_waited_for_a_cpu(deployment, client):
+    """The health watcher's evidence of starvation (cluster/health.py), read by each real worker's
+    actor from its engine core's threads: one count per thread, never going down."""
+    for member in (deployment.prefill.members[0], deployment.decode.members[0]):
+        first = deployment.background.run(member.engine.threads_cpu_wait(), timeout=30)
+        client.generate_ids(build_request("wait for me", max_tokens=4), timeout=60)
+        second = deployment.background.run(member.engine.threads_cpu_wait(), timeout=30)
+        assert first and len(first) >= 5, f"{member.name}: no engine thread counted"
+        common = first.keys() & second.keys()
+        assert common and all(second[tid] >= first[tid] for tid in common)

@@ -31,6 +31,7 @@ from duet.config import DuetConfig, PoolConfig
 from duet.logs import configure_logging
 from duet.worker_runtime.engine import apply_environment, cpu_engine_environment, engine_kwargs, is_cpu_only
 from duet.worker_runtime.engine_clients import ENV_CLIENT_RECONNECT
+from duet.worker_runtime.cpu_wait import threads_cpu_wait_s
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.worker_runtime.worker_api import EngineAddresses, WorkerStatus
 from duet.kv_transfer.config import (
@@ -179,6 +180,13 @@ class EngineCoreHost(WorkerHost):
         exited = self._engine_processes.finished_procs() if self._engine_processes is not None else {}
         if exited:
             raise EngineCoreExited(f"engine core exited: {exited}")
+
+    def threads_cpu_wait(self) -> dict[int, float] | None:
+        """Seconds each thread of the engine's processes has waited for a CPU so far: the
+        health watcher's evidence that an unanswered ping was starvation, not a hang
+        (worker_runtime/cpu_wait.py)."""
+        manager = self._engine_processes
+        return threads_cpu_wait_s([process.pid for process in manager.processes]) if manager is not None else None
 
     def watch(self, hold_s: float = WATCH_HOLD_S) -> str | None:
         """Why the engine core process exited, once it has; None if it still runs after

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from duet.config import DuetConfig
+from duet.worker_runtime.cpu_wait import threads_cpu_wait_s
 from duet.worker_runtime.engine_host import WorkerHost
 from duet.worker_runtime.worker_api import SamplingSpec, WorkerStatus
 from duet.worker_runtime.worker_channel import RouterLink
@@ -88,6 +90,10 @@ class SimulatedHost(WorkerHost):
         """The engine's load (KV cache usage, requests running); raises if its scheduler died."""
         self.engine.check_scheduler()
         return self.engine.load()
+
+    def threads_cpu_wait(self) -> dict[int, float] | None:
+        """Seconds each thread of this actor, which runs the engine, has waited for a CPU so far."""
+        return threads_cpu_wait_s([os.getpid()])
 
     async def watch(self) -> str:
         """Never returns: a SIMULATED engine lives and dies with its actor, whose death fails

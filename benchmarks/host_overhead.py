@@ -78,8 +78,8 @@ def host_cpu_seconds(root_pid: int, include_self: bool = True) -> dict[int, floa
     """CPU seconds so far of each serving-path process under ``root_pid``, and of this process
     (the load generator) unless ``include_self`` is False."""
     stats = _all_stats()
-    counted = {*_tree(root_pid, stats), os.getpid()} if include_self else set(_tree(root_pid, stats))
-    return {pid: stats[pid][1] for pid in counted if pid in stats and not _is_engine(pid)}
+    counted = set(_tree(root_pid, stats)) | ({os.getpid()} if include_self else set())
+    return {pid: stats[pid][1] for pid in counted if not _is_engine(pid)}
 
 
 def tree_memory_bytes(root_pid: int) -> int:

@@ -31,7 +31,7 @@ from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from duet.benchmarks.host_overhead import host_cpu_seconds, process_name, tree_memory_bytes
 from duet.benchmarks.loadgen import RequestRecord, replay
@@ -52,6 +52,7 @@ WARMUP_S = 60.0
 # second whatever the load (Ray's daemons and actors, a frontend's runtime, health checks).
 IDLE_WINDOW_S = 20.0
 _GIB = 1024**3
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,15 @@ def _serving_cpu(pid: int | None) -> dict[int, float]:
     return host_cpu_seconds(pid, include_self=False) if pid is not None else {}
 
 
+def _spent_during(pid: int | None, work: Callable[[], T]) -> tuple[T, dict[int, float], float]:
+    """``work``'s result, the CPU seconds each serving-path process under ``pid`` spent while
+    it ran, and how many seconds it ran."""
+    before, started = _serving_cpu(pid), time.monotonic()
+    result = work()
+    after, wall_s = _serving_cpu(pid), time.monotonic() - started
+    return result, {p: seconds - before.get(p, 0.0) for p, seconds in after.items()}, wall_s
+
+
 @dataclass
 class Measurement:
     """One replay at one rate: its records and the CPU seconds each process of the system spent."""
@@ -95,11 +105,8 @@ class Measurement:
 def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, seed: int) -> Measurement:
     """Replay ``trace`` at ``rate`` with prompts from ``seed``, reading the system's CPU around it."""
     pid = system.pid or None
-    before, started = _serving_cpu(pid), time.monotonic()
     with progress_callback(len(trace), f"{system.name} @ {rate:g} req/s") as on_done:
-        records = asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done))
-    after, wall_s = _serving_cpu(pid), time.monotonic() - started
-    spent = {p: seconds - before.get(p, 0.0) for p, seconds in after.items()}
+        records, spent, wall_s = _spent_during(pid, lambda: asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done)))
     by_process: Counter[str] = Counter()
     for p, seconds in spent.items():
         by_process[process_name(p)] += seconds
@@ -154,10 +161,8 @@ def footprint(system: RunningSystem) -> dict[str, Any]:
     figure here). Empty for a server the benchmark did not start and has no process id of."""
     if not system.pid:
         return {}
-    before, started = _serving_cpu(system.pid), time.monotonic()
-    time.sleep(IDLE_WINDOW_S)
-    after, wall_s = _serving_cpu(system.pid), time.monotonic() - started
-    idle_s = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+    _, spent, wall_s = _spent_during(system.pid, lambda: time.sleep(IDLE_WINDOW_S))
+    idle_s = sum(spent.values())
     return {
         "startup_s": system.startup_s,
         "idle_cpu_s_per_min": 60.0 * idle_s / wall_s,

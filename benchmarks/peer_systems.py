@@ -20,12 +20,20 @@ whole.
   Dynamo's vLLM plugin is the only one loaded (``VLLM_PLUGINS``).
 
 Fair terms (docs/benchmarks.md): the same model, dtype, seed, step token budget, sequence limit
-and KV capacity per engine as duet's workers; a disaggregated peer's engines each on a core of
-their own (``VLLM_CPU_OMP_THREADS_BIND``), as duet binds its two workers; an aggregated one on
-all cores with both workers' KV, as plain vLLM in the same benchmark. ``--nixl-progress wait``
-gives a peer's NIXL the one setting of duet's that neither peer exposes: NIXL's progress thread
+and KV capacity per engine as duet's workers; a disaggregated peer's engines each bound to a
+core of their own (``VLLM_CPU_OMP_THREADS_BIND``), as duet binds its two workers; an aggregated
+one on all cores with both workers' KV, as plain vLLM in the same benchmark. ``--nixl-progress
+wait`` gives a peer's NIXL a setting of duet's that neither peer exposes: NIXL's progress thread
 sleeping in ``poll()`` instead of busy-polling a core (kv_transfer/vllm_plugin.py, loaded into
-the peer's processes for that alone); the benchmark's ``-tuned`` systems run with it.
+the peer's processes for that alone). ``--one-process-executor`` runs each engine's model in its
+engine core's process, as duet's engines do on CPU, instead of in a worker process whose
+shared-memory queue reader spins (``sched_yield``) for a second after every message while the
+engine core, unpinned, spins on the other end. ``--own-core`` keeps each disaggregated
+engine on its core: the NixlConnector moves the thread that builds it, the forward pass's too,
+to the last core of each NUMA node ("reserved for KV transfer"), so without it both engines
+compute on core 1 whatever ``VLLM_CPU_OMP_THREADS_BIND`` says; duet's plugin gives each its own
+(as duet's workers run; kv_transfer/vllm_plugin.py). The benchmark's ``-tuned`` systems run with
+all three, and the plain ones as vLLM's and Dynamo's documentation sets them up.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD
+from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
 from duet.kv_transfer.ports import free_port
 
 VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG = "vllm-pd", "dynamo-agg", "dynamo-disagg"
@@ -110,9 +118,14 @@ def engine_environment(args: argparse.Namespace, engine: Engine, plugins: list[s
     }
     if engine.cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = engine.cores
+    if args.one_process_executor:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.nixl_progress == "wait" and engine.role != "agg":
-        plugins = [*plugins, _DUET_PLUGIN]
         env[ENV_NIXL_PROGRESS_THREAD] = "wait"
+    if args.own_core and engine.role != "agg":
+        env[ENV_WORKER_CPU_CORE] = engine.cores
+    if ENV_NIXL_PROGRESS_THREAD in env or ENV_WORKER_CPU_CORE in env:
+        plugins = [*plugins, _DUET_PLUGIN]
     env["VLLM_PLUGINS"] = ",".join(plugins)
     return env
 
@@ -268,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--nixl-progress", choices=["poll", "wait"], default="poll",
                         help="poll: NIXL's own busy-polling progress thread; wait: duet's setting")
+    parser.add_argument("--own-core", action="store_true",
+                        help="keep each disaggregated engine on its core (NixlConnector moves it to the last one), as duet does")
+    parser.add_argument("--one-process-executor", action="store_true",
+                        help="vLLM's one-process executor (VLLM_ENABLE_V1_MULTIPROCESSING=0), as duet's engines run")
     parser.add_argument("--port", type=int, required=True, help="the OpenAI HTTP API's")
     args = parser.parse_args(argv)
     if args.system == VLLM_PD:

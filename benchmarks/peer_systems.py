@@ -21,19 +21,23 @@ whole.
 
 Fair terms (docs/benchmarks.md): the same model, dtype, seed, step token budget, sequence limit
 and KV capacity per engine as duet's workers; a disaggregated peer's engines each bound to a
-core of their own (``VLLM_CPU_OMP_THREADS_BIND``), as duet binds its two workers; an aggregated
+core of their own (``VLLM_CPU_OMP_THREADS_BIND``; the NixlConnector then moves both forward
+passes to the last core, see ``--own-core`` below), as duet binds its two workers; an aggregated
 one on all cores with both workers' KV, as plain vLLM in the same benchmark. ``--nixl-progress
 wait`` gives a peer's NIXL a setting of duet's that neither peer exposes: NIXL's progress thread
 sleeping in ``poll()`` instead of busy-polling a core (kv_transfer/vllm_plugin.py, loaded into
-the peer's processes for that alone). ``--one-process-executor`` runs each engine's model in its
-engine core's process, as duet's engines do on CPU, instead of in a worker process whose
-shared-memory queue reader spins (``sched_yield``) for a second after every message while the
-engine core, unpinned, spins on the other end. ``--own-core`` keeps each disaggregated
-engine on its core: the NixlConnector moves the thread that builds it, the forward pass's too,
-to the last core of each NUMA node ("reserved for KV transfer"), so without it both engines
-compute on core 1 whatever ``VLLM_CPU_OMP_THREADS_BIND`` says; duet's plugin gives each its own
-(as duet's workers run; kv_transfer/vllm_plugin.py). The benchmark's ``-tuned`` systems run with
-all three, and the plain ones as vLLM's and Dynamo's documentation sets them up.
+the peer's processes for that alone); the benchmark's ``-tuned`` systems run with it.
+
+Two more of duet's engine settings can be given, and were measured (vLLM's P/D, 80 requests
+at 4 req/s, 2026-11-28): ``--one-process-executor`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
+model in the engine core's process, as duet's engines run on CPU, instead of a worker process
+whose shared-memory queue reader spins) and ``--own-core`` (each disaggregated engine kept on
+its core: vLLM's NixlConnector moves the forward pass of both to the last core, core 1 here,
+whatever ``VLLM_CPU_OMP_THREADS_BIND`` says; duet's plugin undoes it, as for duet's workers).
+Each made the peer slower (TPOT p50 7.5 ms with neither, 17.2 with the executor, 65.1 with
+both; TTFT p50 0.45 s, 1.09 s with own cores), most likely because its three Python HTTP
+processes (proxy, two API servers) have core 0 to themselves while both engines compute on core
+1. So ``-tuned`` does not use them: a peer is compared on the settings that serve it best.
 """
 
 from __future__ import annotations

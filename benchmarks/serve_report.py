@@ -55,14 +55,11 @@ DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
 DISAGG_HTTP = "duet-disagg-http"
 # duet disaggregated with two front doors apart from the control plane (server.front_ends: 2).
 DISAGG_FRONT_DOORS = "duet-disagg-2fd"
-# The systems users would pick instead (benchmarks/peer_systems.py). "-tuned": with the engine
-# settings of duet's that the system takes from outside: vLLM's one-process executor (an
-# environment variable; until 2026-11-28 not given) and, disaggregated, duet's NIXL
-# progress-thread setting (which neither peer exposes: duet's plugin is loaded for it).
-VLLM_TUNED = "vllm-tuned"
+# The systems users would pick instead (benchmarks/peer_systems.py); "-tuned": with duet's NIXL
+# progress-thread setting, which neither peer exposes.
 VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG = "vllm-pd", "dynamo-agg", "dynamo-disagg"
-VLLM_PD_TUNED, DYNAMO_AGG_TUNED, DYNAMO_DISAGG_TUNED = "vllm-pd-tuned", "dynamo-agg-tuned", "dynamo-disagg-tuned"
-PEERS = (VLLM_PD, VLLM_PD_TUNED, DYNAMO_AGG, DYNAMO_AGG_TUNED, DYNAMO_DISAGG, DYNAMO_DISAGG_TUNED)
+VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED = "vllm-pd-tuned", "dynamo-disagg-tuned"
+PEERS = (VLLM_PD, VLLM_PD_TUNED, DYNAMO_AGG, DYNAMO_DISAGG, DYNAMO_DISAGG_TUNED)
 GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
 # duet's deployments by the mode `duet plan` would choose between (benchmarks/serve_planned.py).
 # Conditional disaggregation runs as duet's disaggregated deployment does: both pools.
@@ -72,7 +69,7 @@ PLANNED_MARK = " ◆"
 # The comparisons the table reports, for the systems a run included: duet against each peer
 # over the same protocol (OpenAI HTTP).
 RATIOS = (
-    (DISAGG, VLLM), (DISAGG_HTTP, VLLM), (DISAGG_HTTP, VLLM_TUNED), (DISAGG, COLOCATED), (DISAGG_FRONT_DOORS, DISAGG),
+    (DISAGG, VLLM), (DISAGG_HTTP, VLLM), (DISAGG, COLOCATED), (DISAGG_FRONT_DOORS, DISAGG),
     *((DISAGG_HTTP, peer) for peer in PEERS),
 )
 

@@ -10,9 +10,8 @@
   apart from the control plane; the client spreads its requests over 8 connections, which the
   kernel spreads over the front doors.
 - ``vllm-pd``, ``dynamo-agg``, ``dynamo-disagg``: the systems users would pick instead, as
-  their documentation sets them up (benchmarks/peer_systems.py). ``-tuned`` (``vllm-tuned``
-  too): with duet's engine settings that they take from outside, vLLM's one-process executor
-  and, disaggregated, duet's NIXL progress-thread setting, which neither exposes.
+  their documentation sets them up (benchmarks/peer_systems.py); ``vllm-pd-tuned`` and
+  ``dynamo-disagg-tuned`` with duet's NIXL progress-thread setting, which neither exposes.
   Dynamo needs ``make peers``.
 
 Every system gets the same model, dtype, step token budget and sequence limit, so that they
@@ -35,24 +34,19 @@ from pathlib import Path
 
 from duet.benchmarks.peer_systems import PEERS_PYTHON
 from duet.benchmarks.serve_report import (
-    COLOCATED, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, DYNAMO_AGG_TUNED, DYNAMO_DISAGG_TUNED, PEERS, VLLM, VLLM_PD,
-    VLLM_PD_TUNED, VLLM_TUNED,
+    COLOCATED, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, DYNAMO_DISAGG_TUNED, PEERS, VLLM, VLLM_PD, VLLM_PD_TUNED,
 )
 from duet.config import COLOCATED_CONFIG_PATH, DuetConfig
 from duet.kv_transfer.ports import free_port
 from duet.worker_runtime.engine import resolve_model_path
 
-SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, DISAGG_FRONT_DOORS, VLLM_TUNED, *PEERS)
+SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, DISAGG_FRONT_DOORS, *PEERS)
 DEFAULT_SYSTEMS = SYSTEMS[:4]  # the front-door comparison and the peers on request
 # Systems measured through the OpenAI HTTP API (the others through duet's gRPC API).
-_HTTP = (VLLM, VLLM_TUNED, DISAGG_HTTP, *PEERS)
-_TUNED = (VLLM_PD_TUNED, DYNAMO_AGG_TUNED, DYNAMO_DISAGG_TUNED)
+_HTTP = (VLLM, DISAGG_HTTP, *PEERS)
+_TUNED = (VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED)
 # Served by the started process itself and ready on GET /health: vLLM's server, vLLM's P/D proxy.
-_SELF_SERVED = (VLLM, VLLM_TUNED, VLLM_PD, VLLM_PD_TUNED)
-# vLLM's one-process executor on CPU, as duet's engines run (worker_runtime/engine.py
-# cpu_engine_environment): the model in the engine core's process, with no worker process whose
-# shared-memory queue reader spins for a second after every message, on the engine's cores.
-ONE_PROCESS_EXECUTOR = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_SELF_SERVED = (VLLM, VLLM_PD, VLLM_PD_TUNED)
 _START_TIMEOUT_S = 600.0
 
 
@@ -101,10 +95,7 @@ def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[
             *(["--enforce-eager"] if config.model.enforce_eager else []),
         ],
         # The same KV cache as duet's two engines together; vLLM's own core binding (all cores).
-        {
-            "VLLM_CPU_KVCACHE_SPACE": str(round(config.prefill.kv_cache_gib + config.decode.kv_cache_gib)),
-            **(ONE_PROCESS_EXECUTOR if name == VLLM_TUNED else {}),
-        },
+        {"VLLM_CPU_KVCACHE_SPACE": str(round(config.prefill.kv_cache_gib + config.decode.kv_cache_gib))},
     )
 
 
@@ -122,7 +113,6 @@ def _peer_command(name: str, config: DuetConfig, port: int) -> list[str]:
         "--max-num-batched-tokens", str(config.decode.max_num_batched_tokens),
         "--kv-cache-gib", str(round(config.decode.kv_cache_gib)),
         "--nixl-progress", "wait" if name in _TUNED else "poll",
-        *(["--one-process-executor", "--own-core"] if name in _TUNED else []),
         "--port", str(port),
         *(["--enforce-eager"] if config.model.enforce_eager else []),
     ]

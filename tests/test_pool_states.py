@@ -86,6 +86,25 @@ def test_a_worker_that_misses_its_pings_in_a_row_is_failed():
     assert "3 health ping(s) in a row" in member.error
 
 
+def test_a_replacement_does_not_inherit_its_predecessors_missed_pings():
+    """Two pings missed by an engine that is then replaced (same worker, new engine): the
+    replacement's first slow ping is its first miss, not the third in a row."""
+    member = PoolMember("decode-0", actor=None, state="ready", engine=_SlowEngine(slow=1000))  # type: ignore[arg-type]
+    pool = WorkerPool("decode", members=[member])
+
+    async def replace_after_two_misses() -> None:
+        watcher = HealthWatcher([pool], interval_s=0.01, timeout_s=0.05, failures=3)
+        watcher.start()
+        await asyncio.sleep(0.12)  # two pings of 0.05 s missed
+        member.engine = _SlowEngine(slow=1)  # type: ignore[assignment]
+        await asyncio.sleep(0.3)
+        watcher.stop()
+
+    asyncio.run(replace_after_two_misses())
+    assert (member.state, member.error) == ("ready", "")
+    assert member.engine.pings >= 2, "the replacement was not pinged again after its slow ping"
+
+
 def test_pings_missed_while_the_engine_waits_for_a_cpu_are_not_counted():
     """Beside busy engines on its core, a healthy engine's threads waited seconds for a CPU and
     its pings went unanswered: replaced three times in one benchmark run. Only the first miss,

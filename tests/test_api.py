@@ -83,15 +83,22 @@ def test_seeded_sampling_survives_a_prompt_prefilled_in_steps(client):
 
 def _worker_metric(client, name: str, worker: str) -> float:
     """One worker's value of a vLLM metric, from the deployment's Prometheus endpoint."""
+    return _metrics(client)[1].get((name, worker), 0.0)
+
+
+def _metrics(client) -> tuple[str, dict[tuple[str, str | None], float]]:
+    """The deployment's Prometheus text, and each sample's value summed by (name, worker label)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://{client.status().metrics_endpoint}/metrics", timeout=30).read().decode()
-    return sum(
-        sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-        if sample.name == name and sample.labels.get("worker") == worker
-    )
+    samples: dict[tuple[str, str | None], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, sample.labels.get("worker"))
+            samples[key] = samples.get(key, 0.0) + sample.value
+    return text, samples
 
 
 def test_status_reports_pools_and_requests(client):
@@ -115,18 +122,8 @@ def test_status_reports_kv_transfers(client):
 
 
 def test_prometheus_endpoint_has_router_and_worker_metrics(client):
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
     client.generate_ids(build_request(prompt_token_ids=list(range(5, 300)), max_tokens=3), timeout=60)
-    endpoint = client.status().metrics_endpoint
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30).read().decode()
-    samples: dict[tuple[str, str | None], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = (sample.name, sample.labels.get("worker"))
-            samples[key] = samples.get(key, 0.0) + sample.value
+    text, samples = _metrics(client)
     assert samples[("duet_requests_total", None)] >= 1
     assert 'duet_requests_total{outcome="served"}' in text
     assert samples[("duet_ttft_seconds_count", None)] >= 1

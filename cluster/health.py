@@ -35,7 +35,7 @@ import time
 from typing import Callable
 
 from duet.router.pools import PoolMember, WorkerPool
-from duet.router.worker_engines import WorkerEngine
+from duet.router.worker_engines import WorkerEngine, WorkerExited
 from duet.worker_runtime.cpu_wait import waited_between
 
 logger = logging.getLogger(__name__)
@@ -49,10 +49,6 @@ STARVED_SHARE = 0.5
 
 class WorkerUnresponsive(RuntimeError):
     """A worker that did not answer its health ping in time (a hung engine or actor)."""
-
-
-class WorkerExited(RuntimeError):
-    """A worker whose engine core process exited (its watch ended)."""
 
 
 class HealthWatcher:

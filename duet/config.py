@@ -291,6 +291,13 @@ class RouterConfig(_Strict):
     health_starved_limit_s: float = Field(default=60.0, gt=0)
     """... but a worker that has answered no ping for this long is replaced, starved or not: an
     engine that hangs on an oversubscribed host is found this late."""
+    max_engine_crashes: int = Field(default=2, ge=0)
+    """A request held by this many engines as they crashed (the engine raised, or died of a
+    fault signal such as SIGSEGV; a kill from outside does not count) is failed with INTERNAL
+    (HTTP 500, ``x-should-retry: false``) instead of being resumed on yet another engine: most
+    likely it is what crashes them, and every retry would take down another engine and delay
+    the requests it held. 0 never gives up on a request for this (it still gives up after three
+    failed attempts, with UNAVAILABLE)."""
     drain_timeout_s: float = Field(default=60.0, ge=0)
     """Removing a worker waits this long for its requests to finish; the rest resume elsewhere."""
     drain_moves_kv: bool = True

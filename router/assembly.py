@@ -54,7 +54,11 @@ def request_service(
     lifecycle = RequestLifecycle(
         prefill,
         decode,
-        RetryPolicy(worker_wait_s=config.server.worker_start_timeout_s, transfer_timeout_s=transfer.handoff_timeout_s),
+        RetryPolicy(
+            worker_wait_s=config.server.worker_start_timeout_s,
+            transfer_timeout_s=transfer.handoff_timeout_s,
+            max_engine_crashes=config.router.max_engine_crashes,
+        ),
         prefill_pushes_kv=TRANSPORTS[transfer.transport].pushes_to_decode,
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,

@@ -31,11 +31,13 @@ from duet.kv_transfer.config import move_out_params
 from duet.worker_runtime.engine_host import WATCH_HOLD_S
 from duet.worker_runtime.engine_clients import READDRESS_METHOD
 from duet.worker_runtime.kv_migration import CONNECT_KV_PEER_METHOD, KV_PEER_METHOD, MIGRATE_OUT_METHOD
-from duet.worker_runtime.worker_api import DecodeChunk, EngineAborted, EngineAddresses, PrefillResult, SamplingSpec, WorkerStatus
+from duet.worker_runtime.worker_api import (
+    DecodeChunk, EngineAborted, EngineAddresses, EngineExit, PrefillResult, SamplingSpec, WorkerStatus,
+)
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
 from duet.router.engine_metrics import read_engine_metrics, registry_bound_stat_logger
-from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket
+from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket, WorkerExited
 
 if TYPE_CHECKING:
     from duet.router.pools import PoolMember
@@ -222,7 +224,7 @@ class EngineFrontEnd:
                         yield DecodeChunk(token_ids, text)
                     raise Migrated(self._migrated.pop(request_id))
                 if finish == "abort" and (self._lost is not None or await self._worker_gone()):
-                    raise EngineLost(f"worker {self.name} is gone ({self._lost or 'its engine ended the request as it shut down'})")
+                    raise self._gone(self._lost or "its engine ended the request as it shut down")
                 yield DecodeChunk(token_ids, text, finish)
         except (EngineLost, Migrated):
             raise
@@ -297,10 +299,20 @@ class EngineFrontEnd:
         self._requests.discard(request_id)
         self._served += 1
 
+    def _gone(self, cause: object, crashed: bool = False) -> EngineLost:
+        """The error of a request this worker held when it was found gone: crashed when its
+        engine ended itself (its watch said so, or ``crashed``)."""
+        crashed = crashed or (isinstance(self._lost, WorkerExited) and self._lost.crashed)
+        return EngineLost(f"worker {self.name} is gone ({cause})", crashed=crashed)
+
     def _failure(self, error: BaseException) -> BaseException:
-        """vLLM's error as duet's: a dead engine can be retried elsewhere, anything else not."""
-        if self._lost is not None or type(error).__name__ == "EngineDeadError":
-            return EngineLost(f"worker {self.name} is gone ({self._lost or error})")
+        """vLLM's error as duet's: a dead engine can be retried elsewhere, anything else not.
+        vLLM's EngineDeadError before duet found the worker gone is the engine core's own
+        report that it raised and stopped: a crash."""
+        if self._lost is not None:
+            return self._gone(self._lost)
+        if type(error).__name__ == "EngineDeadError":
+            return self._gone(error, crashed=True)
         if isinstance(error, EngineAborted):
             return EngineRejected(str(error))
         return EngineRejected(f"{type(error).__name__}: {error}")
@@ -333,13 +345,13 @@ class EngineFrontEnd:
         metrics = read_engine_metrics(self.registry, _LOAD_METRICS)
         return metrics.get("vllm:kv_cache_usage_perc", 0.0), int(metrics.get("vllm:num_requests_running", 0))
 
-    async def watch(self) -> str:
+    async def watch(self) -> EngineExit:
         """Why the worker's engine core exited, once it has (raises if its actor dies). Each
         actor call waits at most ``WATCH_HOLD_S`` (worker_runtime/engine_host.py); the next follows at
         once."""
-        while (reason := await self.actor.watch.remote(WATCH_HOLD_S)) is None:
+        while (ended := await self.actor.watch.remote(WATCH_HOLD_S)) is None:
             pass
-        return reason
+        return ended
 
     async def threads_cpu_wait(self) -> dict[int, float] | None:
         return await self.actor.threads_cpu_wait.remote()

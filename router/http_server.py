@@ -5,7 +5,8 @@ events, or whole), ``GET /v1/models``, and ``GET /health`` (200 while every pool
 worker, else 503; no key needed, for load balancers and probes). Errors use OpenAI's JSON shape,
 ``{"error": {"message", "type", "param", "code"}}``: 400 naming the field, 401 without a valid key,
 413 for an oversized body, 429 with ``Retry-After`` over a quota or the admission limit, 503 when
-the request cannot be served. A client that disconnects cancels its request, which aborts it on
+the request cannot be served, 500 with ``x-should-retry: false`` for a request that crashed the
+engines that held it (router/lifecycle.py). A client that disconnects cancels its request, which aborts it on
 the workers and frees its KV blocks.
 """
 
@@ -24,7 +25,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from duet.router.auth import QuotaExceeded, Unauthenticated
-from duet.router.lifecycle import StreamEvent, Usage
+from duet.router.lifecycle import RequestCrashesEngines, StreamEvent, Usage
 from duet.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,10 +50,13 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        should_retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
         self.retry_after_s = retry_after_s
+        # OpenAI's SDKs read ``x-should-retry`` before their own rule (retry 408, 409, 429, 5xx).
+        self.should_retry = should_retry
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -61,6 +65,8 @@ class ApiError(Exception):
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.should_retry is not None:
+            headers["x-should-retry"] = str(self.should_retry).lower()
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
@@ -76,6 +82,8 @@ def _api_error(error: Exception) -> ApiError:
         return ApiError(429, str(error), "rate_limit_error", code="overloaded", retry_after_s=error.retry_after_s)
     if isinstance(error, Unavailable):
         return ApiError(503, str(error), "service_unavailable_error")
+    if isinstance(error, RequestCrashesEngines):  # OpenAI's SDKs retry a 500 unless told not to
+        return ApiError(500, str(error), "internal_error", code="request_crashes_engines", should_retry=False)
     logger.exception("internal error", exc_info=error)
     return ApiError(500, f"internal error: {error}", "internal_error")
 

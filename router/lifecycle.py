@@ -9,7 +9,12 @@ Failures end in a defined outcome within a bound, never a hang:
   of the prompt of a new prefill/decode round, so the client sees one uninterrupted stream;
 - a KV hand-off that does not produce the decode worker's first tokens within
   ``transfer_timeout_s`` is abandoned and the decode worker recomputes the prompt itself;
-- after ``max_attempts`` failed rounds the client gets UNAVAILABLE with the reason.
+- after ``max_attempts`` failed rounds the client gets UNAVAILABLE with the reason;
+- a request held by ``max_engine_crashes`` engines as they crashed (raised, or died of a fault
+  signal: what a request can cause; a kill from outside is not counted) is not retried again:
+  most likely it crashes them (a query of death), and each retry would take another engine,
+  and its other requests' progress, down with it. The client gets INTERNAL, which clients do
+  not retry (:class:`RequestCrashesEngines`).
 Cancellation at any point aborts the request on whichever worker holds it, so neither keeps KV
 blocks for a client that left.
 """
@@ -77,16 +82,28 @@ class Move:
 
 
 class WorkerFailed(RuntimeError):
-    """A worker died or lost its engine while serving a round; the round can be retried."""
+    """A worker died or lost its engine while serving a round; the round can be retried.
+    ``crashed``: its engine ended itself while it held the round (router/worker_engines.py)."""
+
+    def __init__(self, message: str, crashed: bool = False) -> None:
+        super().__init__(message)
+        self.crashed = crashed
 
 
 class RequestFailed(RuntimeError):
     """The request cannot be completed; the message says why (sent as UNAVAILABLE)."""
 
 
+class RequestCrashesEngines(RuntimeError):
+    """The request was held by ``max_engine_crashes`` engines as they crashed; it is not
+    retried (sent as INTERNAL, HTTP 500 that asks not to be retried)."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     max_attempts: int = 3
+    # Engine crashes with the request aboard after which it is failed, not retried (0: never).
+    max_engine_crashes: int = 2
     # How long a round waits for a ready worker (covers a replacement engine starting).
     worker_wait_s: float = 600.0
     # Bound on the KV hand-off: from launching decode to its first chunk.
@@ -224,7 +241,7 @@ class RequestLifecycle:
         # Clients choose request ids and two may choose the same one; the engines and the token
         # socket key on this one, which is unique.
         internal_id = f"{request.request_id}-{next(_internal_ids)}"
-        attempt = moves = 0
+        attempt = moves = crashes = 0
         moved: MigrationTicket | None = None
         prefill_worker = ""
         departure: _Departure | None = None  # the decode worker the stream left, until it continues
@@ -249,6 +266,12 @@ class RequestLifecycle:
                 finally:
                     await chunks.aclose()  # runs the worker side's abort if the client left early
             except WorkerFailed as failure:
+                crashes += failure.crashed
+                if crashes and crashes == self.policy.max_engine_crashes:
+                    raise RequestCrashesEngines(
+                        f"{crashes} engines crashed while they held this request (the last: {failure}); "
+                        "not retried, as it most likely crashes them"
+                    ) from failure
                 logger.warning("request %s: %s; resuming after %d tokens", request.request_id, failure, len(sent))
                 last_failure = failure
                 attempt += 1
@@ -509,7 +532,7 @@ class RequestLifecycle:
         if isinstance(error, EngineRejected):
             return RequestFailed(f"{pool.role} worker {worker.name}: {error}")
         pool.mark_failed(worker, error, engine)
-        return WorkerFailed(f"{pool.role} worker {worker.name} failed ({error})")
+        return WorkerFailed(f"{pool.role} worker {worker.name} failed ({error})", crashed=error.crashed)
 
 
 def _engine_of(pool: WorkerPool, worker: PoolMember) -> Any:

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from duet.config import TlsConfig
 from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
-from duet.router.lifecycle import StreamEvent
+from duet.router.lifecycle import RequestCrashesEngines, StreamEvent
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.serving import Overloaded, RequestService, Unavailable
 from duet.router.tls import grpc_server_credentials
@@ -142,6 +142,8 @@ class DuetServicer:
             )
         except Unavailable as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except RequestCrashesEngines as error:  # INTERNAL: a status clients do not retry
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {validated.request_id} failed: {error}")
         except Exception as error:
             logger.exception("request %s failed", validated.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"request {validated.request_id} failed: {error}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from duet.router.auth import Caller, Gatekeeper, QuotaExceeded, Unauthenticated
-from duet.router.lifecycle import RequestFailed, RequestLifecycle, StreamEvent
+from duet.router.lifecycle import RequestCrashesEngines, RequestFailed, RequestLifecycle, StreamEvent
 from duet.router.rebalancer import Rebalancer
 from duet.router.load_meter import LoadMeter
 from duet.router.pools import NoWorkerAvailable
@@ -66,7 +66,7 @@ class RequestService:
         """Serve ``request`` for ``caller``, streaming its events.
 
         Raises QuotaExceeded or Overloaded before any worker is touched, Unavailable when it
-        cannot be served; a consumer that stops early (client gone) aborts it on the workers.
+        cannot be served, RequestCrashesEngines when it must not be retried; a consumer that stops early (client gone) aborts it on the workers.
         """
         try:
             caller.acquire()
@@ -97,6 +97,9 @@ class RequestService:
             except (RequestFailed, NoWorkerAvailable) as error:
                 logger.warning("request %s failed: %s", request.request_id, error)
                 raise Unavailable(f"request {request.request_id} failed: {error}") from error
+            except RequestCrashesEngines as error:
+                logger.error("request %s failed, not retried: %s", request.request_id, error)
+                raise
             finally:
                 self.cluster.finish(outcome, usage)
                 self.load.left(handle, usage if outcome == "served" else None)

@@ -21,13 +21,28 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
-from duet.worker_runtime.worker_api import DecodeChunk, PrefillResult, SamplingSpec, WorkerStatus
+from duet.worker_runtime.worker_api import DecodeChunk, EngineExit, PrefillResult, SamplingSpec, WorkerStatus
 from duet.worker_runtime.worker_channel import sampling_to_wire
 from duet.router.actor_channel import ActorChannel, ChannelClosed
 
 
 class EngineLost(RuntimeError):
-    """The worker or its engine is gone (dead, hung, or removed); the request can resume elsewhere."""
+    """The worker or its engine is gone (dead, hung, or removed); the request can resume elsewhere.
+
+    ``crashed``: the engine ended itself (:class:`EngineExit`) while it held the request, which
+    the request may have caused; a worker killed, hung or removed was not crashed."""
+
+    def __init__(self, message: str, crashed: bool = False) -> None:
+        super().__init__(message)
+        self.crashed = crashed
+
+
+class WorkerExited(RuntimeError):
+    """A worker whose engine core process exited (its watch ended), crashed or stopped."""
+
+    def __init__(self, ended: EngineExit) -> None:
+        super().__init__(ended.reason)
+        self.crashed = ended.crashed
 
 
 class EngineRejected(RuntimeError):
@@ -94,7 +109,7 @@ class WorkerEngine(Protocol):
         output it just delivered: (KV usage, running)."""
         ...
 
-    async def watch(self) -> str:
+    async def watch(self) -> EngineExit:
         """Ends (saying why, or raising) only when the worker's actor or engine is gone."""
         ...
 
@@ -207,7 +222,7 @@ class ActorEngine:
     async def ping(self) -> tuple[float, int]:
         return await self.actor.ping.remote()
 
-    async def watch(self) -> str:
+    async def watch(self) -> EngineExit:
         return await self.actor.watch.remote()
 
     async def threads_cpu_wait(self) -> dict[int, float] | None:

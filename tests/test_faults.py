@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import resource
 import signal
 import threading
 import time
 from dataclasses import replace
 
+import grpc
 import ray
 
 from duet.worker_runtime.worker_api import SamplingSpec
@@ -106,7 +108,7 @@ def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, d
     # Found by design within the recent-output window (the stream's last output must age), the
     # next ping and its timeout; the slack is for a loaded machine. The error says a ping found it.
     notice_bound_s = _RECENT_OUTPUT_S + router.health_failures * (router.health_interval_s + router.health_timeout_s) + 10
-    engine_pid = ray.get(decode.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+    engine_pid = _engine_pid(decode)
     request = build_request(prompt_token_ids=prompt, max_tokens=160, ignore_eos=True)
     received: list[int] = []
     streaming = threading.Event()
@@ -140,6 +142,65 @@ def test_decode_engine_hung_mid_stream_is_found_and_the_stream_resumes(client, d
     assert decode.restarts == restarts + 1
     # Status counts the stream's move from the hung engine to its replacement, as a replay.
     assert _replays(client, decode.name) == (replays[0] + 1, replays[1] + 1)
+
+
+def _engine_pid(member) -> int:
+    """The process id of ``member``'s engine core (under its worker actor)."""
+    return ray.get(member.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+
+
+def _crash(pid: int) -> None:
+    """Kill ``pid`` as a fault in its own code would (SIGSEGV: a kernel's bad memory access),
+    without leaving a core file behind."""
+    resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+    os.kill(pid, signal.SIGSEGV)
+
+
+def test_a_request_held_by_two_crashing_engines_is_not_retried_on_a_third(client, deployment, reference):
+    """A query of death, as a fault signal of the engine core that holds the request. The first
+    crash is survived as any failure is: the worker is replaced and the stream resumes on it,
+    token-exact. When that engine crashes too (router.max_engine_crashes, 2), the request ends
+    with INTERNAL, a status clients do not retry, instead of taking a third engine down; both
+    crashed workers are replaced and the next request is served."""
+    prompt = _prompt(200, seed=7)
+    decode = deployment.decode.members[0]
+    restarts = decode.restarts
+    # Long enough (seconds of decoding even on a fast spell) that each crash lands mid-stream.
+    expected = reference.greedy([prompt], max_tokens=1024, ignore_eos=True)[0]
+    request = build_request(prompt_token_ids=prompt, max_tokens=1024, ignore_eos=True)
+    received: list[int] = []
+    errors: list[grpc.RpcError] = []
+
+    def consume() -> None:
+        try:
+            for message in client.generate(request, timeout=600):
+                received.extend(message.token_ids)
+        except grpc.RpcError as error:
+            errors.append(error)
+
+    def wait_for_tokens(count: int) -> None:
+        deadline = time.monotonic() + 300
+        while len(received) < count:
+            assert consumer.is_alive() and time.monotonic() < deadline, f"the stream stopped at {len(received)} tokens: {errors}"
+            time.sleep(0.01)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    wait_for_tokens(16)
+    _crash(_engine_pid(decode))
+    at_first_crash = len(received)
+    _wait_replaced(decode, restarts)
+    wait_for_tokens(at_first_crash + 16)  # resumed on the replacement
+    _crash(_engine_pid(decode))
+    consumer.join(300)
+    assert not consumer.is_alive(), "the stream did not end after the second crash"
+    assert errors and errors[0].code() == grpc.StatusCode.INTERNAL, errors or f"finished with {len(received)} tokens"
+    assert "2 engines crashed while they held this request" in errors[0].details()
+    assert at_first_crash + 16 <= len(received) < 1024
+    assert received == expected[: len(received)], "the stream resumed after the first crash differs"
+    _wait_replaced(decode, restarts + 1)
+    ids, _ = client.generate_ids(build_request(prompt_token_ids=prompt[:100], max_tokens=4, ignore_eos=True), timeout=120)
+    assert ids == reference.greedy([prompt[:100]], max_tokens=4, ignore_eos=True)[0]
 
 
 def _replays(client, worker: str) -> tuple[int, int]:

@@ -4,12 +4,14 @@ router/pools.py), without engines: the states a removal passes through."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 from duet.cluster.health import HealthWatcher
 from duet.router import pools
 from duet.router.engine_front_end import ping_needs_round_trip
 from duet.router.pools import PoolMember, WorkerPool
+from duet.worker_runtime.worker_api import EngineExit
 
 
 def test_a_worker_being_removed_is_not_failed_by_the_health_watcher():
@@ -171,3 +173,15 @@ def test_a_worker_drained_while_its_replacement_fails_is_not_tried_again(monkeyp
     monkeypatch.setattr(pools, "RESTART_RETRY_FIRST_S", 0.05)
     member, tries = _failing_restarts(failures=100, drain_after=2)
     assert len(tries) == 2 and member.state == "draining" and member.restarts == 0
+
+
+def test_an_engine_that_ended_itself_crashed_and_one_stopped_from_outside_did_not():
+    """What the router counts against the requests an engine held (router/lifecycle.py): an
+    engine core that raised (vLLM exits with status 1) or died of a fault signal crashed; one
+    killed or stopped from outside (an operator, the OOM killer, duet's own removal) did not."""
+    for code in (1, -signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS):
+        assert EngineExit.of_processes({"EngineCore_DP0": code}).crashed, code
+    for code in (0, None, -signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT):
+        assert not EngineExit.of_processes({"EngineCore_DP0": code}).crashed, code
+    ended = EngineExit.of_processes({"EngineCore_DP0": -signal.SIGSEGV})
+    assert ended.reason == "engine core crashed: {'EngineCore_DP0': -11}"

@@ -33,7 +33,7 @@ from duet.worker_runtime.engine import apply_environment, cpu_engine_environment
 from duet.worker_runtime.engine_clients import ENV_CLIENT_RECONNECT
 from duet.worker_runtime.cpu_wait import threads_cpu_wait_s
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
-from duet.worker_runtime.worker_api import EngineAddresses, WorkerStatus
+from duet.worker_runtime.worker_api import EngineAddresses, EngineExit, WorkerStatus
 from duet.kv_transfer.config import (
     TRANSPORTS,
     Role,
@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 # behind it (a status, a shutdown wait at most this long); each return costs one actor call,
 # about 2 ms of CPU, where Ray's signal check costs about 15 ms a second.
 WATCH_HOLD_S = 2.0
+# How long the watch waits for an exited engine core's exit status, which tells a crash.
+_EXIT_STATUS_WAIT_S = 5.0
 
 
 class EngineCoreExited(RuntimeError):
@@ -188,7 +190,7 @@ class EngineCoreHost(WorkerHost):
         manager = self._engine_processes
         return threads_cpu_wait_s([process.pid for process in manager.processes]) if manager is not None else None
 
-    def watch(self, hold_s: float = WATCH_HOLD_S) -> str | None:
+    def watch(self, hold_s: float = WATCH_HOLD_S) -> EngineExit | None:
         """Why the engine core process exited, once it has; None if it still runs after
         ``hold_s`` seconds.
 
@@ -200,10 +202,16 @@ class EngineCoreHost(WorkerHost):
         manager = self._engine_processes
         if manager is None:
             time.sleep(hold_s)
-            return "engine core stopped" if self._state == "stopped" else None
-        if not wait_for_exit([process.sentinel for process in manager.processes], timeout=hold_s):
+            return EngineExit("engine core stopped") if self._state == "stopped" else None
+        ended = wait_for_exit([process.sentinel for process in manager.processes], timeout=hold_s)
+        if not ended:
             return None
-        return f"engine core exited: {manager.finished_procs()}"
+        for process in manager.processes:
+            if process.sentinel in ended:
+                # The sentinel fires as the process exits, a moment before the kernel has its
+                # exit status to give: without the join, its status could read as not yet known.
+                process.join(_EXIT_STATUS_WAIT_S)
+        return EngineExit.of_processes(manager.finished_procs())
 
     def status(self) -> WorkerStatus:
         """The actor's side of the worker's status; the router adds the engine's requests and

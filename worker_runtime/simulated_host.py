@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from duet.config import DuetConfig
 from duet.worker_runtime.cpu_wait import threads_cpu_wait_s
 from duet.worker_runtime.engine_host import WorkerHost
-from duet.worker_runtime.worker_api import SamplingSpec, WorkerStatus
+from duet.worker_runtime.worker_api import EngineExit, SamplingSpec, WorkerStatus
 from duet.worker_runtime.worker_channel import RouterLink
 
 logger = logging.getLogger(__name__)
@@ -95,11 +95,11 @@ class SimulatedHost(WorkerHost):
         """Seconds each thread of this actor, which runs the engine, has waited for a CPU so far."""
         return threads_cpu_wait_s([os.getpid()])
 
-    async def watch(self) -> str:
+    async def watch(self) -> EngineExit:
         """Never returns: a SIMULATED engine lives and dies with its actor, whose death fails
         the router's pending call (see :meth:`EngineCoreHost.watch`)."""
         await asyncio.Event().wait()
-        return ""
+        raise AssertionError("unreachable")  # the event is never set
 
     @contextmanager
     def _tracked(self, request_id: str) -> Iterator[None]:

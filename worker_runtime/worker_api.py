@@ -7,6 +7,7 @@ rest of the router, the SIMULATED workers and the tests need no vLLM.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -15,6 +16,32 @@ FinishReason = Literal["length", "stop", "abort", "error"]
 
 class EngineAborted(RuntimeError):
     """The engine ended a request as aborted: it was cancelled, or its worker was found dead."""
+
+
+# Signals that stop a process from outside (an operator, the kernel's OOM killer, Ray, duet's own
+# removal of a worker): an engine core that died of one was stopped, not crashed by its work.
+_STOPPING_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+@dataclass(frozen=True)
+class EngineExit:
+    """Why a worker's engine core process ended, as its actor saw it.
+
+    ``crashed`` means the engine ended itself: it raised (vLLM's engine core exits with status 1
+    after reporting the error) or died of a fault signal (SIGSEGV, SIGABRT, SIGBUS, ...). That
+    is what a request can cause, so the router counts it against the requests the engine held
+    (router/lifecycle.py); a kill from outside is not."""
+
+    reason: str
+    crashed: bool = False
+
+    @classmethod
+    def of_processes(cls, exit_codes: dict[str, int | None]) -> EngineExit:
+        """The exit of the engine's processes, from their exit codes (negative: the signal)."""
+        crashed = any(
+            code is not None and code != 0 and -code not in _STOPPING_SIGNALS for code in exit_codes.values()
+        )
+        return cls(f"engine core {'crashed' if crashed else 'exited'}: {exit_codes}", crashed)
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,7 @@ class PoolManager:
     async def restart(self, member: PoolMember) -> None:
         """Replace a dead worker with a fresh actor and engine under the same name and core."""
         if self.front_doors is not None:
-            self.front_doors.tell("lost", member.name, member.error)
+            self.front_doors.tell("lost", member.name, member.error, member.crashed)
         self._close_engine(member)
         ray.kill(member.actor, no_restart=True)
         member.actor = self._actor(member.name, member.cpu_core, None)

@@ -37,7 +37,7 @@ from duet.worker_runtime.worker_api import (
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
 from duet.router.engine_metrics import read_engine_metrics, registry_bound_stat_logger
-from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket, WorkerExited
+from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket, WorkerGone
 
 if TYPE_CHECKING:
     from duet.router.pools import PoolMember
@@ -301,8 +301,8 @@ class EngineFrontEnd:
 
     def _gone(self, cause: object, crashed: bool = False) -> EngineLost:
         """The error of a request this worker held when it was found gone: crashed when its
-        engine ended itself (its watch said so, or ``crashed``)."""
-        crashed = crashed or (isinstance(self._lost, WorkerExited) and self._lost.crashed)
+        engine ended itself (its watch said so, here or in the control plane, or ``crashed``)."""
+        crashed = crashed or (isinstance(self._lost, WorkerGone) and self._lost.crashed)
         return EngineLost(f"worker {self.name} is gone ({cause})", crashed=crashed)
 
     def _failure(self, error: BaseException) -> BaseException:

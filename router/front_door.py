@@ -49,7 +49,7 @@ from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
-from duet.router.worker_engines import ActorEngine
+from duet.router.worker_engines import ActorEngine, WorkerGone
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,9 @@ class WorkerSnapshot:
     engine_config: Any  # the vLLM engine's config; None for a SIMULATED engine
 
 
-class WorkerLostByControlPlane(RuntimeError):
-    """The control plane found the worker dead (its watch or ping) and is replacing it."""
+class WorkerLostByControlPlane(WorkerGone):
+    """The control plane found the worker dead (its watch or ping) and is replacing it;
+    ``crashed`` as its watch said."""
 
 
 class ControlledClusterView(ClusterView):
@@ -198,12 +199,13 @@ class FrontDoor:
             if found is not None:
                 found[1].kv_usage, found[1].running = kv_usage, running
 
-    async def lost(self, name: str, reason: str) -> None:
-        """Worker ``name`` died: its requests here resume on the others while it is replaced."""
+    async def lost(self, name: str, reason: str, crashed: bool = False) -> None:
+        """Worker ``name`` died (``crashed``: its engine ended itself): its requests here resume
+        on the others while it is replaced, and count the crash (router/lifecycle.py)."""
         found = self._find(name)
         if found is not None and found[1].engine is not None:
             pool, member = found
-            pool.mark_failed(member, WorkerLostByControlPlane(reason), member.engine)
+            pool.mark_failed(member, WorkerLostByControlPlane(reason, crashed), member.engine)
 
     async def remove(self, name: str) -> None:
         """Worker ``name`` left the cluster (drained or removed): its requests here, if any

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from duet.router.policies import LeastRequests, RoutingPolicy
+from duet.router.worker_engines import WorkerGone
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class PoolMember:
     local_prefill_tokens: int = 0
     restarts: int = 0
     error: str = ""
+    crashed: bool = False  # its last failure was a crash of its engine (router/worker_engines.py)
     cpu_core: int | None = None  # the core its forward pass is pinned to (CPU hosts)
     # The worker's last load report (cluster/health.py): KV cache usage and running requests.
     kv_usage: float = 0.0
@@ -185,6 +187,7 @@ class WorkerPool:
             return
         logger.warning("%s worker %s failed: %s", self.role, member.name, error)
         member.state, member.error = "restarting", f"{type(error).__name__}: {error}"
+        member.crashed = isinstance(error, WorkerGone) and error.crashed
         if self.restart is None:
             member.state = "failed"
             return

@@ -26,23 +26,24 @@ from duet.worker_runtime.worker_channel import sampling_to_wire
 from duet.router.actor_channel import ActorChannel, ChannelClosed
 
 
-class EngineLost(RuntimeError):
-    """The worker or its engine is gone (dead, hung, or removed); the request can resume elsewhere.
-
-    ``crashed``: the engine ended itself (:class:`EngineExit`) while it held the request, which
-    the request may have caused; a worker killed, hung or removed was not crashed."""
+class WorkerGone(RuntimeError):
+    """A worker lost to a failure. ``crashed``: its engine ended itself (:class:`EngineExit`),
+    which a request it held may have caused; a worker killed, hung or removed was not crashed."""
 
     def __init__(self, message: str, crashed: bool = False) -> None:
         super().__init__(message)
         self.crashed = crashed
 
 
-class WorkerExited(RuntimeError):
+class EngineLost(WorkerGone):
+    """The worker or its engine is gone (dead, hung, or removed); the request can resume elsewhere."""
+
+
+class WorkerExited(WorkerGone):
     """A worker whose engine core process exited (its watch ended), crashed or stopped."""
 
     def __init__(self, ended: EngineExit) -> None:
-        super().__init__(ended.reason)
-        self.crashed = ended.crashed
+        super().__init__(ended.reason, ended.crashed)
 
 
 class EngineRejected(RuntimeError):

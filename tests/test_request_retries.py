@@ -109,3 +109,30 @@ def test_clients_are_told_not_to_retry_a_request_that_crashes_engines():
     assert response.status == 500
     assert response.headers["x-should-retry"] == "false"
     assert b'"code":"request_crashes_engines"' in response.body.replace(b" ", b"")
+
+
+def test_a_crash_found_by_the_control_plane_counts_in_every_front_door():
+    """With front doors apart, the control plane's watch finds the crash: its pool records it,
+    and it tells each front door the worker was lost and whether it crashed, so that the
+    requests there count the crash too."""
+    from duet.config import DuetConfig
+    from duet.router.front_door import FrontDoor
+    from duet.router.worker_engines import WorkerExited, WorkerGone
+    from duet.worker_runtime.worker_api import EngineExit
+
+    crash = WorkerExited(EngineExit.of_processes({"EngineCore": -11}))
+    watched = PoolMember("decode-0", actor=None, engine=_ScriptedEngine(None))
+    WorkerPool("decode", members=[watched]).mark_failed(watched, crash, watched.engine)
+    assert watched.crashed and watched.state == "failed"  # what the control plane tells ("lost")
+
+    told: list[BaseException] = []
+
+    async def front_door_told() -> None:
+        door = FrontDoor(0, 2, DuetConfig(), "127.0.0.1:1", None)
+        engine = _ScriptedEngine(None)
+        engine.lost = told.append  # type: ignore[method-assign]
+        door.pools["decode"].members.append(PoolMember("decode-0", actor=None, engine=engine))
+        await door.lost("decode-0", watched.error, watched.crashed)
+
+    asyncio.run(front_door_told())
+    assert len(told) == 1 and isinstance(told[0], WorkerGone) and told[0].crashed

@@ -195,7 +195,7 @@ class EngineFrontEnd:
             return result
         except EngineAborted as error:
             if self._lost is None and await self._worker_gone():
-                raise EngineLost(f"worker {self.name} is gone (its engine ended the request as it shut down)") from error
+                raise self._gone("its engine ended the request as it shut down") from error
             raise self._failure(error) from error
         except Exception as error:
             raise self._failure(error) from error
@@ -324,11 +324,22 @@ class EngineFrontEnd:
         A request can be between duet's liveness check and vLLM's registration of it (its
         inputs are processed in a thread), where no abort reaches it; it would be sent to the
         dead engine core and wait for an answer that never comes. Marking vLLM's client dead
-        makes that send fail instead (vLLM's own engine monitor does the same)."""
+        makes that send fail instead (vLLM's own engine monitor does the same).
+
+        A utility call already sent (a drain asking what the engine still holds, a move, a
+        status) would wait for ever too: vLLM fails no pending call when its engine dies. They
+        fail now, as a call sent after would (a drain that asked in the moment between its
+        engine's death and this hung with its worker listed as failed until duet stopped)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         if self._lost is None:
             self._lost = error
-        self.engine.engine_core.resources.engine_dead = True
+        engine_core = self.engine.engine_core
+        engine_core.resources.engine_dead = True
         self.engine.output_processor.abort_requests(list(self._requests), internal=False)
+        for pending in engine_core.utility_results.values():  # a late answer finds them done: vLLM ignores it
+            if not pending.done():
+                pending.set_exception(EngineDeadError())
 
     # ---- state ------------------------------------------------------------------------------
 

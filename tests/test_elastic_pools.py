@@ -3,6 +3,7 @@ health watching without traffic, and the Admin API's errors."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -159,13 +160,23 @@ def test_a_killed_idle_worker_is_replaced_without_any_request(deployment, client
 
 def test_an_exited_engine_core_is_replaced_at_once_without_any_request(deployment, client):
     """The actor lives on but its engine core process is gone: the worker's watch ends at once
-    (no ping timeout to wait out) and the worker is replaced."""
+    (no ping timeout to wait out) and the worker is replaced. A call to the engine core that was
+    under way when it died (here, asked while it was stopped) fails then, instead of waiting
+    for ever for an answer (a drain that asked so once hung with its worker listed as failed)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
     member = deployment.prefill.members[0]
     restarts = member.restarts
     pid = ray.get(member.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+    os.kill(pid, signal.SIGSTOP)  # it cannot answer: the call below is pending when it dies
+    pending = asyncio.run_coroutine_threadsafe(member.engine.requests_by_client(), deployment.background.loop)
+    time.sleep(0.5)
+    assert not pending.done(), pending
     os.kill(pid, signal.SIGKILL)
     _wait_noticed(member, time.monotonic())
     assert "WorkerExited" in member.error and "engine core exited" in member.error  # the watch found it
+    with pytest.raises(EngineDeadError):
+        pending.result(timeout=10)
     _wait_settled(client)
     assert member.restarts == restarts + 1
     ids, _ = client.generate_ids(build_request("after the engine restart", max_tokens=4, ignore_eos=True), timeout=120)

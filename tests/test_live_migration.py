@@ -177,7 +177,7 @@ def _engine_pid(worker) -> int:
 def _kill_at_first_move(lifecycle, engine_pid: int, killed: list[int]) -> None:
     """Make the first moved round SIGKILL the engine core ``engine_pid`` (and its workers)
     before it goes on; on the event loop's thread, so no moved round reaches a worker (and no
-    pull starts) before that engine is dead. ``del lifecycle._moved_round`` undoes it."""
+    pull starts) before that engine is dead. Popping ``_moved_round`` from the lifecycle's ``__dict__`` undoes it."""
     move_on = lifecycle._moved_round
 
     def killing_first(round_, decode_worker, ticket):
@@ -214,7 +214,7 @@ def test_a_move_whose_source_dies_before_the_pull_completes_by_recomputing(deplo
             before_drain=lambda worker: _kill_at_first_move(lifecycle, _engine_pid(worker), killed),
         )
     finally:
-        del lifecycle._moved_round  # the class's own again
+        lifecycle.__dict__.pop("_moved_round", None)  # the class's own again (if the drain got that far)
     assert killed, "no stream was moved"
     moving, counted = drain.moving, drain.counted
     # Every moved context reached decode-0: recomputed where the pull failed (on one host, UCX
@@ -244,7 +244,7 @@ def test_a_move_whose_target_dies_resumes_by_replay_on_its_replacement(deploymen
             before_drain=lambda worker: _kill_at_first_move(lifecycle, target_pid, killed),
         )
     finally:
-        del lifecycle._moved_round
+        lifecycle.__dict__.pop("_moved_round", None)
     assert killed, "no stream was moved"
     assert target.restarts == restarts + 1, "the target was not replaced"
     moving, counted = drain.moving, drain.counted

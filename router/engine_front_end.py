@@ -368,12 +368,20 @@ class EngineFrontEnd:
         return await self.actor.threads_cpu_wait.remote()
 
     async def status(self) -> WorkerStatus:
-        status: WorkerStatus = await self.actor.status.remote()
-        status.requests_served = self._served
-        status.requests_inflight = len(self._requests)
-        status.engine_unfinished = self.engine.output_processor.get_num_unfinished_requests()
-        status.engine_metrics = read_engine_metrics(self.registry)
-        return status
+        """The worker as this front end sees it: its requests here, the engine's unfinished ones
+        and vLLM's metrics. The worker's actor is not asked: its main thread is held by the
+        watch, so the question waited up to ``WATCH_HOLD_S`` and every ``duet status`` took 1-2 s;
+        what only the actor knew (its KV endpoint) the pool keeps from the worker's start."""
+        return WorkerStatus(
+            name=self.name,
+            role=self.name.rsplit("-", 1)[0],  # pools name their workers ROLE-INDEX
+            state="ready" if self._lost is None else "failed",
+            error="" if self._lost is None else f"{type(self._lost).__name__}: {self._lost}",
+            requests_served=self._served,
+            requests_inflight=len(self._requests),
+            engine_unfinished=self.engine.output_processor.get_num_unfinished_requests(),
+            engine_metrics=read_engine_metrics(self.registry),
+        )
 
     def metrics_text(self) -> str:
         lines = generate_latest(self.registry).decode().splitlines()

@@ -157,7 +157,7 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
     transfers = transfer_totals(metrics)
     return pb.WorkerState(
         **router_side,
-        kv_endpoint=status.kv_endpoint,
+        kv_endpoint=member.kv_endpoint,
         requests_served=status.requests_served,
         requests_inflight=status.requests_inflight,
         kv_cache_usage=metrics.get(_KV_USAGE, 0.0),

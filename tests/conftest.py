@@ -138,8 +138,8 @@ def tokenizer(deployment: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def worker_status(deployment: Any) -> Callable[[str], Any]:
-    """A worker's report (engine state, in-flight requests, vLLM metrics) from its actor and its
-    engine's front end in the router."""
+    """A worker's report (state, in-flight requests, vLLM metrics) from its engine's front end
+    in the router."""
 
     def report(role: str) -> Any:
         pool = deployment.prefill if role == "prefill" else deployment.decode

@@ -21,7 +21,9 @@ from duet.config import ConfigError, parse_config
 from duet.kv_transfer.ports import is_bindable
 from duet.router.client import DuetClient, build_request
 
-STREAMS = 32
+# Streams in flight at once: enough to keep both workers of each pool busy; more (it was 32) only
+# slowed the new engines' start-up on two cores, with the router answering them all.
+STREAMS = 12
 
 
 def _engine_processes() -> set[int]:

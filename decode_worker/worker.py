@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from duet.worker_runtime.engine_host import EngineCoreHost
 from duet.worker_runtime.simulated_host import SimulatedHost
-from duet.worker_runtime.worker_api import FinishReason, SamplingSpec
+from duet.worker_runtime.worker_api import DecodeChunk, SamplingSpec, logprobs_of
 from duet.worker_runtime.worker_channel import Message
 from duet.prefill_worker.worker import ParamsFactory
 
@@ -38,29 +38,42 @@ async def decode_updates(
     kv_transfer_params: dict[str, Any] | None,
     first_token_id: int | None = None,
     first_text: str = "",
-) -> AsyncIterator[tuple[list[int], str, FinishReason | None]]:
-    """The request's new tokens, text and finish as ``engine`` produces them, step by step.
+) -> AsyncIterator[DecodeChunk]:
+    """The request's new tokens, text, logprobs and finish as ``engine`` produces them.
 
-    ``first_token_id`` is the token prefill already sent, which is skipped; None streams every
-    token (a request computed here, or moved here from another decode worker, whose first
-    output is new). ``first_text`` is that token's text. Delta outputs: vLLM hands over only
-    what is new, merging steps a slow reader missed.
+    ``first_token_id`` is the token prefill already sent (with its logprobs), which is
+    skipped; None streams every token (a request computed here, or moved here from another
+    decode worker, whose first output is new). ``first_text`` is that token's text. Delta
+    outputs: vLLM hands over only what is new, merging steps a slow reader missed.
+
+    The engine re-derives the skipped token under the request's own sampling, so from then on
+    its state is what a single engine's would be: penalties count that token as output, a
+    grammar has consumed it, a seeded generator has drawn it. Prompt logprobs come from the
+    engine that computed the prompt: asked of this one only when no KV is handed to it.
     """
+    if kv_transfer_params is not None or first_token_id is not None:
+        sampling = sampling.for_decode()
     params = make_params(sampling, kv_transfer_params, True)
     skip_first = first_token_id is not None
+    prompt_logprobs_due = sampling.prompt_logprobs is not None
     async for output in engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
         completion = output.outputs[0]
-        token_ids, text = completion.token_ids, completion.text
+        token_ids, text = list(completion.token_ids), completion.text
+        logprobs = logprobs_of(completion.logprobs)
         if skip_first and token_ids:
             skip_first = False
             if token_ids[0] != first_token_id:
                 # Only possible with sampling and float noise between the two engines.
                 logger.warning("request %s: decode re-derived a different first token", request_id)
             token_ids = token_ids[1:]
+            logprobs = logprobs[1:] if logprobs is not None else None
             text = text[len(first_text):] if text.startswith(first_text) else text
+        prompt_logprobs = None
+        if prompt_logprobs_due and output.prompt_logprobs is not None:
+            prompt_logprobs, prompt_logprobs_due = logprobs_of(output.prompt_logprobs), False
         finish = completion.finish_reason if output.finished else None
         if token_ids or text or finish is not None:
-            yield list(token_ids), text, finish
+            yield DecodeChunk(token_ids, text, finish, logprobs, prompt_logprobs)
 
 
 class DecodeWorker(EngineCoreHost):
@@ -92,11 +105,11 @@ class SimulatedDecodeWorker(SimulatedHost):
         """Generate, each step's tokens put with ``reply`` (the channel the request came
         over); returns when finished."""
         with self._tracked(request_id):
-            async for token_ids, text, finish in decode_updates(
+            async for chunk in decode_updates(
                 self.engine, self._params, request_id, prompt_token_ids, sampling,
                 kv_transfer_params, first_token_id, first_text,
             ):
-                reply([request_id, "tokens", token_ids, text, finish])
+                reply([request_id, "tokens", chunk.token_ids, chunk.text, chunk.finish_reason])
 
 
 class SimulatedColocatedWorker(SimulatedDecodeWorker):

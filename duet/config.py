@@ -316,6 +316,27 @@ class RouterConfig(_Strict):
     arrived by a move stays five of these intervals before rebalancing may move it again."""
 
 
+class ApiConfig(_Strict):
+    """Bounds on what one request may ask of the deployment, beyond what vLLM itself refuses,
+    so that a single call cannot occupy it: both APIs refuse a request past them with
+    INVALID_ARGUMENT / HTTP 400 naming the field."""
+
+    max_n: int = Field(default=16, ge=1, le=1024)
+    """Most sequences one request may ask for (``n``); each counts against admission and quotas."""
+    max_logprobs: int = Field(default=20, ge=0)
+    """Most alternatives per position (``logprobs``, ``top_logprobs``, ``prompt_logprobs``), and
+    never more than the model's own maximum (vLLM's max_logprobs, 20 unless the model says)."""
+    max_batch_prompts: int = Field(default=64, ge=1)
+    """Most prompts in one completions request (a batch)."""
+    max_structured_output_bytes: int = Field(default=64 * 1024, ge=16)
+    """Largest structured-output constraint (a JSON schema, regex, grammar or choice list, as
+    text); vLLM's own bounds on nesting depth and regex compile time apply too."""
+    tool_call_parser: str | None = None
+    """vLLM's tool-call parser for the model's output (``hermes``, ``llama3_json``, ...): needed
+    for ``tool_choice: auto`` as in vLLM's ``--tool-call-parser``; named and required tool
+    choices need none (they constrain the output to the tools' JSON schema)."""
+
+
 class DuetConfig(_Strict):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: prefill and decode pools with KV transfer between them. colocated: one pool
@@ -337,6 +358,8 @@ class DuetConfig(_Strict):
     """Which Ray cluster duet runs on."""
     server: ServerConfig = ServerConfig()
     """The front doors: APIs, ports, TLS, keys, admission."""
+    api: ApiConfig = ApiConfig()
+    """Bounds on what one request may ask (n, logprobs, batches, structured outputs) and tool calls."""
     autoscale: str | None = None
     """An autoscaling policy (a name under configs/autoscale, or a YAML path) that sizes the
     prefill and decode pools to its SLO while serving; None keeps the sizes above."""

@@ -39,6 +39,7 @@ from duet.worker_runtime.engine_clients import install as install_client_reconne
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.worker_runtime.engine_output import install as install_output_coalescing
 from duet.worker_runtime.kv_migration import install as install_kv_migration
+from duet.worker_runtime.resumed_requests import install as install_resumed_requests
 from duet.worker_runtime.seeded_sampling import install as install_seeded_sampling
 from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE, share_single_rank_device
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
@@ -112,3 +113,4 @@ def register() -> None:
         install_client_reconnect()
         install_kv_migration()
         install_seeded_sampling()
+        install_resumed_requests()

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from duet.config import KVTransferConfig
 from duet.worker_runtime.engine_host import EngineCoreHost
 from duet.worker_runtime.simulated_host import SimulatedHost
-from duet.worker_runtime.worker_api import EngineAborted, PrefillResult, SamplingSpec
+from duet.worker_runtime.worker_api import EngineAborted, PrefillResult, SamplingSpec, logprobs_of
 from duet.kv_transfer.config import prefill_request_params
 
 # Builds the engine's request parameters: (sampling, kv_transfer_params, delta outputs) -> params.
@@ -61,6 +61,8 @@ async def run_prefill(
         kv_transfer_params=final.kv_transfer_params if handing_over else None,
         finish_reason=finish,
         worker=worker,
+        first_logprobs=logprobs_of(completion.logprobs),
+        prompt_logprobs=logprobs_of(final.prompt_logprobs),
     )
 
 

@@ -19,6 +19,7 @@ from duet.router.pools import WorkerPool
 from duet.router.rebalancer import Rebalancer
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
+from duet.router.tool_calls import tool_parser_class
 from duet.router.validation import ModelLimits
 
 
@@ -68,8 +69,14 @@ def request_service(
         # A draining decode worker hands its requests on with their KV, as prefill hands its
         # own (pulled with nixl, pushed with nccl); colocated workers finish them in place.
         decode.on_draining.append(lifecycle.migrate)
-    limits = ModelLimits(config.model.name, max_model_len, vocab_size)
+    api = config.api
+    limits = ModelLimits(
+        config.model.name, max_model_len, vocab_size,
+        max_n=api.max_n, max_logprobs=api.max_logprobs,
+        max_structured_output_bytes=api.max_structured_output_bytes, max_batch_prompts=api.max_batch_prompts,
+    )
     service = RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
+    service.tool_parser = tool_parser_class(api.tool_call_parser)
     if config.router.rebalance_kv_gap is not None:
         service.rebalancer = Rebalancer(lifecycle, config.router.rebalance_kv_gap, config.router.rebalance_interval_s)
     return service

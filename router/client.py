@@ -31,14 +31,27 @@ def build_request(
     model: str = "",
     request_id: str = "",
     resume_after: Iterable[int] = (),
+    n: int = 0,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    include_stop_str_in_output: bool = False,
+    **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from keyword arguments; exactly one of prompt / prompt_token_ids."""
+    """A GenerateRequest from keyword arguments; exactly one of prompt / prompt_token_ids.
+    Further keywords are ``SamplingParams`` fields (``presence_penalty=0.5``,
+    ``structured_output=pb.StructuredOutput(regex="[a-z]+")``...)."""
     request = pb.GenerateRequest(
         model=model,
         max_tokens=max_tokens,
         request_id=request_id,
-        sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-        stop=pb.StopConditions(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos),
+        n=n,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **sampling),
+        stop=pb.StopConditions(
+            stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+            include_stop_str_in_output=include_stop_str_in_output,
+        ),
     )
     request.resume_after.ids.extend(resume_after)
     if prompt_token_ids is not None:

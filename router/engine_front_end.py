@@ -21,7 +21,7 @@ import asyncio
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -217,15 +217,15 @@ class EngineFrontEnd:
             self.engine, _vllm_params, request_id, prompt_token_ids, sampling, kv_transfer_params, first_token_id, first_text
         )
         try:
-            async for token_ids, text, finish in updates:
+            async for chunk in updates:
                 self._output_at = time.monotonic()
-                if finish == "abort" and request_id in self._migrated:
-                    if token_ids or text:  # produced before the move, not yet relayed
-                        yield DecodeChunk(token_ids, text)
+                if chunk.finish_reason == "abort" and request_id in self._migrated:
+                    if chunk.token_ids or chunk.text:  # produced before the move, not yet relayed
+                        yield replace(chunk, finish_reason=None)
                     raise Migrated(self._migrated.pop(request_id))
-                if finish == "abort" and (self._lost is not None or await self._worker_gone()):
+                if chunk.finish_reason == "abort" and (self._lost is not None or await self._worker_gone()):
                     raise self._gone(self._lost or "its engine ended the request as it shut down")
-                yield DecodeChunk(token_ids, text, finish)
+                yield chunk
         except (EngineLost, Migrated):
             raise
         except Exception as error:
@@ -236,6 +236,17 @@ class EngineFrontEnd:
             await updates.aclose()
             self._migrated.pop(request_id, None)
             self._finished(request_id)
+
+    def verify_sampling(self, sampling: SamplingSpec) -> None:
+        """Refuse what this engine's own input processing would refuse (vLLM's
+        ``SamplingParams.verify``: logprobs past the model's maximum, token ids outside its
+        vocabulary, a structured-output constraint its backend cannot compile, bounded in
+        nesting and regex compile time), raising vLLM's validation error, which names the
+        parameter. Called by the front door before any worker is chosen."""
+        processor = self.engine.input_processor
+        sampling.to_vllm(None).verify(
+            processor.model_config, processor.speculative_config, processor.structured_outputs_config, processor.tokenizer
+        )
 
     async def migrate_out(self, request_id: str, target: PoolMember | None = None) -> MigrationTicket | None:
         """Have the engine give up ``request_id``, decoding here, with its KV kept for another

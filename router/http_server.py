@@ -33,8 +33,10 @@ from duet.router.openai_protocol import (
     completion_to_validated,
     parse,
 )
-from duet.router.serving import Overloaded, RequestService, Unavailable
+from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
+from duet.router.tool_calls import ToolCalling
 from duet.router.validation import InvalidRequest, ValidatedRequest
+from duet.worker_runtime.worker_api import PositionLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +90,48 @@ def _api_error(error: Exception) -> ApiError:
     return ApiError(500, f"internal error: {error}", "internal_error")
 
 
+# vLLM's floor for a logprob in JSON (OpenAI's: -inf is not JSON).
+_MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class _Sequence:
+    """One choice as it accumulates: its tokens, text and logprobs so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish: str | None = None
+    usage: Usage | None = None
+    started: bool = False
+
+
 @dataclass
 class _Reply:
-    """Renders one request's events as an OpenAI completion or chat completion."""
+    """Renders the events of one API call (its prompts, each with ``n`` sequences; choice ``i``
+    belongs to prompt ``i // n``, as in vLLM) as an OpenAI completion or chat completion."""
 
     chat: bool
     model: str
-    request: ValidatedRequest
+    prompts: list[ValidatedRequest]
+    n: int
     return_token_ids: bool
+    tokenizer: Any
+    # Completions: the prompt's text prepended to each choice (echo), and whether the choice
+    # shows only that (echo with max_tokens 0: one token generated, none shown).
+    echo: bool = False
+    echo_only: bool = False
+    # How many alternatives each position lists (None: logprobs not asked for).
+    top_logprobs: int | None = None
+    # Chat: the tools the output is read back as calls of (router/tool_calls.py).
+    tools: ToolCalling | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    _tool_streams: dict[int, ToolCalling] = field(default_factory=dict)
+
+    @property
+    def request(self) -> ValidatedRequest:
+        return self.prompts[0]
 
     @property
     def id(self) -> str:
@@ -106,57 +141,168 @@ class _Reply:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
+    def _prompt(self, index: int) -> ValidatedRequest:
+        return self.prompts[index // self.n]
+
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _token_ids(self, choice: dict[str, Any], token_ids: list[int], first: bool) -> dict[str, Any]:
+    def _token_ids(self, choice: dict[str, Any], index: int, token_ids: list[int], first: bool) -> dict[str, Any]:
         if self.return_token_ids:
             choice["token_ids"] = token_ids
             if first:
-                choice["prompt_token_ids"] = self.request.prompt_token_ids
+                choice["prompt_token_ids"] = self._prompt(index).prompt_token_ids
         return choice
 
-    def whole(self, token_ids: list[int], text: str, finish: str | None, usage: Usage | None) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        body = self._envelope(self.object, [self._token_ids(choice, token_ids, first=True)])
-        body["usage"] = _usage(usage, len(self.request.prompt_token_ids), len(token_ids))
+    def _echoed(self, index: int, first: bool, token_ids: list[int], text: str, logprobs: list[Any] | None,
+                prompt_logprobs: list[Any] | None) -> tuple[list[int], str, list[Any] | None]:
+        """A completion choice's tokens, text and logprobs with the prompt in front (echo)."""
+        if self.echo_only:
+            token_ids, text, logprobs = [], "", [] if logprobs is not None else None
+        if not (self.echo and first):
+            return token_ids, text, logprobs
+        prompt = self._prompt(index).prompt_token_ids
+        prompt_text = self.tokenizer.decode(prompt)
+        if logprobs is not None:
+            logprobs = list(prompt_logprobs or [None] * len(prompt)) + list(logprobs)
+        return prompt + token_ids, prompt_text + text, logprobs
+
+    def whole(self, sequences: dict[int, _Sequence]) -> dict[str, Any]:
+        choices = []
+        for index in sorted(sequences):
+            sequence = sequences[index]
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": sequence.text}
+                finish = sequence.finish
+                if self.tools is not None:
+                    message, finish = self.tools.for_sequence().whole(sequence.text, finish)
+                choice: dict[str, Any] = {
+                    "index": index, "message": message,
+                    "logprobs": self._chat_logprobs(sequence.token_ids, sequence.logprobs), "finish_reason": finish,
+                }
+            else:
+                token_ids, text, logprobs = self._echoed(
+                    index, True, sequence.token_ids, sequence.text,
+                    sequence.logprobs if self.top_logprobs is not None else None, sequence.prompt_logprobs,
+                )
+                choice = {
+                    "index": index, "text": text, "logprobs": self._completion_logprobs(token_ids, logprobs, 0),
+                    "finish_reason": sequence.finish,
+                }
+            choices.append(self._token_ids(choice, index, sequence.token_ids, first=True))
+        body = self._envelope(self.object, choices)
+        body["usage"] = self._usage(sequences)
         return body
 
-    def chunk(self, event: StreamEvent, first: bool, with_usage_field: bool) -> dict[str, Any]:
+    def chunk(self, index: int, event: StreamEvent, sequence: _Sequence, with_usage_field: bool) -> dict[str, Any]:
+        """The chunk for one event of choice ``index``; ``sequence`` holds what it sent before."""
+        first = not sequence.started
+        sequence.started = True
+        logprobs = event.logprobs if self.top_logprobs is not None else None
         if self.chat:
             delta: dict[str, Any] = {"content": event.text}
+            finish = event.finish_reason
+            if self.tools is not None:
+                tools = self._tool_streams.setdefault(index, self.tools.for_sequence())
+                delta = tools.delta(sequence.text, event.text, event.token_ids) or {}
+                finish = tools.finish_reason(finish)
+            sequence.text += event.text
             if first:
                 delta = {"role": "assistant", **delta}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": event.finish_reason}
+            choice: dict[str, Any] = {
+                "index": index, "delta": delta, "logprobs": self._chat_logprobs(event.token_ids, logprobs),
+                "finish_reason": finish,
+            }
         else:
-            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
-        body = self._envelope(self.object + (".chunk" if self.chat else ""), [self._token_ids(choice, event.token_ids, first)])
+            offset = len(sequence.text)
+            token_ids, text, logprobs = self._echoed(index, first, event.token_ids, event.text, logprobs, event.prompt_logprobs)
+            choice = {
+                "index": index, "text": text, "logprobs": self._completion_logprobs(token_ids, logprobs, offset),
+                "finish_reason": event.finish_reason,
+            }
+            sequence.text += text
+        body = self._envelope(self.object + (".chunk" if self.chat else ""), [self._token_ids(choice, index, event.token_ids, first)])
         if with_usage_field:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, usage: Usage | None, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, sequences: dict[int, _Sequence]) -> dict[str, Any]:
         body = self._envelope(self.object + (".chunk" if self.chat else ""), [])
-        body["usage"] = _usage(usage, len(self.request.prompt_token_ids), completion_tokens)
+        body["usage"] = self._usage(sequences)
         return body
 
+    def _usage(self, sequences: dict[int, _Sequence]) -> dict[str, int]:
+        """vLLM's counts: each prompt once, every choice's tokens (a resumed stream's usage
+        counts what that call sent)."""
+        prompt_tokens = sum(len(prompt.prompt_token_ids) for prompt in self.prompts)
+        completion_tokens = sum(
+            sequence.usage.completion_tokens if sequence.usage is not None else len(sequence.token_ids)
+            for sequence in sequences.values()
+        )
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
-def _usage(usage: Usage | None, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    if usage is not None:
-        prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    def _completion_logprobs(self, token_ids: list[int], positions: list[Any] | None, offset: int) -> dict[str, Any] | None:
+        """OpenAI's completion logprobs, as vLLM's ``_create_completion_logprobs`` builds them:
+        each position lists the token and its ``logprobs`` likeliest alternatives."""
+        if positions is None or self.top_logprobs is None:
+            return None
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for token_id, position in zip(token_ids, positions):
+            offsets.append(offset)
+            if position is None or token_id not in position:
+                token = self.tokenizer.decode([token_id])
+                token_logprobs.append(None)
+                top.append(None)
+            else:
+                token = self._token_text(token_id, position[token_id])
+                token_logprobs.append(max(position[token_id].logprob, _MIN_LOGPROB))
+                top.append({
+                    self._token_text(other, entry): max(entry.logprob, _MIN_LOGPROB)
+                    for rank, (other, entry) in enumerate(position.items()) if rank <= self.top_logprobs
+                })
+            tokens.append(token)
+            offset += len(token)
+        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+
+    def _chat_logprobs(self, token_ids: list[int], positions: list[Any] | None) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs (vLLM's ``_create_chat_logprobs``)."""
+        if positions is None or self.top_logprobs is None:
+            return None
+        content = []
+        for token_id, position in zip(token_ids, positions):
+            if position is None or token_id not in position:
+                token = self.tokenizer.decode([token_id])
+                content.append({"token": token, "logprob": _MIN_LOGPROB, "bytes": list(token.encode()), "top_logprobs": []})
+                continue
+            entry = position[token_id]
+            content.append({
+                "token": self._token_text(token_id, entry),
+                "logprob": max(entry.logprob, _MIN_LOGPROB),
+                "bytes": None if entry.decoded_token is None else list(entry.decoded_token.encode("utf-8", errors="replace")),
+                "top_logprobs": [
+                    {"token": (text := self._token_text(other, alternative)), "logprob": max(alternative.logprob, _MIN_LOGPROB),
+                     "bytes": list(text.encode("utf-8", errors="replace"))}
+                    for rank, (other, alternative) in enumerate(position.items()) if rank < self.top_logprobs
+                ],
+            })
+        return {"content": content}
+
+    def _token_text(self, token_id: int, entry: Any) -> str:
+        return entry.decoded_token if entry.decoded_token is not None else self.tokenizer.decode([token_id])
 
 
 class OpenAIFrontEnd:
-    def __init__(self, service: RequestService, max_body_bytes: int, chat_template: str | None = None) -> None:
+    def __init__(
+        self, service: RequestService, max_body_bytes: int, chat_template: str | None = None, tool_parser: Any = None
+    ) -> None:
         self.service = service
         self.max_body_bytes = max_body_bytes
         self.chat_template = chat_template
+        # vLLM's tool-call parser class for tool_choice "auto" (router/tool_calls.py).
+        self.tool_parser = tool_parser
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_errors_as_json])
@@ -186,41 +332,63 @@ class OpenAIFrontEnd:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
+    def _tools(self, body: Any, parsed: ChatCompletionRequest) -> ToolCalling | None:
+        """The request's tools, read by vLLM's protocol and parsers (None without any)."""
+        if not parsed.tools and parsed.tool_choice in (None, "none"):
+            return None
+        return ToolCalling(body, self.service.tokenizer, self.tool_parser)
+
     async def _serve(self, http: web.Request, chat: bool) -> web.StreamResponse:
         caller = self.service.authenticate(http.headers.get("Authorization"))
         request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
-        limits, tokenizer = self.service.limits, self.service.tokenizer
+        limits, tokenizer, verify = self.service.limits, self.service.tokenizer, self.service.verify_sampling
         try:
             body = await _json_body(http, self.max_body_bytes)
             if chat:
                 parsed: Any = parse(ChatCompletionRequest, body)
                 request_id = parsed.request_id or request_id
-                validated = chat_to_validated(parsed, limits, tokenizer, request_id, self.chat_template)  # type: ignore[arg-type]
+                tools = self._tools(body, parsed)
+                prompts = [chat_to_validated(parsed, limits, tokenizer, request_id, self.chat_template, verify, tools)]  # type: ignore[arg-type]
+                top_logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
             else:
                 parsed = parse(CompletionRequest, body)
                 request_id = parsed.request_id or request_id
-                validated = completion_to_validated(parsed, limits, tokenizer, request_id)
+                prompts = completion_to_validated(parsed, limits, tokenizer, request_id, verify)
+                top_logprobs, tools = parsed.logprobs, None
         except InvalidRequest:
             self.service.cluster.reject("invalid")
             raise
-        reply = _Reply(chat, limits.name, validated, parsed.return_token_ids)
+        reply = _Reply(
+            chat, limits.name, prompts, prompts[0].n, parsed.return_token_ids, tokenizer,
+            echo=not chat and parsed.echo, echo_only=not chat and parsed.echo and parsed.max_tokens == 0,
+            top_logprobs=top_logprobs, tools=tools if chat and tools is not None and tools.active else None,
+        )
+        requests = [sequence for prompt in prompts for sequence in sequences(prompt)]
         # aclosing: however the handler ends (a write to a closed connection, too), the request
         # is aborted on its workers at once.
-        async with aclosing(self.service.generate(validated, caller)) as events:
+        async with aclosing(self.service.generate_sequences(requests, caller)) as events:
             if parsed.stream:
                 include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
                 return await _stream(http, reply, events, include_usage)
-            token_ids: list[int] = []
-            text, finish, usage = "", None, None
-            async for event in events:
-                token_ids += event.token_ids
-                text += event.text
-                finish, usage = event.finish_reason or finish, event.usage or usage
-            return web.json_response(reply.whole(token_ids, text, finish, usage))
+            collected: dict[int, _Sequence] = {index: _Sequence() for index in range(len(requests))}
+            async for index, event in events:
+                _accumulate(collected[index], event)
+            return web.json_response(reply.whole(collected))
+
+
+def _accumulate(sequence: _Sequence, event: StreamEvent) -> None:
+    sequence.token_ids += event.token_ids
+    sequence.text += event.text
+    if event.logprobs is not None:
+        sequence.logprobs += event.logprobs
+    if event.prompt_logprobs is not None:
+        sequence.prompt_logprobs = event.prompt_logprobs
+    sequence.finish = event.finish_reason or sequence.finish
+    sequence.usage = event.usage or sequence.usage
 
 
 async def _stream(
-    http: web.Request, reply: _Reply, events: AsyncIterator[StreamEvent], include_usage: bool
+    http: web.Request, reply: _Reply, events: AsyncIterator[tuple[int, StreamEvent]], include_usage: bool
 ) -> web.StreamResponse:
     """Server-sent events: one chunk per event, the usage chunk if asked for, then ``[DONE]``.
 
@@ -229,25 +397,27 @@ async def _stream(
     """
     iterator = events.__aiter__()
     try:
-        first_event: StreamEvent | None = await iterator.__anext__()
+        first_event: tuple[int, StreamEvent] | None = await iterator.__anext__()
     except StopAsyncIteration:
         first_event = None
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(http)
-    completion_tokens, usage = 0, None
+    sent: dict[int, _Sequence] = {}
     try:
-        event, first = first_event, True
-        while event is not None:
-            completion_tokens += len(event.token_ids)
-            usage = event.usage or usage
-            await _send(response, reply.chunk(event, first, include_usage))
-            first = False
+        item = first_event
+        while item is not None:
+            index, event = item
+            sequence = sent.setdefault(index, _Sequence())
+            counted = _Sequence(token_ids=list(event.token_ids), usage=event.usage)
+            await _send(response, reply.chunk(index, event, sequence, include_usage))
+            sequence.token_ids += counted.token_ids
+            sequence.usage = counted.usage or sequence.usage
             try:
-                event = await iterator.__anext__()
+                item = await iterator.__anext__()
             except StopAsyncIteration:
-                event = None
+                item = None
         if include_usage:
-            await _send(response, reply.usage_chunk(usage, completion_tokens))
+            await _send(response, reply.usage_chunk(sent))
     except Exception as error:  # the status line is gone: report it in the stream
         await _send(response, _api_error(error).body())
     await response.write(b"data: [DONE]\n\n")

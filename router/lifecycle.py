@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
-from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PrefillResult, SamplingSpec
+from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PositionLogprobs, PrefillResult, SamplingSpec
 from duet.router.pools import NoWorkerAvailable, PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
 from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket
@@ -62,6 +62,11 @@ class StreamEvent:
     text: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # One entry per token of ``token_ids`` when the request asked for logprobs (None for a
+    # token whose logprobs were lost: one an engine produced as it gave the request up).
+    logprobs: list[PositionLogprobs | None] | None = None
+    # On the first event, when the request asked for prompt logprobs.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -258,10 +263,12 @@ class RequestLifecycle:
                         sent.extend(chunk.token_ids)
                         clock.tokens_sent(len(chunk.token_ids))
                         if chunk.finish_reason is None:
-                            yield StreamEvent(chunk.token_ids, chunk.text)
+                            yield StreamEvent(chunk.token_ids, chunk.text, None, None, chunk.logprobs, chunk.prompt_logprobs)
                             continue
                         usage = clock.usage(len(request.prompt_token_ids), round_.prefill_worker, round_.decode_worker)
-                        yield StreamEvent(chunk.token_ids, chunk.text, chunk.finish_reason, usage)
+                        yield StreamEvent(
+                            chunk.token_ids, chunk.text, chunk.finish_reason, usage, chunk.logprobs, chunk.prompt_logprobs
+                        )
                         return
                 finally:
                     await chunks.aclose()  # runs the worker side's abort if the client left early
@@ -288,7 +295,8 @@ class RequestLifecycle:
                 departure = departure or _Departure.off(round_, clock)
                 if len(stream) > len(sent):  # produced, but not relayed before the move (never seen so far)
                     logger.warning("request %s: %d tokens relayed without text", request.request_id, len(stream) - len(sent))
-                    yield StreamEvent(stream[len(sent):], "")
+                    lost = len(stream) - len(sent)
+                    yield StreamEvent(stream[len(sent):], "", logprobs=[None] * lost if request.sampling.logprobs is not None else None)
                     clock.tokens_sent(len(stream) - len(sent))
                     sent = stream
                 if moved.kv_transfer_params is None:
@@ -317,11 +325,10 @@ class RequestLifecycle:
         request's and everything streamed; a moved round (``moved`` kept the KV of all of it
         but the last token) computes only that last token, any other computes it all."""
         suffix = "".join((f"-retry{attempt}" if attempt else "", f"-moved{moves}" if moves else ""))
-        left = request.sampling.max_tokens - len(sent)
         return _Round(
             request_id=internal_id + suffix,
             prompt_token_ids=request.prompt_token_ids + sent,
-            sampling=replace(request.sampling, max_tokens=left) if sent else request.sampling,
+            sampling=_rest_of(request.sampling, len(sent)) if sent else request.sampling,
             moved=moved,
         )
 
@@ -411,7 +418,9 @@ class RequestLifecycle:
             prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
             round_.prefill_worker = prefill_worker.name
             result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
-        yield DecodeChunk([result.first_token_id], result.first_text, result.finish_reason)
+        yield DecodeChunk(
+            [result.first_token_id], result.first_text, result.finish_reason, result.first_logprobs, result.prompt_logprobs
+        )
         if result.finish_reason is not None:
             return
         decode_worker = await self._still_ready(decode_worker, round_)  # the prompt took a while
@@ -533,6 +542,18 @@ class RequestLifecycle:
             return RequestFailed(f"{pool.role} worker {worker.name}: {error}")
         pool.mark_failed(worker, error, engine)
         return WorkerFailed(f"{pool.role} worker {worker.name} failed ({error})", crashed=error.crashed)
+
+
+def _rest_of(sampling: SamplingSpec, sent: int) -> SamplingSpec:
+    """The sampling of a round that continues a request after ``sent`` tokens, which follow its
+    prompt: what is left of ``max_tokens`` and ``min_tokens``, and the engines told that those
+    tokens were generated, so that penalties, a grammar and a seeded generator continue as in
+    one unbroken round (worker_runtime/resumed_requests.py). The stream's prompt logprobs went
+    out with its first event."""
+    return replace(
+        sampling, max_tokens=sampling.max_tokens - sent, min_tokens=max(0, sampling.min_tokens - sent),
+        prompt_logprobs=None, resumed_tokens=sent,
+    )
 
 
 def _engine_of(pool: WorkerPool, worker: PoolMember) -> Any:

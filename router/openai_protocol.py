@@ -4,24 +4,36 @@ A request is parsed strictly (wrong types are errors, not coerced; unknown field
 as OpenAI rejects them), then converted into the gRPC API's ``GenerateRequest`` and validated by
 the same :func:`validate` the gRPC front end uses, so both APIs accept and refuse exactly the same
 things. Field names in error messages are OpenAI's (``temperature``, not ``sampling.temperature``).
-vLLM's extensions that duet supports (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids``) keep vLLM's names, so clients written for vLLM work unchanged.
+vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``bad_words``,
+``structured_outputs``, ``prompt_logprobs``, ``return_token_ids``...) keep vLLM's names and
+meanings, so clients written for vLLM's server work unchanged: its behaviour is the
+specification (vllm/entrypoints/openai/*/protocol.py, ``to_sampling_params``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from duet.router.proto import duet_api_pb2 as pb
-from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, ValidatedRequest, validate
+from duet.router.tool_calls import ToolCalling
+from duet.router.validation import InvalidRequest, ModelLimits, SamplingVerifier, Tokenizer, ValidatedRequest, validate
 
 # gRPC field paths (as validate() names them) and the OpenAI parameters they came from.
 _OPENAI_NAMES = {
     "sampling.temperature": "temperature",
     "sampling.top_p": "top_p",
     "sampling.top_k": "top_k",
+    "sampling.min_p": "min_p",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.min_tokens": "min_tokens",
+    "sampling.logit_bias": "logit_bias",
+    "sampling.bad_words": "bad_words",
+    "sampling.allowed_token_ids": "allowed_token_ids",
     "stop.stop": "stop",
     "stop.stop_token_ids": "stop_token_ids",
     "prompt_token_ids": "prompt",
@@ -49,9 +61,21 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Strict):
-    """The fields both endpoints share; unsupported OpenAI features are accepted only at their
-    no-op value, so a client that relies on one learns at once instead of getting other output."""
+    """The fields both endpoints share, with OpenAI's and vLLM's names and defaults. A few of
+    vLLM's are accepted only at their no-op value (beam search), so a client that relies on one
+    learns at once instead of getting other output."""
 
     model: str | None = None
     temperature: float | None = None
@@ -60,18 +84,28 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int32 = 1
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM's extensions (vllm bench serve sends repetition_penalty=1.0).
     repetition_penalty: float | None = None
     min_p: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     top_k: Int32 | None = None
     ignore_eos: bool = False
     stop_token_ids: list[UInt32] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[UInt32] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Int32 | None = None
+    structured_outputs: StructuredOutputs | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     return_token_ids: bool = False
     request_id: str | None = None
 
@@ -80,7 +114,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[UInt32] | list[str] | list[list[UInt32]]
     max_tokens: Int32 | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int32 | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -109,10 +143,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
 
@@ -140,75 +174,169 @@ def _is_union_branch(part: object) -> bool:
 def _unsupported(request: _SamplingFields, extra: dict[str, tuple[Any, Any]]) -> None:
     """Reject features duet does not implement when set to anything but their no-op value."""
     checks: dict[str, tuple[Any, Any]] = {
-        "n": (request.n, 1),
-        "presence_penalty": (request.presence_penalty or 0.0, 0.0),
-        "frequency_penalty": (request.frequency_penalty or 0.0, 0.0),
-        "logit_bias": (request.logit_bias or None, None),
-        "repetition_penalty": (request.repetition_penalty or 1.0, 1.0),
-        "min_p": (request.min_p or 0.0, 0.0),
-        "min_tokens": (request.min_tokens, 0),
+        "use_beam_search": (request.use_beam_search, False),
+        "length_penalty": (request.length_penalty, 1.0),
         **extra,
     }
     for field, (value, no_op) in checks.items():
         if value != no_op:
             raise InvalidRequest(field, f"is not supported by duet (only {no_op!r} is accepted)")
+    if request.n < 1:  # the gRPC API reads 0 as unset
+        raise InvalidRequest("n", f"must be at least 1, got {request.n}")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options", "is only allowed when stream is true")
 
 
 def _grpc_request(request: _SamplingFields, max_tokens: int, request_id: str) -> pb.GenerateRequest:
+    """The gRPC request for ``request``'s sampling, as vLLM's ``to_sampling_params`` maps it
+    (unset penalties and cut-offs are vLLM's defaults; OpenAI's temperature default is 1)."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    return pb.GenerateRequest(
+    sampling = pb.SamplingParams(
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=request.top_p,
+        top_k=0 if request.top_k in (None, -1) else request.top_k,  # vLLM's -1 means off, as 0 does
+        seed=request.seed,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        min_p=request.min_p,
+        min_tokens=request.min_tokens,
+        logit_bias=_logit_bias(request.logit_bias),
+        bad_words=request.bad_words or [],
+        allowed_token_ids=request.allowed_token_ids or [],
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+    )
+    constraint = _structured_output(request)
+    if constraint is not None:
+        sampling.structured_output.CopyFrom(constraint)
+    grpc_request = pb.GenerateRequest(
         model=request.model or "",
         max_tokens=max_tokens,
         request_id=request_id,
-        sampling=pb.SamplingParams(
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=request.top_p,
-            top_k=0 if request.top_k in (None, -1) else request.top_k,  # vLLM's -1 means off, as 0 does
-            seed=request.seed,
-        ),
+        n=request.n,
+        sampling=sampling,
         stop=pb.StopConditions(
-            stop=stop, stop_token_ids=request.stop_token_ids or [], ignore_eos=request.ignore_eos
+            stop=stop, stop_token_ids=request.stop_token_ids or [], ignore_eos=request.ignore_eos,
+            include_stop_str_in_output=request.include_stop_str_in_output,
         ),
     )
+    if request.prompt_logprobs is not None:
+        grpc_request.prompt_logprobs = request.prompt_logprobs
+    return grpc_request
 
 
-def _validated(grpc_request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, prompt_field: str) -> ValidatedRequest:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's token-id strings as ids (vLLM's ``int(token)``), refused when not one."""
+    ids: dict[int, float] = {}
+    for token, value in (bias or {}).items():
+        try:
+            token_id = int(token)
+        except ValueError:
+            raise InvalidRequest("logit_bias", f"key {token!r} is not a token id") from None
+        if not 0 <= token_id < 2**32:
+            raise InvalidRequest("logit_bias", f"token id {token_id} is outside the vocabulary")
+        ids[token_id] = value
+    return ids
+
+
+def _structured_output(request: _SamplingFields) -> pb.StructuredOutput | None:
+    """The one structured-output constraint of ``structured_outputs`` or ``response_format``
+    (vLLM's ``structured_outputs_from_response_format``: json_schema is the schema, json_object
+    any object, text none)."""
+    constraints: dict[str, Any] = {}
+    if request.structured_outputs is not None:
+        constraints = {k: v for k, v in request.structured_outputs.model_dump(by_alias=True).items() if v is not None}
+        if len(constraints) != 1:
+            raise InvalidRequest(
+                "structured_outputs", f"set exactly one of json, regex, choice, grammar, json_object (got {len(constraints)})"
+            )
+    if request.response_format is not None:
+        kind = request.response_format.get("type")
+        if kind == "json_schema":
+            schema = (request.response_format.get("json_schema") or {})
+            if not isinstance(schema, dict) or "schema" not in schema:
+                raise InvalidRequest("response_format.json_schema", "must be an object with a schema")
+            constraints.setdefault("json", schema["schema"])
+        elif kind == "json_object":
+            constraints.setdefault("json_object", True)
+        elif kind != "text":
+            raise InvalidRequest("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    if not constraints:
+        return None
+    (kind, value), = list(constraints.items())[:1]
+    if kind == "json":
+        text = value if isinstance(value, str) else json.dumps(value)
+        return pb.StructuredOutput(json_schema=text)
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(choices=value))
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequest("structured_outputs.json_object", "must be true if set")
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(**{kind: value})
+
+
+def _validated(
+    grpc_request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, prompt_field: str,
+    verify: SamplingVerifier | None,
+) -> ValidatedRequest:
     try:
-        return validate(grpc_request, limits, tokenizer)
+        return validate(grpc_request, limits, tokenizer, verify)
     except InvalidRequest as error:
-        field = prompt_field if error.field in ("prompt", "prompt_token_ids") else _OPENAI_NAMES.get(error.field, error.field)
+        field = prompt_field if error.field in ("prompt", "prompt_token_ids") else _openai_name(error.field)
         raise InvalidRequest(field, error.problem) from None
 
 
+def _openai_name(field: str) -> str:
+    """A gRPC field path as the OpenAI parameter it came from."""
+    if field.startswith("sampling.structured_output"):
+        return "structured_outputs"
+    return _OPENAI_NAMES.get(field, field)
+
+
 def completion_to_validated(
-    request: CompletionRequest, limits: ModelLimits, tokenizer: Tokenizer, request_id: str
-) -> ValidatedRequest:
-    _unsupported(request, {
-        "echo": (request.echo, False),
-        "logprobs": (request.logprobs, None),
-        "best_of": (request.best_of or 1, 1),
-        "suffix": (request.suffix, None),
-    })
-    prompt: Any = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise InvalidRequest("prompt", f"duet serves one prompt per request, got a batch of {len(prompt)}")
-        prompt = prompt[0]
-    max_tokens = request.max_tokens
-    if max_tokens is None:  # OpenAI: as many as the context leaves room for
+    request: CompletionRequest, limits: ModelLimits, tokenizer: Tokenizer, request_id: str,
+    verify: SamplingVerifier | None = None,
+) -> list[ValidatedRequest]:
+    """One validated request per prompt of ``request`` (OpenAI's batch of prompts), each with its
+    ``n``. ``echo`` asks for the prompt's logprobs as vLLM does (``prompt_logprobs`` defaults to
+    ``logprobs``); with ``max_tokens`` 0 it generates one token that is not shown."""
+    _unsupported(request, {"best_of": (request.best_of or 1, 1), "suffix": (request.suffix, None)})
+    prompts: list[Any] = request.prompt if _is_batch(request.prompt) else [request.prompt]  # type: ignore[assignment]
+    if not prompts:
+        raise InvalidRequest("prompt", "must not be an empty list")
+    if len(prompts) > limits.max_batch_prompts:
+        raise InvalidRequest("prompt", f"a batch of {len(prompts)} prompts; at most {limits.max_batch_prompts} (api.max_batch_prompts)")
+    if request.logprobs is not None and request.logprobs < 0:
+        raise InvalidRequest("logprobs", f"must be >= 0, got {request.logprobs}")
+    if request.max_tokens == 0 and not request.echo:
+        raise InvalidRequest("max_tokens", "must be >= 1 (0 only with echo)")
+    batch = []
+    for index, prompt in enumerate(prompts):
+        field = f"prompt.{index}" if len(prompts) > 1 else "prompt"
+        max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
+        if max_tokens is None:  # OpenAI: as many as the context leaves room for
+            if isinstance(prompt, str):
+                prompt = tokenizer.encode(prompt)  # once: its length sets max_tokens
+            max_tokens = max(1, limits.max_model_len - len(prompt))
+        grpc_request = _grpc_request(request, max_tokens, request_id if len(prompts) == 1 else f"{request_id}-p{index}")
+        if request.logprobs is not None:
+            grpc_request.logprobs = request.logprobs
+        if request.echo and request.prompt_logprobs is None and request.logprobs is not None:
+            grpc_request.prompt_logprobs = request.logprobs
         if isinstance(prompt, str):
-            prompt = tokenizer.encode(prompt)  # once: its length sets max_tokens
-        max_tokens = max(1, limits.max_model_len - len(prompt))
-    grpc_request = _grpc_request(request, max_tokens, request_id)
-    if isinstance(prompt, str):
-        grpc_request.prompt = prompt
-    else:
-        if any(token < 0 for token in prompt):
-            raise InvalidRequest("prompt", "token ids must be >= 0")
-        grpc_request.prompt_token_ids.ids.extend(prompt)
-    return _validated(grpc_request, limits, tokenizer, "prompt")
+            grpc_request.prompt = prompt
+        else:
+            if any(token < 0 for token in prompt):
+                raise InvalidRequest(field, "token ids must be >= 0")
+            grpc_request.prompt_token_ids.ids.extend(prompt)
+        batch.append(_validated(grpc_request, limits, tokenizer, field, verify))
+    return batch
+
+
+def _is_batch(prompt: object) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 def chat_to_validated(
@@ -217,14 +345,14 @@ def chat_to_validated(
     tokenizer: ChatTokenizer,
     request_id: str,
     chat_template: str | None = None,
+    verify: SamplingVerifier | None = None,
+    tools: ToolCalling | None = None,
 ) -> ValidatedRequest:
-    _unsupported(request, {
-        "logprobs": (request.logprobs, False),
-        "top_logprobs": (request.top_logprobs, None),
-        "response_format": ((request.response_format or {"type": "text"}).get("type"), "text"),
-        "tools": (request.tools or None, None),
-        "tool_choice": (request.tool_choice if request.tool_choice != "none" else None, None),
-    })
+    """The validated request for a chat request; ``tools`` (:class:`ToolCalling`, from its
+    ``tools`` and ``tool_choice``) go to the chat template and constrain the output."""
+    _unsupported(request, {})
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs", "needs logprobs set to true")
     template = chat_template or tokenizer.chat_template
     if not template:
         raise InvalidRequest(
@@ -233,7 +361,8 @@ def chat_to_validated(
     conversation = [{"role": message.role, "content": message.text()} for message in request.messages]
     try:
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False, add_generation_prompt=request.add_generation_prompt
+            conversation, chat_template=template, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+            **({"tools": tools.template_tools()} if tools is not None and tools.request.tools else {}),
         )
     except Exception as error:  # a template's own raise_exception() (e.g. roles out of order)
         raise InvalidRequest("messages", f"the chat template rejected them: {error}") from None
@@ -246,9 +375,18 @@ def chat_to_validated(
         max_tokens = max(1, limits.max_model_len - len(prompt_ids))
     grpc_request = _grpc_request(request, max_tokens, request_id)
     grpc_request.prompt_token_ids.ids.extend(prompt_ids)
+    tool_schema = tools.json_schema() if tools is not None else None
+    if tool_schema is not None:  # as vLLM: a forced tool call overrides response_format
+        grpc_request.sampling.structured_output.CopyFrom(pb.StructuredOutput(json_schema=tool_schema))
+    if tools is not None and not tools.skip_special_tokens:
+        grpc_request.sampling.skip_special_tokens = False
+    if request.logprobs:  # vLLM: the sampled token's, and top_logprobs alternatives
+        grpc_request.logprobs = request.top_logprobs or 0
     try:
-        return _validated(grpc_request, limits, tokenizer, "messages")
+        return _validated(grpc_request, limits, tokenizer, "messages", verify)
     except InvalidRequest as error:
         if error.field == "max_tokens":
             raise InvalidRequest(max_field, error.problem) from None
+        if error.field == "logprobs":
+            raise InvalidRequest("top_logprobs", error.problem) from None
         raise

@@ -27,9 +27,10 @@ from duet.config import TlsConfig
 from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestCrashesEngines, StreamEvent
 from duet.router.proto import duet_api_pb2 as pb
-from duet.router.serving import Overloaded, RequestService, Unavailable
+from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
 from duet.router.tls import grpc_server_credentials
 from duet.router.validation import InvalidRequest, validate
+from duet.worker_runtime.worker_api import PositionLogprobs
 from duet.router.wire import describe_decode_error
 
 if TYPE_CHECKING:
@@ -126,13 +127,13 @@ class DuetServicer:
             self.service.cluster.reject("invalid")
             await refuse_malformed(request, context)
         try:
-            validated = validate(request, self.service.limits, self.service.tokenizer)
+            validated = validate(request, self.service.limits, self.service.tokenizer, self.service.verify_sampling)
         except InvalidRequest as error:
             self.service.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
-            async for event in self.service.generate(validated, caller):
-                yield _response(validated.request_id, event)
+            async for index, event in self.service.generate_sequences(sequences(validated), caller):
+                yield _response(validated.request_id, index, event)
         except (QuotaExceeded, Overloaded) as error:
             # The retry hint travels as trailing metadata, in whole seconds (at least 1).
             await context.abort(
@@ -154,13 +155,27 @@ class DuetServicer:
         return await self.service.cluster.status()
 
 
-def _response(request_id: str, event: StreamEvent) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=request_id, token_ids=event.token_ids, text=event.text)
+def _response(request_id: str, index: int, event: StreamEvent) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=request_id, index=index, token_ids=event.token_ids, text=event.text)
     if event.finish_reason is not None:
         response.finish_reason = _FINISH[event.finish_reason]
     if event.usage is not None:
         response.usage.CopyFrom(pb.Usage(**vars(event.usage)))
+    if event.logprobs is not None:
+        response.logprobs.extend(_positions(event.logprobs))
+    if event.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_positions(event.prompt_logprobs))
     return response
+
+
+def _positions(positions: list[PositionLogprobs | None]) -> list[pb.PositionLogprobs]:
+    return [
+        pb.PositionLogprobs(entries=[
+            pb.TokenLogprob(token_id=token_id, logprob=entry.logprob, rank=entry.rank or 0, text=entry.decoded_token or "")
+            for token_id, entry in (position or {}).items()
+        ])
+        for position in positions
+    ]
 
 
 async def start_server(

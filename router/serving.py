@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator
 
 from duet.router.auth import Caller, Gatekeeper, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestCrashesEngines, RequestFailed, RequestLifecycle, StreamEvent
@@ -22,6 +22,7 @@ from duet.router.load_meter import LoadMeter
 from duet.router.pools import NoWorkerAvailable
 from duet.router.status import ClusterView
 from duet.router.validation import ModelLimits, Tokenizer, ValidatedRequest
+from duet.worker_runtime.worker_api import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class RequestService:
     load: LoadMeter = field(default_factory=LoadMeter)
     # Moves requests off an overfull decode worker while the front door serves (router.rebalance_kv_gap).
     rebalancer: Rebalancer | None = None
+    # vLLM's tool-call parser class for chat requests with tool_choice "auto" (api.tool_call_parser).
+    tool_parser: Any = None
 
     def authenticate(self, authorization: str | None) -> Caller:
         """The caller an ``Authorization`` header (or gRPC metadata) value names; raises
@@ -57,6 +60,15 @@ class RequestService:
         except Unauthenticated:
             self.cluster.reject("unauthenticated")
             raise
+
+    def verify_sampling(self, sampling: SamplingSpec) -> None:
+        """vLLM's own checks of ``sampling``, made by a worker's engine front end in this
+        process (router/engine_front_end.py); nothing where no vLLM engine serves (SIMULATED)."""
+        for member in self.lifecycle.decode_pool.members:
+            verify = getattr(member.engine, "verify_sampling", None)
+            if verify is not None:
+                verify(sampling)
+                return
 
     def is_ready(self) -> bool:
         """Whether every pool has a ready worker, so a request would be served now."""
@@ -105,3 +117,84 @@ class RequestService:
                 self.load.left(handle, usage if outcome == "served" else None)
         finally:
             caller.release()
+
+    async def generate_sequences(
+        self, requests: list[ValidatedRequest], caller: Caller
+    ) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """Serve several requests at once (a batch of prompts, each with its ``n`` sequences:
+        :func:`sequences`), streaming ``(index, event)`` as each sequence produces them.
+
+        Each sequence is a request of its own to admission and quotas: the whole call is refused
+        up front when they cannot all be admitted, and a failure of one fails the call (the
+        others are aborted on their workers), as one request would."""
+        if len(requests) == 1:
+            async with aclosing(self.generate(requests[0], caller)) as events:
+                async for event in events:
+                    yield 0, event
+            return
+        self._check_room(len(requests), caller)
+        queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
+
+        async def run(index: int, request: ValidatedRequest) -> None:
+            try:
+                async with aclosing(self.generate(request, caller)) as events:
+                    async for event in events:
+                        queue.put_nowait((index, event))
+                queue.put_nowait((index, None))
+            except Exception as error:
+                queue.put_nowait((index, error))
+
+        tasks = [asyncio.create_task(run(index, request)) for index, request in enumerate(requests)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _check_room(self, count: int, caller: Caller) -> None:
+        """Refuse ``count`` requests together unless the caller's quota and the admission limit
+        hold them all (so none starts only to be failed by the next's refusal)."""
+        limit = caller.max_concurrent_requests
+        if limit is not None and caller.inflight + count > limit:
+            self.cluster.reject("quota")
+            raise QuotaExceeded(
+                f"API key {caller.name!r} has {caller.inflight} requests in flight and this call asks for "
+                f"{count} (limit {limit}); retry when some finish",
+                1.0,
+            )
+        if self.cluster.inflight + count > self.max_inflight:
+            self.cluster.reject("overloaded")
+            raise Overloaded(
+                f"{self.cluster.inflight} requests in flight and this call asks for {count} "
+                f"(limit {self.max_inflight}); retry later"
+            )
+
+
+def sequences(request: ValidatedRequest) -> list[ValidatedRequest]:
+    """A request's ``n`` sequences, each a request of its own: sequence ``i`` samples with
+    ``seed + i``, as vLLM's parallel sampling does (router/validation.py gave every sampled
+    request a seed), so each is reproducible and continues exactly after a move."""
+    if request.n == 1:
+        return [request]
+    return [
+        replace(
+            request,
+            request_id=f"{request.request_id}-{index}",
+            n=1,
+            sampling=_with_seed(request.sampling, index),
+        )
+        for index in range(request.n)
+    ]
+
+
+def _with_seed(sampling: SamplingSpec, index: int) -> SamplingSpec:
+    return sampling if sampling.seed is None else replace(sampling, seed=(sampling.seed + index) % 2**64)

@@ -7,11 +7,12 @@ name, and the cluster never sees the request.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from duet.worker_runtime.worker_api import SamplingSpec
 from duet.router.proto import duet_api_pb2 as pb
@@ -37,6 +38,11 @@ class ModelLimits:
     name: str
     max_model_len: int
     vocab_size: int
+    # The deployment's bounds on one request (the config's ``api`` section).
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_structured_output_bytes: int = 64 * 1024
+    max_batch_prompts: int = 64
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class ValidatedRequest:
     sampling: SamplingSpec
     # Tokens already produced and received before the stream broke (GenerateRequest.resume_after).
     resume_after: list[int] = field(default_factory=list)
+    # Sequences to generate (each runs as a request of its own: router/serving.py).
+    n: int = 1
 
 
 # vLLM refuses a temperature above this (SamplingParams._verify_args); refused here, naming the
@@ -53,13 +61,36 @@ class ValidatedRequest:
 MAX_TEMPERATURE = 2.0
 
 
-def validate(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer) -> ValidatedRequest:
+# Checks the engine itself makes on a request's sampling (vLLM's SamplingParams.verify, run by
+# the engine's front end in this process: router/engine_front_end.py); raises vLLM's
+# validation error. None where no vLLM engine serves (SIMULATED workers).
+SamplingVerifier = Callable[[SamplingSpec], None]
+
+# vLLM's parameter names (VLLMValidationError.parameter) as this API's field paths.
+_GRPC_FIELDS = {
+    "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p", "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty", "repetition_penalty": "sampling.repetition_penalty",
+    "logit_bias": "sampling.logit_bias", "bad_words": "sampling.bad_words",
+    "allowed_token_ids": "sampling.allowed_token_ids", "structured_outputs": "sampling.structured_output",
+    "stop": "stop.stop", "stop_token_ids": "stop.stop_token_ids", "min_tokens": "sampling.min_tokens",
+}
+
+
+def validate(
+    request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, verify: SamplingVerifier | None = None
+) -> ValidatedRequest:
     """Check ``request`` field by field; raise :class:`InvalidRequest` on the first problem."""
     if request.model and request.model != limits.name:
         raise InvalidRequest("model", f"unknown model {request.model!r}; this deployment serves {limits.name!r}")
     prompt_ids = _prompt_token_ids(request, limits, tokenizer)
     max_tokens = _max_tokens(request.max_tokens, len(prompt_ids), limits)
     resume_after = _resume_after(request, limits, max_tokens)
+    n = request.n or 1
+    if not 1 <= n <= limits.max_n:
+        raise InvalidRequest("n", f"must be in [1, {limits.max_n}] (api.max_n), got {request.n}")
+    if n > 1 and resume_after:
+        raise InvalidRequest("resume_after", "resumes one sequence: send it with n unset")
     sampling = request.sampling
     temperature = sampling.temperature
     if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
@@ -74,24 +105,124 @@ def validate(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokeni
             raise InvalidRequest("stop.stop_token_ids", f"{token_id} is outside the vocabulary (size {limits.vocab_size})")
     if any(not text for text in request.stop.stop):
         raise InvalidRequest("stop.stop", "stop strings must not be empty")
+    if not 0 <= sampling.min_tokens <= max_tokens:
+        raise InvalidRequest("sampling.min_tokens", f"must be in [0, max_tokens ({max_tokens})], got {sampling.min_tokens}")
+    if n > 1 and temperature == 0:  # as vLLM: greedy sequences would all be the same
+        raise InvalidRequest("n", f"must be 1 when using greedy sampling, got {n}")
+    structured_kind, structured_value = _structured_output(sampling, limits)
     # Prefill samples the first token and decode re-derives it: both must draw the same random
     # numbers, so a sampled request always carries a seed.
     seed = sampling.seed if sampling.HasField("seed") else (random.getrandbits(63) if temperature > 0 else None)
+    spec = SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=sampling.top_k,
+        seed=seed,
+        stop=tuple(request.stop.stop),
+        stop_token_ids=tuple(request.stop.stop_token_ids),
+        ignore_eos=request.stop.ignore_eos,
+        presence_penalty=_finite(sampling, "presence_penalty", 0.0),
+        frequency_penalty=_finite(sampling, "frequency_penalty", 0.0),
+        repetition_penalty=_finite(sampling, "repetition_penalty", 1.0),
+        min_p=_finite(sampling, "min_p", 0.0),
+        min_tokens=sampling.min_tokens,
+        logit_bias=tuple(sorted((token, _finite_bias(token, bias)) for token, bias in sampling.logit_bias.items())),
+        bad_words=tuple(sampling.bad_words),
+        allowed_token_ids=tuple(sampling.allowed_token_ids),
+        logprobs=_logprobs(request, "logprobs", limits),
+        prompt_logprobs=_logprobs(request, "prompt_logprobs", limits),
+        include_stop_str_in_output=request.stop.include_stop_str_in_output,
+        skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(
+            sampling.spaces_between_special_tokens if sampling.HasField("spaces_between_special_tokens") else True
+        ),
+        structured_kind=structured_kind,
+        structured_value=structured_value,
+    )
+    _verify(spec, verify)
     return ValidatedRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_ids,
-        sampling=SamplingSpec(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=sampling.top_k,
-            seed=seed,
-            stop=tuple(request.stop.stop),
-            stop_token_ids=tuple(request.stop.stop_token_ids),
-            ignore_eos=request.stop.ignore_eos,
-        ),
+        sampling=spec,
         resume_after=resume_after,
+        n=n,
     )
+
+
+def _finite(sampling: pb.SamplingParams, name: str, unset: float) -> float:
+    value = getattr(sampling, name) if sampling.HasField(name) else unset
+    if not math.isfinite(value):
+        raise InvalidRequest(f"sampling.{name}", f"must be a finite number, got {value}")
+    return value
+
+
+def _finite_bias(token: int, bias: float) -> float:
+    if not math.isfinite(bias):
+        raise InvalidRequest("sampling.logit_bias", f"the bias of token {token} must be a finite number, got {bias}")
+    return bias
+
+
+def _logprobs(request: pb.GenerateRequest, name: str, limits: ModelLimits) -> int | None:
+    if not request.HasField(name):
+        return None
+    value = getattr(request, name)
+    if not 0 <= value <= limits.max_logprobs:
+        raise InvalidRequest(name, f"must be in [0, {limits.max_logprobs}] (api.max_logprobs), got {value}")
+    return value
+
+
+def _structured_output(sampling: pb.SamplingParams, limits: ModelLimits) -> tuple[str, str]:
+    """The constraint as (kind, text) for :class:`SamplingSpec`, bounded in size."""
+    constraint = sampling.structured_output
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        return "", ""
+    if kind == "json_object":
+        if not constraint.json_object:
+            raise InvalidRequest("sampling.structured_output.json_object", "must be true if set")
+        return "json_object", ""
+    if kind == "choice":
+        if not constraint.choice.choices:
+            raise InvalidRequest("sampling.structured_output.choice", "must list at least one choice")
+        value = json.dumps(list(constraint.choice.choices))
+    else:
+        value = getattr(constraint, kind)
+    if len(value.encode()) > limits.max_structured_output_bytes:
+        raise InvalidRequest(
+            f"sampling.structured_output.{kind}",
+            f"is {len(value.encode())} bytes; at most {limits.max_structured_output_bytes} (api.max_structured_output_bytes)",
+        )
+    if kind == "json_schema":
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as error:
+            raise InvalidRequest("sampling.structured_output.json_schema", f"is not valid JSON: {error}") from None
+        return "json", value
+    return kind, value
+
+
+def _verify(spec: SamplingSpec, verify: SamplingVerifier | None) -> None:
+    """vLLM's own checks, as the engine would make them, before any worker is touched."""
+    if verify is None:
+        return
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        verify(spec)
+    except (VLLMClientError, ValueError) as error:  # vLLM's validation error, or a backend's ValueError
+        raise InvalidRequest(_refused_field(error, spec), str(error)) from None
+
+
+def _refused_field(error: Exception, spec: SamplingSpec) -> str:
+    """The field vLLM's error is about: its ``parameter``, else the field its message starts
+    with ("presence_penalty must be in [-2, 2]..."), else the constraint or the sampling."""
+    parameter = getattr(error, "parameter", None) or str(error).split(" ", 1)[0]
+    if parameter in _GRPC_FIELDS:
+        return _GRPC_FIELDS[parameter]
+    if parameter in ("logprobs", "prompt_logprobs"):
+        return parameter
+    return "sampling.structured_output" if spec.structured_kind else "sampling"
 
 
 def _resume_after(request: pb.GenerateRequest, limits: ModelLimits, max_tokens: int) -> list[int]:

@@ -22,9 +22,12 @@ from duet.router.client import DuetClient
 
 @pytest.fixture(scope="session")
 def duet_config() -> DuetConfig:
-    """The embedded default, with the metrics endpoint on a free port (several may run)."""
+    """The embedded default, with the metrics endpoint on a free port (several may run) and
+    vLLM's hermes tool-call parser."""
     data = load_config().model_dump()
     data["server"]["metrics_port"] = 0
+    # tool_choice "auto" needs a parser; hermes reads any tokenizer (tests/test_api_parity.py).
+    data["api"]["tool_call_parser"] = "hermes"
     return parse_config(data)
 
 

@@ -39,9 +39,13 @@ hostile = st.one_of(
 )
 FIELDS = {
     "/v1/completions": ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                        "stream_options", "n", "ignore_eos", "stop_token_ids", "logprobs", "echo", "min_tokens", "request_id"],
+                        "stream_options", "n", "ignore_eos", "stop_token_ids", "logprobs", "echo", "min_tokens", "request_id",
+                        "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "bad_words",
+                        "allowed_token_ids", "prompt_logprobs", "structured_outputs", "response_format",
+                        "include_stop_str_in_output", "skip_special_tokens"],
     "/v1/chat/completions": ["model", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                             "stream_options", "n", "ignore_eos", "max_completion_tokens", "request_id"],
+                             "stream_options", "n", "ignore_eos", "max_completion_tokens", "request_id",
+                             "logprobs", "top_logprobs", "response_format", "structured_outputs", "logit_bias", "min_tokens"],
 }
 
 

@@ -193,7 +193,7 @@ BAD_BODIES = [
     ("missing prompt", json.dumps({"max_tokens": 4}).encode(), "prompt"),
     ("out of range", _completion(temperature=-1), "temperature"),
     ("too long for the model", _completion(max_tokens=10**6), "max_tokens"),
-    ("unsupported feature", _completion(n=3), "n"),
+    ("unsupported feature", _completion(use_beam_search=True), "use_beam_search"),
     ("unknown model", _completion(model="gpt-9"), "model"),
 ]
 

@@ -67,7 +67,14 @@ def sampling_to_wire(sampling: SamplingSpec) -> list[Any]:
 def sampling_from_wire(fields: list[Any]) -> SamplingSpec:
     """The inverse of :func:`sampling_to_wire` (msgpack turns the tuples into lists)."""
     spec = SamplingSpec(*fields)
-    return replace(spec, stop=tuple(spec.stop), stop_token_ids=tuple(spec.stop_token_ids))
+    return replace(
+        spec,
+        stop=tuple(spec.stop),
+        stop_token_ids=tuple(spec.stop_token_ids),
+        logit_bias=tuple((int(token), float(bias)) for token, bias in spec.logit_bias),
+        bad_words=tuple(spec.bad_words),
+        allowed_token_ids=tuple(spec.allowed_token_ids),
+    )
 
 
 class Outbox:

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n duet/router/proto/duet_api.proto\x12\x07\x64uet.v1\"2\n\x10ScalePoolRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"J\n\x12\x44rainWorkerRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"\x1d\n\nAdminReply\x12\x0f\n\x07\x63hanges\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"J\n\x0eStopConditions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\x8d\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12%\n\x04stop\x18\x06 \x01(\x0b\x32\x17.duet.v1.StopConditions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\'\n\x0cresume_after\x18\x08 \x01(\x0b\x32\x11.duet.v1.TokenIdsB\x07\n\x05input\"\x97\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\"\x94\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.duet.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.duet.v1.Usage\"\x12\n\x10GetStatusRequest\"\x90\x04\n\x0bWorkerState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x17\n\x0frequests_served\x18\x05 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12!\n\x19prompt_tokens_transferred\x18\x08 \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\t \x01(\x04\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x10\n\x08restarts\x18\x0b \x01(\r\x12\x14\n\x0ckv_transfers\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\r \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x0f \x01(\x04\x12!\n\x19outstanding_prompt_tokens\x18\x10 \x01(\x04\x12\x10\n\x08\x63pu_core\x18\x11 \x01(\x05\x12\x19\n\x11migrations_out_kv\x18\x12 \x01(\x04\x12\x1d\n\x15migrations_out_replay\x18\x13 \x01(\x04\x12\x18\n\x10migrations_in_kv\x18\x14 \x01(\x04\x12\x1c\n\x14migrations_in_replay\x18\x15 \x01(\x04\";\n\x04Pool\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07workers\x18\x02 \x03(\x0b\x32\x14.duet.v1.WorkerState\"\x8c\x02\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x05pools\x18\x02 \x03(\x0b\x32\r.duet.v1.Pool\x12\x17\n\x0frequests_served\x18\x03 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x04 \x01(\r\x12\x17\n\x0frequests_failed\x18\x05 \x01(\x04\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x18\n\x10metrics_endpoint\x18\x07 \x01(\t\x12\x0f\n\x07routing\x18\x08 \x03(\t\x12%\n\nfront_ends\x18\t \x03(\x0b\x32\x11.duet.v1.FrontEnd\x12\x19\n\x11\x63ontrol_plane_pid\x18\n \x01(\r\"\xe0\x01\n\x08\x46rontEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x17\n\x0frequests_served\x18\x06 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x07 \x01(\r\x12\x17\n\x0frequests_failed\x18\x08 \x01(\x04\x12\r\n\x05\x65rror\x18\t \x01(\t\x12-\n\nmigrations\x18\n \x03(\x0b\x32\x19.duet.v1.WorkerMigrations\"h\n\x10WorkerMigrations\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0e\n\x06out_kv\x18\x02 \x01(\x04\x12\x12\n\nout_replay\x18\x03 \x01(\x04\x12\r\n\x05in_kv\x18\x04 \x01(\x04\x12\x11\n\tin_replay\x18\x05 \x01(\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x89\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12>\n\tGetStatus\x12\x19.duet.v1.GetStatusRequest\x1a\x16.duet.v1.ClusterStatus2\xc7\x01\n\x05\x41\x64min\x12;\n\tScalePool\x12\x19.duet.v1.ScalePoolRequest\x1a\x13.duet.v1.AdminReply\x12?\n\x0b\x44rainWorker\x12\x1b.duet.v1.DrainWorkerRequest\x1a\x13.duet.v1.AdminReply\x12@\n\x0bListWorkers\x12\x19.duet.v1.GetStatusRequest\x1a\x16.duet.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n duet/router/proto/duet_api.proto\x12\x07\x64uet.v1\"2\n\x10ScalePoolRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"J\n\x12\x44rainWorkerRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"\x1d\n\nAdminReply\x12\x0f\n\x07\x63hanges\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9c\x05\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12:\n\nlogit_bias\x18\n \x03(\x0b\x32&.duet.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x0b \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x0c \x03(\r\x12\x34\n\x11structured_output\x18\r \x01(\x0b\x32\x19.duet.v1.StructuredOutput\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x0f \x01(\x08H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\x90\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\"\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x10.duet.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"n\n\x0eStopConditions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x04 \x01(\x08\"\xee\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12%\n\x04stop\x18\x06 \x01(\x0b\x32\x17.duet.v1.StopConditions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\'\n\x0cresume_after\x18\x08 \x01(\x0b\x32\x11.duet.v1.TokenIds\x12\t\n\x01n\x18\t \x01(\x05\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\":\n\x10PositionLogprobs\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.duet.v1.TokenLogprob\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x97\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\"\x84\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.duet.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.duet.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.duet.v1.PositionLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.duet.v1.PositionLogprobs\"\x12\n\x10GetStatusRequest\"\x90\x04\n\x0bWorkerState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x17\n\x0frequests_served\x18\x05 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12!\n\x19prompt_tokens_transferred\x18\x08 \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\t \x01(\x04\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x10\n\x08restarts\x18\x0b \x01(\r\x12\x14\n\x0ckv_transfers\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\r \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x0f \x01(\x04\x12!\n\x19outstanding_prompt_tokens\x18\x10 \x01(\x04\x12\x10\n\x08\x63pu_core\x18\x11 \x01(\x05\x12\x19\n\x11migrations_out_kv\x18\x12 \x01(\x04\x12\x1d\n\x15migrations_out_replay\x18\x13 \x01(\x04\x12\x18\n\x10migrations_in_kv\x18\x14 \x01(\x04\x12\x1c\n\x14migrations_in_replay\x18\x15 \x01(\x04\";\n\x04Pool\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07workers\x18\x02 \x03(\x0b\x32\x14.duet.v1.WorkerState\"\x8c\x02\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x05pools\x18\x02 \x03(\x0b\x32\r.duet.v1.Pool\x12\x17\n\x0frequests_served\x18\x03 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x04 \x01(\r\x12\x17\n\x0frequests_failed\x18\x05 \x01(\x04\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x18\n\x10metrics_endpoint\x18\x07 \x01(\t\x12\x0f\n\x07routing\x18\x08 \x03(\t\x12%\n\nfront_ends\x18\t \x03(\x0b\x32\x11.duet.v1.FrontEnd\x12\x19\n\x11\x63ontrol_plane_pid\x18\n \x01(\r\"\xe0\x01\n\x08\x46rontEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x17\n\x0frequests_served\x18\x06 \x01(\x04\x12\x19\n\x11requests_inflight\x18\x07 \x01(\r\x12\x17\n\x0frequests_failed\x18\x08 \x01(\x04\x12\r\n\x05\x65rror\x18\t \x01(\t\x12-\n\nmigrations\x18\n \x03(\x0b\x32\x19.duet.v1.WorkerMigrations\"h\n\x10WorkerMigrations\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0e\n\x06out_kv\x18\x02 \x01(\x04\x12\x12\n\nout_replay\x18\x03 \x01(\x04\x12\r\n\x05in_kv\x18\x04 \x01(\x04\x12\x11\n\tin_replay\x18\x05 \x01(\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x89\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12>\n\tGetStatus\x12\x19.duet.v1.GetStatusRequest\x1a\x16.duet.v1.ClusterStatus2\xc7\x01\n\x05\x41\x64min\x12;\n\tScalePool\x12\x19.duet.v1.ScalePoolRequest\x1a\x13.duet.v1.AdminReply\x12?\n\x0b\x44rainWorker\x12\x1b.duet.v1.DrainWorkerRequest\x1a\x13.duet.v1.AdminReply\x12@\n\x0bListWorkers\x12\x19.duet.v1.GetStatusRequest\x1a\x16.duet.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duet.router.proto.duet_api_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2211
-  _globals['_FINISHREASON']._serialized_end=2356
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3329
+  _globals['_FINISHREASON']._serialized_end=3474
   _globals['_SCALEPOOLREQUEST']._serialized_start=45
   _globals['_SCALEPOOLREQUEST']._serialized_end=95
   _globals['_DRAINWORKERREQUEST']._serialized_start=97
@@ -41,30 +43,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMINREPLY']._serialized_end=202
   _globals['_TOKENIDS']._serialized_start=204
   _globals['_TOKENIDS']._serialized_end=227
-  _globals['_SAMPLINGPARAMS']._serialized_start=229
-  _globals['_SAMPLINGPARAMS']._serialized_end=339
-  _globals['_STOPCONDITIONS']._serialized_start=341
-  _globals['_STOPCONDITIONS']._serialized_end=415
-  _globals['_GENERATEREQUEST']._serialized_start=418
-  _globals['_GENERATEREQUEST']._serialized_end=687
-  _globals['_USAGE']._serialized_start=690
-  _globals['_USAGE']._serialized_end=841
-  _globals['_GENERATERESPONSE']._serialized_start=844
-  _globals['_GENERATERESPONSE']._serialized_end=992
-  _globals['_GETSTATUSREQUEST']._serialized_start=994
-  _globals['_GETSTATUSREQUEST']._serialized_end=1012
-  _globals['_WORKERSTATE']._serialized_start=1015
-  _globals['_WORKERSTATE']._serialized_end=1543
-  _globals['_POOL']._serialized_start=1545
-  _globals['_POOL']._serialized_end=1604
-  _globals['_CLUSTERSTATUS']._serialized_start=1607
-  _globals['_CLUSTERSTATUS']._serialized_end=1875
-  _globals['_FRONTEND']._serialized_start=1878
-  _globals['_FRONTEND']._serialized_end=2102
-  _globals['_WORKERMIGRATIONS']._serialized_start=2104
-  _globals['_WORKERMIGRATIONS']._serialized_end=2208
-  _globals['_DUET']._serialized_start=2359
-  _globals['_DUET']._serialized_end=2496
-  _globals['_ADMIN']._serialized_start=2499
-  _globals['_ADMIN']._serialized_end=2698
+  _globals['_SAMPLINGPARAMS']._serialized_start=230
+  _globals['_SAMPLINGPARAMS']._serialized_end=898
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=697
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=745
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=901
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1045
+  _globals['_CHOICES']._serialized_start=1047
+  _globals['_CHOICES']._serialized_end=1073
+  _globals['_STOPCONDITIONS']._serialized_start=1075
+  _globals['_STOPCONDITIONS']._serialized_end=1185
+  _globals['_GENERATEREQUEST']._serialized_start=1188
+  _globals['_GENERATEREQUEST']._serialized_end=1554
+  _globals['_POSITIONLOGPROBS']._serialized_start=1556
+  _globals['_POSITIONLOGPROBS']._serialized_end=1614
+  _globals['_TOKENLOGPROB']._serialized_start=1616
+  _globals['_TOKENLOGPROB']._serialized_end=1693
+  _globals['_USAGE']._serialized_start=1696
+  _globals['_USAGE']._serialized_end=1847
+  _globals['_GENERATERESPONSE']._serialized_start=1850
+  _globals['_GENERATERESPONSE']._serialized_end=2110
+  _globals['_GETSTATUSREQUEST']._serialized_start=2112
+  _globals['_GETSTATUSREQUEST']._serialized_end=2130
+  _globals['_WORKERSTATE']._serialized_start=2133
+  _globals['_WORKERSTATE']._serialized_end=2661
+  _globals['_POOL']._serialized_start=2663
+  _globals['_POOL']._serialized_end=2722
+  _globals['_CLUSTERSTATUS']._serialized_start=2725
+  _globals['_CLUSTERSTATUS']._serialized_end=2993
+  _globals['_FRONTEND']._serialized_start=2996
+  _globals['_FRONTEND']._serialized_end=3220
+  _globals['_WORKERMIGRATIONS']._serialized_start=3222
+  _globals['_WORKERMIGRATIONS']._serialized_end=3326
+  _globals['_DUET']._serialized_start=3477
+  _globals['_DUET']._serialized_end=3614
+  _globals['_ADMIN']._serialized_start=3617
+  _globals['_ADMIN']._serialized_end=3816
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,8 @@ class DuetStub:
     """Serving. Errors: INVALID_ARGUMENT (a bad request, naming the field), UNAUTHENTICATED and
     PERMISSION_DENIED (API keys), RESOURCE_EXHAUSTED (admission limit or a key's quota; retry
     later), UNAVAILABLE (no ready worker, or this front door is going away: retry, resuming with
-    resume_after).
+    resume_after), INTERNAL (do not retry: the request was held by router.max_engine_crashes
+    engines as they crashed, or a bug).
     """
 
     def __init__(self, channel):
@@ -54,7 +55,8 @@ class DuetServicer:
     """Serving. Errors: INVALID_ARGUMENT (a bad request, naming the field), UNAUTHENTICATED and
     PERMISSION_DENIED (API keys), RESOURCE_EXHAUSTED (admission limit or a key's quota; retry
     later), UNAVAILABLE (no ready worker, or this front door is going away: retry, resuming with
-    resume_after).
+    resume_after), INTERNAL (do not retry: the request was held by router.max_engine_crashes
+    engines as they crashed, or a bug).
     """
 
     def Generate(self, request, context):
@@ -96,7 +98,8 @@ class Duet:
     """Serving. Errors: INVALID_ARGUMENT (a bad request, naming the field), UNAUTHENTICATED and
     PERMISSION_DENIED (API keys), RESOURCE_EXHAUSTED (admission limit or a key's quota; retry
     later), UNAVAILABLE (no ready worker, or this front door is going away: retry, resuming with
-    resume_after).
+    resume_after), INTERNAL (do not retry: the request was held by router.max_engine_crashes
+    engines as they crashed, or a bug).
     """
 
     @staticmethod

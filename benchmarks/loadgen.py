@@ -30,6 +30,7 @@ import numpy as np
 
 from duet.cluster.placement.simulator import SimResult
 from duet.cluster.placement.trace import Trace
+from duet.benchmarks.request_mix import grpc_fields
 from duet.router.client import build_request
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
@@ -84,8 +85,9 @@ def prompt_token_ids(trace: Trace, seed: int = 0) -> list[list[int]]:
     return [rng.integers(low, high, int(n_in)).tolist() for n_in in trace.input_len]
 
 
-def build_requests(trace: Trace, model: str = "", seed: int = 0) -> list[pb.GenerateRequest]:
-    """One greedy request per trace row, built before the replay so timing is not disturbed."""
+def build_requests(trace: Trace, model: str = "", seed: int = 0, mix: str = "plain") -> list[pb.GenerateRequest]:
+    """One greedy request per trace row, built before the replay so timing is not disturbed;
+    ``mix`` adds features to each (benchmarks/request_mix.py)."""
     return [
         build_request(
             prompt_token_ids=prompt,
@@ -93,6 +95,7 @@ def build_requests(trace: Trace, model: str = "", seed: int = 0) -> list[pb.Gene
             ignore_eos=True,
             model=model,
             request_id=f"loadgen-{seed}-{i}",
+            **grpc_fields(mix, i),
         )
         for i, (prompt, n_out) in enumerate(zip(prompt_token_ids(trace, seed), trace.output_len))
     ]
@@ -189,11 +192,12 @@ async def replay(
     timeout_s: float = 600.0,
     on_done: Callable[[], None] | None = None,
     connections: int = 1,
+    mix: str = "plain",
 ) -> list[RequestRecord]:
     """Send every request of ``trace`` at its arrival offset; returns the records in trace order.
 
     ``connections``: requests take turns over this many connections (:func:`connected_stubs`)."""
-    requests = build_requests(trace, model, seed)
+    requests = build_requests(trace, model, seed, mix)
     async with connected_stubs(target, connections) as stubs:
 
         async def send(index: int, scheduled_s: float, start: float) -> RequestRecord:

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from duet.benchmarks.loadgen import RequestRecord, client_tpot, open_loop, prompt_token_ids
+from duet.benchmarks.request_mix import openai_fields
 from duet.cluster.placement.trace import Trace
 
 
@@ -113,8 +114,10 @@ async def replay_openai(
     seed: int = 0,
     timeout_s: float = 600.0,
     on_done: Callable[[], None] | None = None,
+    mix: str = "plain",
 ) -> list[RequestRecord]:
-    """Send every request of ``trace`` to ``{base_url}/v1/completions`` at its arrival offset.
+    """Send every request of ``trace`` to ``{base_url}/v1/completions`` at its arrival offset;
+    ``mix`` adds features to each (benchmarks/request_mix.py).
 
     Returns the records in trace order; ``on_done`` is called as each request finishes.
     """
@@ -128,8 +131,9 @@ async def replay_openai(
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **openai_fields(mix, index),
         }
-        for prompt, n_out in zip(prompt_token_ids(trace, seed), trace.output_len)
+        for index, (prompt, n_out) in enumerate(zip(prompt_token_ids(trace, seed), trace.output_len))
     ]
     # No connection limit: an open loop must not queue requests in the client.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:

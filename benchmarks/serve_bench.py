@@ -36,6 +36,7 @@ from typing import Any, Callable, TypeVar
 from duet.benchmarks.host_overhead import host_cpu_seconds, process_name, tree_memory_bytes
 from duet.benchmarks.loadgen import RequestRecord, replay
 from duet.benchmarks.openai_replay import replay_openai
+from duet.benchmarks.request_mix import MIXES
 from duet.benchmarks.serve_planned import planned_modes
 from duet.benchmarks.serve_report import DUET_MODES, progress_callback, render_table, summarize, write_plots
 from duet.benchmarks.serving_systems import DEFAULT_SYSTEMS, SYSTEMS, RunningSystem, SystemStartError, started
@@ -66,12 +67,16 @@ class Plan:
     endpoint: str = ""
     pid: int | None = None
     rounds: int = 1
+    # What each request asks for beyond a greedy completion (benchmarks/request_mix.py).
+    mix: str = "plain"
 
 
-async def _replay(system: RunningSystem, model: str, trace: Trace, seed: int, on_done: Any) -> list[RequestRecord]:
+async def _replay(system: RunningSystem, model: str, trace: Trace, seed: int, on_done: Any, mix: str) -> list[RequestRecord]:
     if system.grpc_target:
-        return await replay(system.grpc_target, trace, model=model, seed=seed, on_done=on_done, connections=system.connections)
-    return await replay_openai(system.http_url, model, trace, seed=seed, on_done=on_done)
+        return await replay(
+            system.grpc_target, trace, model=model, seed=seed, on_done=on_done, connections=system.connections, mix=mix
+        )
+    return await replay_openai(system.http_url, model, trace, seed=seed, on_done=on_done, mix=mix)
 
 
 def _serving_cpu(pid: int | None) -> dict[int, float]:
@@ -102,11 +107,14 @@ class Measurement:
         return sum(r.completion_tokens for r in self.records)
 
 
-def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, seed: int) -> Measurement:
-    """Replay ``trace`` at ``rate`` with prompts from ``seed``, reading the system's CPU around it."""
+def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, seed: int, mix: str = "plain") -> Measurement:
+    """Replay ``trace`` at ``rate`` with prompts from ``seed`` and requests of ``mix``, reading
+    the system's CPU around it."""
     pid = system.pid or None
     with progress_callback(len(trace), f"{system.name} @ {rate:g} req/s") as on_done:
-        records, spent, wall_s = _spent_during(pid, lambda: asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done)))
+        records, spent, wall_s = _spent_during(
+            pid, lambda: asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done, mix))
+        )
     by_process: Counter[str] = Counter()
     for p, seconds in spent.items():
         by_process[process_name(p)] += seconds
@@ -188,7 +196,7 @@ def warm_up(system: RunningSystem, plan: Plan, model: str) -> None:
     (first kernels per shape)."""
     warmup = plan.trace.at_rate(len(plan.trace) / WARMUP_S)
     with progress_callback(len(warmup), f"{system.name} warm-up") as on_done:
-        asyncio.run(_replay(system, model, warmup, plan.seed, on_done))
+        asyncio.run(_replay(system, model, warmup, plan.seed, on_done, plan.mix))
 
 
 def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any]:
@@ -202,7 +210,9 @@ def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any
     entry = {
         "footprint": measured,
         "rates": {
-            str(rate): rate_entry([measure_rate(system, model, plan.trace, rate, plan.seed + 1 + index)], _idle_rate(measured))
+            str(rate): rate_entry(
+                [measure_rate(system, model, plan.trace, rate, plan.seed + 1 + index, plan.mix)], _idle_rate(measured)
+            )
             for index, rate in enumerate(plan.rates)
         },
     }
@@ -226,7 +236,7 @@ def bench_interleaved(plan: Plan, config: DuetConfig) -> dict[str, Any]:
             for index, rate in enumerate(plan.rates):
                 seed = plan.seed + 1 + round_ * len(plan.rates) + index
                 for system in systems if round_ % 2 == 0 else reversed(systems):
-                    runs[system.name][str(rate)].append(measure_rate(system, model, plan.trace, rate, seed))
+                    runs[system.name][str(rate)].append(measure_rate(system, model, plan.trace, rate, seed, plan.mix))
         for system in systems:
             _memory_after_run(measured[system.name], system)
     return {
@@ -283,6 +293,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="start the systems together and measure them in turn this many times"
     )
+    parser.add_argument(
+        "--mix", choices=sorted(MIXES), default="plain",
+        help="what each request asks for: plain greedy completions, or features (logprobs, penalties, a regex output)",
+    )
     parser.set_defaults(handler=_bench_serve)
 
 
@@ -311,7 +325,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--rounds {args.rounds}: must be at least 1, and above 1 only with two or more --systems")
     trace = load_trace(args.trace).head(args.requests).capped(args.max_input, args.max_output)
     label = f"{Path(args.trace).name}, first {len(trace)} requests, input <= {args.max_input}, output <= {args.max_output}"
-    return Plan(trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid, args.rounds)
+    if args.mix != "plain":
+        label += f", request mix {args.mix}"
+    return Plan(trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid, args.rounds, args.mix)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

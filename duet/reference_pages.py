@@ -267,8 +267,12 @@ _SCALARS = {1: "double", 2: "float", 3: "int64", 4: "uint64", 5: "int32", 8: "bo
 _MESSAGE, _ENUM, _SERVICE, _FIELD, _METHOD, _VALUE, _NESTED_ENUM = 4, 5, 6, 2, 2, 2, 4
 
 
-def _field_type(field: Any) -> str:
+def _field_type(field: Any, message: Any = None) -> str:
     name = field.type_name.rsplit(".", 1)[-1] if field.type_name else _SCALARS.get(field.type, str(field.type))
+    entry = next((nested for nested in getattr(message, "nested_type", ()) if nested.name == name), None)
+    if entry is not None and entry.options.map_entry:  # a map<K, V> field is a repeated nested entry
+        key, value = entry.field
+        return f"`map<{_field_type(key)}, {_field_type(value)}>`"
     link = f"[{name}](#{name.lower()})" if field.type_name else name
     if field.label == 3:
         return f"repeated {link}"
@@ -308,7 +312,7 @@ def grpc_page() -> str:
                 meaning = comment(_MESSAGE, index, _FIELD, number)
                 if oneof:
                     meaning = f"one of `{oneof}`. {meaning}".strip()
-                lines.append(f"| `{field.name}` | {field.number} | {_field_type(field)} | {_cell(meaning)} |")
+                lines.append(f"| `{field.name}` | {field.number} | {_field_type(field, message)} | {_cell(meaning)} |")
             lines.append("")
         for nested_index, enum in enumerate(message.enum_type):
             lines += _enum_rows(enum, lambda *rest, i=index, n=nested_index: comment(_MESSAGE, i, _NESTED_ENUM, n, *rest))

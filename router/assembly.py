@@ -76,7 +76,7 @@ def request_service(
         max_structured_output_bytes=api.max_structured_output_bytes, max_batch_prompts=api.max_batch_prompts,
     )
     service = RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
-    service.tool_parser = tool_parser_class(api.tool_call_parser)
+    service.tool_parser = tool_parser_class(api.tool_call_parser, tokenizer)
     if config.router.rebalance_kv_gap is not None:
         service.rebalancer = Rebalancer(lifecycle, config.router.rebalance_kv_gap, config.router.rebalance_interval_s)
     return service

@@ -29,9 +29,13 @@ from duet.router.lifecycle import RequestCrashesEngines, StreamEvent, Usage
 from duet.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_to_validated,
     completion_to_validated,
+    detokenize,
     parse,
+    tokenize,
 )
 from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
 from duet.router.tool_calls import ToolCalling
@@ -175,7 +179,7 @@ class _Reply:
                 message: dict[str, Any] = {"role": "assistant", "content": sequence.text}
                 finish = sequence.finish
                 if self.tools is not None:
-                    message, finish = self.tools.for_sequence().whole(sequence.text, finish)
+                    message, finish = self.tools.for_sequence().whole(sequence.text, sequence.token_ids, finish)
                 choice: dict[str, Any] = {
                     "index": index, "message": message,
                     "logprobs": self._chat_logprobs(sequence.token_ids, sequence.logprobs), "finish_reason": finish,
@@ -204,7 +208,9 @@ class _Reply:
             finish = event.finish_reason
             if self.tools is not None:
                 tools = self._tool_streams.setdefault(index, self.tools.for_sequence())
-                delta = tools.delta(sequence.text, event.text, event.token_ids) or {}
+                delta = tools.delta(
+                    event.text, event.token_ids, self._prompt(index).prompt_token_ids, event.finish_reason is not None
+                ) or {}
                 finish = tools.finish_reason(finish)
             sequence.text += event.text
             if first:
@@ -310,7 +316,26 @@ class OpenAIFrontEnd:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: a prompt's or chat's token ids, as the engines would get them."""
+        self.service.authenticate(request.headers.get("Authorization"))
+        parsed = parse(TokenizeRequest, await _json_body(request, self.max_body_bytes))
+        limits, tokenizer = self.service.limits, self.service.tokenizer
+        tokens = tokenize(parsed, limits, tokenizer, self.chat_template)  # type: ignore[arg-type]
+        strings = tokenizer.convert_ids_to_tokens(tokens) if parsed.return_token_strs else None  # type: ignore[attr-defined]
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens, "token_strs": strings}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        self.service.authenticate(request.headers.get("Authorization"))
+        parsed = parse(DetokenizeRequest, await _json_body(request, self.max_body_bytes))
+        return web.json_response({"prompt": detokenize(parsed, self.service.limits, self.service.tokenizer)})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.service.is_ready():

@@ -70,6 +70,7 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
 
 
 class _SamplingFields(_Strict):
@@ -150,7 +151,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
-def parse(model: type[_SamplingFields], body: object) -> Any:
+def parse(model: type[BaseModel], body: object) -> Any:
     """``model`` from a decoded JSON body, or InvalidRequest naming the first bad field."""
     if not isinstance(body, dict):
         raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
@@ -249,7 +250,7 @@ def _structured_output(request: _SamplingFields) -> pb.StructuredOutput | None:
         constraints = {k: v for k, v in request.structured_outputs.model_dump(by_alias=True).items() if v is not None}
         if len(constraints) != 1:
             raise InvalidRequest(
-                "structured_outputs", f"set exactly one of json, regex, choice, grammar, json_object (got {len(constraints)})"
+                "structured_outputs", f"set exactly one of json, regex, choice, grammar, json_object, structural_tag (got {len(constraints)})"
             )
     if request.response_format is not None:
         kind = request.response_format.get("type")
@@ -339,6 +340,79 @@ def _is_batch(prompt: object) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
+def render_chat(
+    messages: list[ChatMessage],
+    tokenizer: ChatTokenizer,
+    limits: ModelLimits,
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """The prompt's token ids for ``messages``, rendered with the chat template and tokenized
+    without adding special tokens again, as vLLM does (``add_special_tokens``: /tokenize's)."""
+    template = chat_template or tokenizer.chat_template
+    if not template:
+        raise InvalidRequest(
+            "messages", f"model {limits.name!r} has no chat template; set model.chat_template in the config"
+        )
+    conversation = [{"role": message.role, "content": message.text()} for message in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),
+        )
+    except Exception as error:  # a template's own raise_exception() (e.g. roles out of order)
+        raise InvalidRequest("messages", f"the chat template rejected them: {error}") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[call-arg]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a completion's ``prompt`` or a chat's ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[UInt32]
+
+
+def tokenize(
+    request: TokenizeRequest, limits: ModelLimits, tokenizer: ChatTokenizer, chat_template: str | None
+) -> list[int]:
+    """The token ids vLLM's ``/tokenize`` answers for ``request``."""
+    _check_model(request.model, limits)
+    if (request.prompt is None) == (request.messages is None):
+        raise InvalidRequest("prompt", "set prompt or messages, not both")
+    if request.messages is not None:
+        return render_chat(
+            request.messages, tokenizer, limits, chat_template, request.add_generation_prompt,
+            add_special_tokens=bool(request.add_special_tokens),
+        )
+    add_special_tokens = True if request.add_special_tokens is None else request.add_special_tokens
+    return tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)  # type: ignore[arg-type, call-arg]
+
+
+def detokenize(request: DetokenizeRequest, limits: ModelLimits, tokenizer: Tokenizer) -> str:
+    """The text vLLM's ``/detokenize`` answers for ``request``."""
+    _check_model(request.model, limits)
+    bad = next((token for token in request.tokens if token >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("tokens", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+    return tokenizer.decode(request.tokens)  # type: ignore[attr-defined]
+
+
+def _check_model(model: str | None, limits: ModelLimits) -> None:
+    if model and model != limits.name:
+        raise InvalidRequest("model", f"unknown model {model!r}; this deployment serves {limits.name!r}")
+
+
 def chat_to_validated(
     request: ChatCompletionRequest,
     limits: ModelLimits,
@@ -353,20 +427,8 @@ def chat_to_validated(
     _unsupported(request, {})
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs", "needs logprobs set to true")
-    template = chat_template or tokenizer.chat_template
-    if not template:
-        raise InvalidRequest(
-            "messages", f"model {limits.name!r} has no chat template; set model.chat_template in the config"
-        )
-    conversation = [{"role": message.role, "content": message.text()} for message in request.messages]
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False, add_generation_prompt=request.add_generation_prompt,
-            **({"tools": tools.template_tools()} if tools is not None and tools.request.tools else {}),
-        )
-    except Exception as error:  # a template's own raise_exception() (e.g. roles out of order)
-        raise InvalidRequest("messages", f"the chat template rejected them: {error}") from None
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[call-arg]
+    template_tools = tools.template_tools() if tools is not None else None
+    prompt_ids = render_chat(request.messages, tokenizer, limits, chat_template, request.add_generation_prompt, template_tools)
     if request.max_completion_tokens is not None and request.max_tokens is not None:
         raise InvalidRequest("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
     max_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -375,9 +437,10 @@ def chat_to_validated(
         max_tokens = max(1, limits.max_model_len - len(prompt_ids))
     grpc_request = _grpc_request(request, max_tokens, request_id)
     grpc_request.prompt_token_ids.ids.extend(prompt_ids)
-    tool_schema = tools.json_schema() if tools is not None else None
-    if tool_schema is not None:  # as vLLM: a forced tool call overrides response_format
-        grpc_request.sampling.structured_output.CopyFrom(pb.StructuredOutput(json_schema=tool_schema))
+    tool_constraint = tools.constraint() if tools is not None else None
+    if tool_constraint is not None:  # as vLLM: a forced tool call overrides response_format
+        kind, value = tool_constraint
+        grpc_request.sampling.structured_output.CopyFrom(pb.StructuredOutput(**{kind: value}))
     if tools is not None and not tools.skip_special_tokens:
         grpc_request.sampling.skip_special_tokens = False
     if request.logprobs:  # vLLM: the sampled token's, and top_logprobs alternatives

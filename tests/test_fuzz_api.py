@@ -60,6 +60,26 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
         model=draw(st.one_of(st.just(""), hostile_text)),
         request_id=draw(st.one_of(st.just(""), hostile_text)),
         resume_after=draw(st.lists(st.one_of(st.integers(3, 700), st.integers(0, UINT32)), max_size=4)),
+        n=draw(st.sampled_from([-(2**31), -1, 0, 1, 2, 3, INT32])),
+        logprobs=draw(st.one_of(st.none(), st.sampled_from([-1, 0, 2, 20, 21, INT32]))),
+        prompt_logprobs=draw(st.one_of(st.none(), st.sampled_from([-1, 0, 1, 21]))),
+        presence_penalty=draw(st.one_of(st.none(), floats32)),
+        frequency_penalty=draw(st.one_of(st.none(), floats32)),
+        repetition_penalty=draw(st.one_of(st.none(), floats32)),
+        min_p=draw(st.one_of(st.none(), floats32)),
+        min_tokens=draw(st.sampled_from([-(2**31), -1, 0, 1, 3, INT32])),
+        logit_bias=draw(st.dictionaries(st.one_of(st.integers(3, 700), st.integers(0, UINT32)), floats32, max_size=3)),
+        bad_words=draw(st.lists(hostile_text, max_size=2)),
+        allowed_token_ids=draw(st.lists(st.one_of(st.integers(3, 700), st.integers(0, UINT32)), max_size=3)),
+        structured_output=draw(st.one_of(
+            st.none(),
+            st.builds(lambda text: pb.StructuredOutput(regex=text), hostile_text),
+            st.builds(lambda text: pb.StructuredOutput(json_schema=text), hostile_text),
+            st.builds(lambda text: pb.StructuredOutput(grammar=text), hostile_text),
+            st.builds(lambda texts: pb.StructuredOutput(choice=pb.Choices(choices=texts)), st.lists(hostile_text, max_size=3)),
+            st.just(pb.StructuredOutput(json_object=True)),
+            st.just(pb.StructuredOutput(json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}}')),
+        )),
     )
 
 
@@ -70,9 +90,11 @@ def _ends_well(client, request: pb.GenerateRequest) -> None:
         assert error.code() in ANSWERED, f"{error.code()}: {error.details()} for {request}"
         assert error.details(), "a refusal must say why"
         return
-    assert messages and messages[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED, f"no final message for {request}"
-    tokens = sum(len(m.token_ids) for m in messages)
-    assert tokens <= request.max_tokens - len(request.resume_after.ids)
+    finished = {m.index for m in messages if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED}
+    assert finished == set(range(max(request.n, 1))), f"a sequence without its final message for {request}"
+    for index in finished:
+        tokens = sum(len(m.token_ids) for m in messages if m.index == index)
+        assert tokens <= request.max_tokens - len(request.resume_after.ids)
 
 
 @FUZZ

@@ -39,7 +39,11 @@ def test_outbox_batches_everything_put_since_the_last_batch():
 
 
 def test_sampling_survives_the_wire():
-    spec = SamplingSpec(max_tokens=9, temperature=0.5, top_p=0.9, top_k=4, seed=7, stop=("x", "yz"), stop_token_ids=(2,), ignore_eos=True)
+    spec = SamplingSpec(
+        max_tokens=9, temperature=0.5, top_p=0.9, top_k=4, seed=7, stop=("x", "yz"), stop_token_ids=(2,), ignore_eos=True,
+        presence_penalty=0.5, logit_bias=((3, -2.0), (9, 1.5)), bad_words=("no",), allowed_token_ids=(1, 2, 3),
+        logprobs=2, structured_kind="regex", structured_value="[a-z]+", resumed_tokens=4,
+    )
     assert sampling_from_wire(msgpack.unpackb(msgpack.packb(sampling_to_wire(spec)))) == spec
 
 
@@ -92,7 +96,7 @@ def test_channel_carries_requests_and_answers_to_their_requests_only(run_loop):
         prefilled, failed = channel.subscribe("p"), channel.subscribe("boom")
         channel.send(["prefill", "p", [5, 6], spec, "decode-0"])
         channel.send(["prefill", "boom", [5], spec, None])
-        assert await asyncio.wait_for(prefilled.get(), 10) == ["p", "prefilled", 7, "t", 2, {"at": "decode-0"}, None, "w"]
+        assert await asyncio.wait_for(prefilled.get(), 10) == ["p", "prefilled", 7, "t", 2, {"at": "decode-0"}, None, "w", None, None]
         answer = await asyncio.wait_for(failed.get(), 10)
         assert answer[1] == "failed" and "no such thing" in answer[2]
 

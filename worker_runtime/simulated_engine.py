@@ -49,6 +49,7 @@ class _Completion:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: None = None  # a SIMULATED engine computes no model, so no log-probabilities
 
 
 @dataclass
@@ -58,6 +59,7 @@ class _Output:
     outputs: list[_Completion]
     finished: bool
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: None = None
 
 
 @dataclass

@@ -56,7 +56,7 @@ class EngineAddresses:
 # Structured-output constraints, as vLLM's ``StructuredOutputsParams`` names them: the kind, then
 # its value as text (a JSON schema, a regular expression, a grammar; for "choice" a JSON list of
 # the allowed strings; for "json_object" empty).
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,7 @@ class Deployment:
         pools = [self.decode] if colocated else [self.prefill, self.decode]
         transport = "none (colocated)" if colocated else self.config.kv_transfer.transport
         self.cluster = ClusterView(self.config.model.name, transport, pools)
+        self.cluster.deployment_id = self.deployment_id or ""
         if server_config.metrics_port is not None:
             try:
                 self.cluster.metrics, metrics_port, self._metrics_server = start_metrics_server(

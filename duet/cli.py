@@ -127,6 +127,12 @@ async def _run_deployment(config: "DuetConfig") -> int:
         cause = getattr(error, "cause", None) or error
         return _fail(f"{type(cause).__name__}: {cause}")
     serving = deployment.serving
+    if isinstance(deployment, RemoteControlPlane):
+        print(
+            f"duet: {'took over the running' if deployment.took_over else 'started'} deployment {deployment.deployment_id}"
+            + (" (its control plane outlives this process: `duet stop` ends it)" if config.ray.address != "local" else ""),
+            flush=True,
+        )
     if serving["exposure_warning"]:
         print(f"duet: WARNING: {serving['exposure_warning']}", file=sys.stderr, flush=True)
     metrics = serving["metrics_endpoint"]
@@ -149,6 +155,25 @@ async def _run_deployment(config: "DuetConfig") -> int:
     await stop.wait()
     print("duet: stopping...", flush=True)
     await deployment.stop()
+    return 0
+
+
+# ---- stop --------------------------------------------------------------------------------
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from duet.config import ConfigError, load_config
+    from duet.cluster.control_plane import stop_running
+
+    try:
+        config = load_config(args.config)
+        if config.ray.address == "local":
+            return _fail("a deployment on a local Ray ends with its `duet serve` (Ctrl-C); "
+                         "`duet stop` is for one on a Ray cluster: give --config with its ray.address")
+        stopped = asyncio.run(stop_running(config, args.deployment))
+    except ConfigError as error:
+        return _fail(str(error))
+    print(f"duet: stopped deployment {stopped}", flush=True)
     return 0
 
 
@@ -262,6 +287,8 @@ def _print_status(status: pb.ClusterStatus) -> None:
         f"requests: {status.requests_served} served, {status.requests_inflight} in flight, "
         f"{status.requests_failed} failed"
     )
+    if status.deployment_id:
+        console.print(f"deployment: {status.deployment_id}")
     if len(status.front_ends) > 1:
         console.print(f"control plane: pid {status.control_plane_pid or '- (unreachable)'}")
         for door in status.front_ends:
@@ -403,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--timeout", type=float, default=300.0)
     _add_client_arguments(generate)
     generate.set_defaults(handler=_generate)
+
+    stop = commands.add_parser(
+        "stop", help="stop a deployment on a Ray cluster that no `duet serve` watches (its control plane outlived it)",
+    )
+    stop.add_argument("--config", help="the deployment's YAML: its ray.address, and its ports to find it by")
+    stop.add_argument("--deployment", metavar="ID", help="the deployment's id, as `duet status` shows it")
+    stop.set_defaults(handler=_stop)
 
     status = commands.add_parser("status", help="show the pools, each worker's state and requests served")
     _add_client_arguments(status)

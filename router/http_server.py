@@ -20,11 +20,11 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from duet.router.auth import QuotaExceeded, Unauthenticated
+from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestCrashesEngines, StreamEvent, Usage
 from duet.router.openai_protocol import (
     ChatCompletionRequest,
@@ -213,8 +213,6 @@ class _Reply:
                 ) or {}
                 finish = tools.finish_reason(finish)
             sequence.text += event.text
-            if first:
-                delta = {"role": "assistant", **delta}
             choice: dict[str, Any] = {
                 "index": index, "delta": delta, "logprobs": self._chat_logprobs(event.token_ids, logprobs),
                 "finish_reason": finish,
@@ -228,6 +226,14 @@ class _Reply:
             }
             sequence.text += text
         body = self._envelope(self.object + (".chunk" if self.chat else ""), [self._token_ids(choice, index, event.token_ids, first)])
+        if with_usage_field:
+            body["usage"] = None
+        return body
+
+    def role_chunk(self, index: int, with_usage_field: bool) -> dict[str, Any]:
+        """A chat choice's first chunk: the assistant's role, no content yet."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        body = self._envelope(self.object + ".chunk", [choice])
         if with_usage_field:
             body["usage"] = None
         return body
@@ -318,6 +324,11 @@ class OpenAIFrontEnd:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        from duet.router.anthropic_api import AnthropicMessages  # built on this module
+        from duet.router.responses_api import Responses
+
+        AnthropicMessages(self).add_routes(app)
+        Responses(self).add_routes(app)
         return app
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -366,9 +377,23 @@ class OpenAIFrontEnd:
     async def _serve(self, http: web.Request, chat: bool) -> web.StreamResponse:
         caller = self.service.authenticate(http.headers.get("Authorization"))
         request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
-        limits, tokenizer, verify = self.service.limits, self.service.tokenizer, self.service.verify_sampling
         try:
             body = await _json_body(http, self.max_body_bytes)
+        except InvalidRequest:
+            self.service.cluster.reject("invalid")
+            raise
+        return await self.answer(http, body, chat, caller, request_id)
+
+    async def answer(
+        self, http: web.Request, body: object, chat: bool, caller: Caller, request_id: str,
+        whole_as: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        stream_as: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = None,
+    ) -> web.StreamResponse:
+        """Serve a completions (or, ``chat``, chat completions) request ``body``. Another API
+        built on this one (router/anthropic_api.py) reshapes the whole answer (``whole_as``) or
+        the stream's lines (``stream_as``)."""
+        limits, tokenizer, verify = self.service.limits, self.service.tokenizer, self.service.verify_sampling
+        try:
             if chat:
                 parsed: Any = parse(ChatCompletionRequest, body)
                 request_id = parsed.request_id or request_id
@@ -394,11 +419,12 @@ class OpenAIFrontEnd:
         async with aclosing(self.service.generate_sequences(requests, caller)) as events:
             if parsed.stream:
                 include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-                return await _stream(http, reply, events, include_usage)
+                return await _stream(http, reply, events, include_usage, stream_as)
             collected: dict[int, _Sequence] = {index: _Sequence() for index in range(len(requests))}
             async for index, event in events:
                 _accumulate(collected[index], event)
-            return web.json_response(reply.whole(collected))
+            whole = reply.whole(collected)
+            return web.json_response(whole_as(whole) if whole_as is not None else whole)
 
 
 def _accumulate(sequence: _Sequence, event: StreamEvent) -> None:
@@ -413,9 +439,11 @@ def _accumulate(sequence: _Sequence, event: StreamEvent) -> None:
 
 
 async def _stream(
-    http: web.Request, reply: _Reply, events: AsyncIterator[tuple[int, StreamEvent]], include_usage: bool
+    http: web.Request, reply: _Reply, events: AsyncIterator[tuple[int, StreamEvent]], include_usage: bool,
+    stream_as: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = None,
 ) -> web.StreamResponse:
-    """Server-sent events: one chunk per event, the usage chunk if asked for, then ``[DONE]``.
+    """Server-sent events: one chunk per event, the usage chunk if asked for, then ``[DONE]``
+    (or what ``stream_as`` makes of those lines).
 
     Quota and admission errors surface before the first event, so they still get their status
     code; an error after the stream has started is sent as an ``error`` event.
@@ -427,14 +455,29 @@ async def _stream(
         first_event = None
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(http)
+    lines = _event_lines(reply, first_event, iterator, include_usage)
+    async with aclosing(stream_as(lines) if stream_as is not None else lines) as written:
+        async for line in written:
+            await response.write(line.encode())
+    await response.write_eof()
+    return response
+
+
+async def _event_lines(
+    reply: _Reply, item: tuple[int, StreamEvent] | None, iterator: AsyncIterator[tuple[int, StreamEvent]],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """The stream's ``data:`` lines: a chat choice opens with its role alone (as vLLM's and
+    OpenAI's servers do), then one chunk per event, the usage chunk, ``[DONE]``."""
     sent: dict[int, _Sequence] = {}
     try:
-        item = first_event
         while item is not None:
             index, event = item
+            if index not in sent and reply.chat:
+                yield _line(reply.role_chunk(index, include_usage))
             sequence = sent.setdefault(index, _Sequence())
             counted = _Sequence(token_ids=list(event.token_ids), usage=event.usage)
-            await _send(response, reply.chunk(index, event, sequence, include_usage))
+            yield _line(reply.chunk(index, event, sequence, include_usage))
             sequence.token_ids += counted.token_ids
             sequence.usage = counted.usage or sequence.usage
             try:
@@ -442,16 +485,14 @@ async def _stream(
             except StopAsyncIteration:
                 item = None
         if include_usage:
-            await _send(response, reply.usage_chunk(sent))
+            yield _line(reply.usage_chunk(sent))
     except Exception as error:  # the status line is gone: report it in the stream
-        await _send(response, _api_error(error).body())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+        yield _line(_api_error(error).body())
+    yield "data: [DONE]\n\n"
 
 
-async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+def _line(body: dict[str, Any]) -> str:
+    return "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
 
 
 async def _json_body(http: web.Request, max_bytes: int) -> object:

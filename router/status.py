@@ -40,6 +40,7 @@ class ClusterView:
         self.index = 0  # this process's client index in every engine core
         self.forwards_status = False  # a front door apart, whose status is the control plane's
         self.host = socket.gethostname()  # what status shows as this front door's host
+        self.deployment_id = ""  # the deployment's id, when its control plane is restartable
         # This front door's requests that moved between decode workers, by (worker, direction
         # "out" or "in", method "kv" or "replay").
         self.migrations: Counter[tuple[str, str, str]] = Counter()
@@ -98,6 +99,7 @@ class ClusterView:
             routing=[f"{pool.role}: {pool.policy.describe()}" for pool in self.pools] + self.routing_notes,
             front_ends=front_ends,
             control_plane_pid=os.getpid() if not self.forwards_status else 0,
+            deployment_id=self.deployment_id,
         )
 
     def front_door(self, index: int) -> pb.FrontEnd:

@@ -20,6 +20,21 @@ from duet.config import DuetConfig, load_config, parse_config
 from duet.router.client import DuetClient
 
 
+# Fixtures that start engines, Ray or other servers: a test that needs none of them is in the
+# quick tier (`pytest -m quick`, the inner loop: seconds, not the suite's half hour).
+_HEAVY_FIXTURES = frozenset({"ray_session", "ray_cluster", "cluster", "reference", "vllm_server", "tiny_model"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "quick: starts no engine, Ray or server (selected with -m quick)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not _HEAVY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.quick)
+
+
 @pytest.fixture(scope="session")
 def duet_config() -> DuetConfig:
     """The embedded default, with the metrics endpoint on a free port (several may run) and

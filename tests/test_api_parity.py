@@ -423,3 +423,57 @@ def test_tokenize_and_detokenize_match_vllms_server(deployment, vllm_server, cas
     assert duet == vllm
     duet, vllm = _both(deployment, vllm_server, "/detokenize", {"tokens": duet["tokens"]})
     assert duet == vllm
+
+
+ANTHROPIC = {
+    "plain": {"system": "You are terse.", "messages": [{"role": "user", "content": "Where does the KV cache go?"}]},
+    "stop_sequences": {"messages": [{"role": "user", "content": "Say something."}], "stop_sequences": ["e"], "top_k": 20},
+    "tools": {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tool_choice": {"type": "tool", "name": "get_weather"},
+              "tools": [{"name": "get_weather", "description": "weather", "input_schema": TOOLS[0]["function"]["parameters"]}]},
+}
+
+
+def _anthropic_events(port: int, body: dict[str, Any]) -> list[dict[str, Any]]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        connection.request("POST", "/v1/messages", body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+        raw = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+
+
+def _streamed_message(events: list[dict[str, Any]]) -> tuple[str, str | None]:
+    text = "".join(e["delta"].get("text", "") + e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta")
+    stops = [e["delta"].get("stop_reason") for e in events if e["type"] == "message_delta"]
+    return text, stops[-1] if stops else None
+
+
+@pytest.mark.parametrize("case", ANTHROPIC, ids=list(ANTHROPIC))
+def test_anthropic_messages_match_vllms_server(deployment, vllm_server, case):
+    """Anthropic's Messages API, whole and streamed, through vLLM's own conversions around
+    duet's chat endpoint: the same content, stop reason and usage as vLLM's server."""
+    body = {"model": deployment.config.model.name, "max_tokens": 24, "temperature": 0.0, **ANTHROPIC[case]}
+    duet, vllm = _both(deployment, vllm_server, "/v1/messages", body)
+    strip = lambda blocks: [{k: v for k, v in block.items() if k != "id"} for block in blocks]  # noqa: E731
+    assert strip(duet["content"]) == strip(vllm["content"])
+    assert (duet["stop_reason"], duet["usage"]["output_tokens"]) == (vllm["stop_reason"], vllm["usage"]["output_tokens"])
+    ours, theirs = _anthropic_events(deployment.http_port, body), _anthropic_events(vllm_server, body)
+    assert _streamed_message(ours) == _streamed_message(theirs)
+    assert [e["type"] for e in ours][:1] == ["message_start"] and ours[-1]["type"] == "message_stop"
+
+
+def test_responses_api_through_the_openai_sdk(deployment, vllm_server):
+    """OpenAI's Responses API (stateless): the SDK's whole and streamed calls give the text
+    vLLM's server gives for the same input and instructions."""
+    common = dict(model=deployment.config.model.name, instructions="You are terse.", input="Where does the KV cache go?",
+                  max_output_tokens=16, temperature=0.0)
+    ours = openai.OpenAI(base_url=f"http://127.0.0.1:{deployment.http_port}/v1", api_key="unused", max_retries=0)
+    theirs = openai.OpenAI(base_url=f"http://127.0.0.1:{vllm_server}/v1", api_key="unused", max_retries=0)
+    whole = ours.responses.create(**common)
+    assert whole.output_text == theirs.responses.create(**common).output_text and whole.output_text
+    assert whole.status == ("incomplete" if whole.usage.output_tokens == 16 else "completed")
+    streamed = "".join(event.delta for event in ours.responses.create(**common, stream=True) if event.type == "response.output_text.delta")
+    assert streamed == whole.output_text
+    with pytest.raises(openai.BadRequestError):
+        ours.responses.create(**common, previous_response_id="resp_nothing")

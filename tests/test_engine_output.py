@@ -11,8 +11,10 @@ from __future__ import annotations
 import queue
 import time
 
+import numpy as np
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
 from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
+from vllm.v1.outputs import LogprobsLists
 
 from duet.worker_runtime.engine_output import CoalescingOutputQueue
 from duet.router.client import build_request
@@ -113,6 +115,33 @@ def test_utility_answers_and_the_shutdown_sentinel_are_not_merged_and_keep_their
     assert received[1] is answer
     assert received[2][1].outputs[0].new_token_ids == [2]
     assert received[3] == b"ENGINE_CORE_DEAD"
+
+
+def _rows(token: int, width: int) -> LogprobsLists:
+    """One token's logprob row, ``width`` entries wide (the sampled token, then alternatives)."""
+    return LogprobsLists(
+        np.array([[token] + list(range(100, 100 + width - 1))]), np.full((1, width), -float(token)), np.array([token % 7]),
+    )
+
+
+def test_logprob_rows_of_merged_steps_are_stacked_in_order():
+    """Logprobs no longer stop the merge (a third of a mixed load asked for them, so no decode
+    message merged: measured 2x the router's CPU per token); rows of another width do."""
+    inner: queue.Queue = queue.Queue()
+    coalescing = _sent_recently(inner)
+    steps = [_step(("a", [token]), ("b", [token + 10])) for token in (1, 2, 3)]
+    for step, token in zip(steps, (1, 2, 3)):
+        step[1].outputs[0].new_logprobs = _rows(token, 3)
+        inner.put_nowait(step)
+    wider = _step(("a", [4]))
+    wider[1].outputs[0].new_logprobs = _rows(4, 5)
+    inner.put_nowait(wider)
+    merged = coalescing.get()[1].outputs
+    assert [output.new_token_ids for output in merged] == [[1, 2, 3], [11, 12, 13]]
+    rows = merged[0].new_logprobs
+    assert rows.logprob_token_ids[:, 0].tolist() == [1, 2, 3] and rows.logprobs[:, 0].tolist() == [-1.0, -2.0, -3.0]
+    assert rows.sampled_token_ranks.tolist() == [1, 2, 3] and merged[1].new_logprobs is None
+    assert coalescing.get()[1].outputs[0].new_logprobs.logprobs.shape == (1, 5)
 
 
 def test_a_step_with_prefix_cache_counts_is_not_merged_into():

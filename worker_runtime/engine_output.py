@@ -13,8 +13,10 @@ tokens meanwhile. A request's first token and its last are sent at once, so time
 token and end-to-end latency do not move; the tokens in between wait at most ``interval``, and
 when steps take longer than the interval nothing waits. Tokens, their order and finish reasons
 are unchanged: the front end already takes several new tokens per request in one output
-(speculative decoding sends them so). Messages that carry anything not safely merged (utility
-calls, logprobs, pooling, per-step counters) are sent as they are, in order.
+(speculative decoding sends them so), and their logprobs likewise (one row per token: the rows
+of consecutive steps are stacked). Messages that carry anything not safely merged (utility
+calls, prompt logprobs, pooling, per-step counters, logprob rows of another width) are sent as
+they are, in order.
 
 It applies to every duet engine core whose pool sets an interval
 (``PoolConfig.output_interval_ms``, which the engine host passes in ``DUET_OUTPUT_INTERVAL_MS``),
@@ -35,7 +37,6 @@ ENV_OUTPUT_INTERVAL_MS = "DUET_OUTPUT_INTERVAL_MS"
 _DELTA_STATS = ("spec_decoding_stats", "kv_connector_stats", "ec_connector_stats")
 # Per-output fields the merge does not combine; an output carrying one is sent as it is.
 _UNMERGED_OUTPUT_FIELDS = (
-    "new_logprobs",
     "new_prompt_logprobs_tensors",
     "pooling_output",
     "routed_experts",
@@ -70,7 +71,10 @@ class CoalescingOutputQueue:
                 following = self._inner.get(timeout=wait_s) if wait_s > 0 else self._inner.get_nowait()
             except queue.Empty:
                 break
-            if not _mergeable(following) or following[0] != client_index or carries_deltas(merged):
+            if (
+                not _mergeable(following) or following[0] != client_index or carries_deltas(merged)
+                or not _logprobs_stack(merged, following[1])
+            ):
                 self._held = following
                 break
             _merge_into(merged, following[1])
@@ -85,6 +89,20 @@ def _mergeable(item: Any) -> bool:
     if outputs.utility_output is not None or outputs.wave_complete is not None or outputs.start_wave is not None:
         return False
     return all(getattr(output, name) is None for output in outputs.outputs for name in _UNMERGED_OUTPUT_FIELDS)
+
+
+def _logprobs_stack(merged: Any, later: Any) -> bool:
+    """Whether each of ``later``'s logprob rows can follow its request's rows in ``merged``:
+    both present or both absent, and as wide (a step's rows are as wide as its batch's most
+    alternatives; the front end reads a request's own count of them from each row)."""
+    earlier = {output.request_id: output.new_logprobs for output in merged.outputs if output.finish_reason is None}
+    for output in later.outputs:
+        if output.request_id not in earlier:
+            continue
+        rows, more = earlier[output.request_id], output.new_logprobs
+        if (rows is None) != (more is None) or (rows is not None and rows.logprobs.shape[1:] != more.logprobs.shape[1:]):
+            return False
+    return True
 
 
 def _urgent(outputs: Any) -> bool:
@@ -122,6 +140,8 @@ def _merge_into(merged: Any, later: Any) -> None:
                 open_outputs[output.request_id] = output
             continue
         earlier.new_token_ids = earlier.new_token_ids + output.new_token_ids  # a new list: vLLM may hold the old
+        if output.new_logprobs is not None:
+            earlier.new_logprobs = _stacked(earlier.new_logprobs, output.new_logprobs)
         earlier.finish_reason = output.finish_reason
         earlier.stop_reason = output.stop_reason
         if output.events:
@@ -144,6 +164,18 @@ def _merge_into(merged: Any, later: Any) -> None:
     if later.weight_version is not None:
         merged.weight_version = later.weight_version
     merged.timestamp = later.timestamp
+
+
+def _stacked(rows: Any, more: Any) -> Any:
+    """One request's logprob rows of two steps as one (vLLM's LogprobsLists, one row a token)."""
+    import numpy as np
+
+    return type(rows)(
+        np.concatenate([rows.logprob_token_ids, more.logprob_token_ids]),
+        np.concatenate([rows.logprobs, more.logprobs]),
+        np.concatenate([rows.sampled_token_ranks, more.sampled_token_ranks]),
+        None,
+    )
 
 
 def install(interval_s: float) -> None:

@@ -134,15 +134,29 @@ class RequestService:
             return
         self._check_room(len(requests), caller)
         queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
+        # A prompt's sequences share its token list (:func:`sequences`): the first is prefilled
+        # alone, and the others start once its first token is out, when the prompt's KV blocks
+        # are in the prefill worker's prefix cache (prefix affinity sends them there), so the
+        # prompt is computed once (but for its last, partial block) rather than n times.
+        leaders: dict[int, int] = {}
+        for index, request in enumerate(requests):
+            leaders.setdefault(id(request.prompt_token_ids), index)
+        prompt_done = {key: asyncio.Event() for key in leaders}
 
         async def run(index: int, request: ValidatedRequest) -> None:
+            done = prompt_done[id(request.prompt_token_ids)]
             try:
+                if leaders[id(request.prompt_token_ids)] != index:
+                    await done.wait()
                 async with aclosing(self.generate(request, caller)) as events:
                     async for event in events:
+                        done.set()
                         queue.put_nowait((index, event))
                 queue.put_nowait((index, None))
             except Exception as error:
                 queue.put_nowait((index, error))
+            finally:
+                done.set()
 
         tasks = [asyncio.create_task(run(index, request)) for index, request in enumerate(requests)]
         try:

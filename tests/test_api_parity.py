@@ -477,3 +477,21 @@ def test_responses_api_through_the_openai_sdk(deployment, vllm_server):
     assert streamed == whole.output_text
     with pytest.raises(openai.BadRequestError):
         ours.responses.create(**common, previous_response_id="resp_nothing")
+
+
+def test_n_sequences_compute_their_prompt_once(deployment, worker_status):
+    """The first of a prompt's n sequences is prefilled alone; the others start once its first
+    token is out and find the prompt's full KV blocks in the prefill worker's prefix cache."""
+    import random
+
+    computed = "vllm:prompt_tokens_by_source_total{source=local_compute}"
+    prompt = [random.Random(11).randrange(3, 700) for _ in range(900)]
+    before = worker_status("prefill").engine_metrics.get(computed, 0.0)
+    status, reply = _post(deployment.http_port, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 4, "n": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True,
+    })
+    assert status == 200 and len(reply["choices"]) == 3
+    spent = worker_status("prefill").engine_metrics.get(computed, 0.0) - before
+    # Once in full, then the partial last block (900 % 128 = 4 tokens, and the block before
+    # it when a hit must leave one to compute) for each of the two others: far below 3 x 900.
+    assert len(prompt) <= spent < 1.5 * len(prompt), spent

@@ -73,7 +73,9 @@ async def decode_updates(
             prompt_logprobs, prompt_logprobs_due = logprobs_of(output.prompt_logprobs), False
         finish = completion.finish_reason if output.finished else None
         if token_ids or text or finish is not None:
-            yield DecodeChunk(token_ids, text, finish, logprobs, prompt_logprobs)
+            yield DecodeChunk(
+                token_ids, text, finish, logprobs, prompt_logprobs, completion.stop_reason if finish is not None else None
+            )
 
 
 class DecodeWorker(EngineCoreHost):

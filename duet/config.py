@@ -331,6 +331,9 @@ class ApiConfig(_Strict):
     max_structured_output_bytes: int = Field(default=64 * 1024, ge=16)
     """Largest structured-output constraint (a JSON schema, regex, grammar or choice list, as
     text); vLLM's own bounds on nesting depth and regex compile time apply too."""
+    structured_output_timeout_s: float = Field(default=5.0, gt=0)
+    """How long a front door may take to compile a request's structured-output constraint (in a
+    thread, so its other streams go on) before the request is refused as too complex."""
     tool_call_parser: str | None = None
     """vLLM's tool-call parser for the model's output (``hermes``, ``llama3_json``, ...): needed
     for ``tool_choice: auto`` as in vLLM's ``--tool-call-parser``; named and required tool

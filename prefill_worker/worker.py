@@ -63,6 +63,7 @@ async def run_prefill(
         worker=worker,
         first_logprobs=logprobs_of(completion.logprobs),
         prompt_logprobs=logprobs_of(final.prompt_logprobs),
+        stop_reason=None if handing_over else completion.stop_reason,
     )
 
 

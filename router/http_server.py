@@ -26,6 +26,7 @@ from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestCrashesEngines, StreamEvent
 from duet.router.openai_protocol import (
     ChatCompletionRequest,
+    openai_name,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -191,9 +192,10 @@ class OpenAIFrontEnd:
                 request_id = parsed.request_id or request_id
                 prompts = completion_to_validated(parsed, limits, tokenizer, request_id, verify)
                 top_logprobs, tools = parsed.logprobs, None
-        except InvalidRequest:
+            await self.service.check_constraints(prompts)
+        except InvalidRequest as error:
             self.service.cluster.reject("invalid")
-            raise
+            raise InvalidRequest(openai_name(error.field), error.problem) from None
         reply = Reply(
             chat, limits.name, prompts, prompts[0].n, parsed.return_token_ids, tokenizer,
             echo=not chat and parsed.echo, echo_only=not chat and parsed.echo and parsed.max_tokens == 0,
@@ -221,6 +223,7 @@ def _accumulate(sequence: Sequence, event: StreamEvent) -> None:
     if event.prompt_logprobs is not None:
         sequence.prompt_logprobs = event.prompt_logprobs
     sequence.finish = event.finish_reason or sequence.finish
+    sequence.stop_reason = event.stop_reason if event.finish_reason is not None else sequence.stop_reason
     sequence.usage = event.usage or sequence.usage
 
 

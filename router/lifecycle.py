@@ -67,6 +67,8 @@ class StreamEvent:
     logprobs: list[PositionLogprobs | None] | None = None
     # On the first event, when the request asked for prompt logprobs.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # On the last event: the stop string or stop token that ended the stream (None: EOS, length).
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,8 @@ class RequestLifecycle:
                             continue
                         usage = clock.usage(len(request.prompt_token_ids), round_.prefill_worker, round_.decode_worker)
                         yield StreamEvent(
-                            chunk.token_ids, chunk.text, chunk.finish_reason, usage, chunk.logprobs, chunk.prompt_logprobs
+                            chunk.token_ids, chunk.text, chunk.finish_reason, usage, chunk.logprobs, chunk.prompt_logprobs,
+                            chunk.stop_reason,
                         )
                         return
                 finally:
@@ -419,7 +422,8 @@ class RequestLifecycle:
             round_.prefill_worker = prefill_worker.name
             result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
         yield DecodeChunk(
-            [result.first_token_id], result.first_text, result.finish_reason, result.first_logprobs, result.prompt_logprobs
+            [result.first_token_id], result.first_text, result.finish_reason, result.first_logprobs, result.prompt_logprobs,
+            result.stop_reason,
         )
         if result.finish_reason is not None:
             return

@@ -285,11 +285,11 @@ def _validated(
     try:
         return validate(grpc_request, limits, tokenizer, verify)
     except InvalidRequest as error:
-        field = prompt_field if error.field in ("prompt", "prompt_token_ids") else _openai_name(error.field)
+        field = prompt_field if error.field in ("prompt", "prompt_token_ids") else openai_name(error.field)
         raise InvalidRequest(field, error.problem) from None
 
 
-def _openai_name(field: str) -> str:
+def openai_name(field: str) -> str:
     """A gRPC field path as the OpenAI parameter it came from."""
     if field.startswith("sampling.structured_output"):
         return "structured_outputs"

@@ -30,6 +30,7 @@ class Sequence:
     logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finish: str | None = None
+    stop_reason: int | str | None = None
     usage: Usage | None = None
     started: bool = False
 
@@ -106,6 +107,7 @@ class Reply:
                 choice: dict[str, Any] = {
                     "index": index, "message": message,
                     "logprobs": self._chat_logprobs(sequence.token_ids, sequence.logprobs), "finish_reason": finish,
+                    "stop_reason": sequence.stop_reason,
                 }
             else:
                 token_ids, text, logprobs = self._echoed(
@@ -114,7 +116,7 @@ class Reply:
                 )
                 choice = {
                     "index": index, "text": text, "logprobs": self._completion_logprobs(token_ids, logprobs, 0),
-                    "finish_reason": sequence.finish,
+                    "finish_reason": sequence.finish, "stop_reason": sequence.stop_reason,
                 }
             choices.append(self._token_ids(choice, index, sequence.token_ids, first=True))
         body = self._envelope(self.object, choices)
@@ -138,14 +140,14 @@ class Reply:
             sequence.text += event.text
             choice: dict[str, Any] = {
                 "index": index, "delta": delta, "logprobs": self._chat_logprobs(event.token_ids, logprobs),
-                "finish_reason": finish,
+                "finish_reason": finish, "stop_reason": event.stop_reason,
             }
         else:
             offset = len(sequence.text)
             token_ids, text, logprobs = self._echoed(index, first, event.token_ids, event.text, logprobs, event.prompt_logprobs)
             choice = {
                 "index": index, "text": text, "logprobs": self._completion_logprobs(token_ids, logprobs, offset),
-                "finish_reason": event.finish_reason,
+                "finish_reason": event.finish_reason, "stop_reason": event.stop_reason,
             }
             sequence.text += text
         body = self._envelope(self.object + (".chunk" if self.chat else ""), [self._token_ids(choice, index, event.token_ids, first)])

@@ -128,6 +128,7 @@ class DuetServicer:
             await refuse_malformed(request, context)
         try:
             validated = validate(request, self.service.limits, self.service.tokenizer, self.service.verify_sampling)
+            await self.service.check_constraints([validated])
         except InvalidRequest as error:
             self.service.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

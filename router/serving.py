@@ -21,7 +21,7 @@ from duet.router.rebalancer import Rebalancer
 from duet.router.load_meter import LoadMeter
 from duet.router.pools import NoWorkerAvailable
 from duet.router.status import ClusterView
-from duet.router.validation import ModelLimits, Tokenizer, ValidatedRequest
+from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, ValidatedRequest, validate_constraint
 from duet.worker_runtime.worker_api import SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,36 @@ class RequestService:
 
     def verify_sampling(self, sampling: SamplingSpec) -> None:
         """vLLM's own checks of ``sampling``, made by a worker's engine front end in this
-        process (router/engine_front_end.py); nothing where no vLLM engine serves (SIMULATED)."""
+        process (router/engine_front_end.py), all but the structured-output constraint's
+        compilation (:meth:`check_constraints`); nothing where no vLLM engine serves (SIMULATED)."""
+        self._engine_verify(replace(sampling, structured_kind="", structured_value=""))
+
+    def _engine_verify(self, sampling: SamplingSpec) -> None:
         for member in self.lifecycle.decode_pool.members:
             verify = getattr(member.engine, "verify_sampling", None)
             if verify is not None:
                 verify(sampling)
                 return
+
+    async def check_constraints(self, requests: list[ValidatedRequest]) -> None:
+        """Compile each distinct structured-output constraint of ``requests`` as the engine's
+        backend will, in a thread and within ``limits.structured_output_timeout_s``, so that a
+        constraint that does not compile, or is slow to, is refused (InvalidRequest) before
+        any worker is touched and without stalling this front door's other streams."""
+        seen: set[tuple[str, str]] = set()
+        for request in requests:
+            key = (request.sampling.structured_kind, request.sampling.structured_value)
+            if not key[0] or key in seen:
+                continue
+            seen.add(key)
+            check = asyncio.to_thread(validate_constraint, request.sampling, self._engine_verify)
+            try:
+                await asyncio.wait_for(check, self.limits.structured_output_timeout_s)
+            except TimeoutError:
+                raise InvalidRequest(
+                    "sampling.structured_output",
+                    f"did not compile within {self.limits.structured_output_timeout_s:g} s (api.structured_output_timeout_s)",
+                ) from None
 
     def is_ready(self) -> bool:
         """Whether every pool has a ready worker, so a request would be served now."""

@@ -43,6 +43,7 @@ class ModelLimits:
     max_logprobs: int = 20
     max_structured_output_bytes: int = 64 * 1024
     max_batch_prompts: int = 64
+    structured_output_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,12 @@ def _structured_output(sampling: pb.SamplingParams, limits: ModelLimits) -> tupl
             raise InvalidRequest("sampling.structured_output.json_schema", f"is not valid JSON: {error}") from None
         return "json", value
     return kind, value
+
+
+def validate_constraint(spec: SamplingSpec, verify: SamplingVerifier) -> None:
+    """``spec``'s structured-output constraint compiled by the engine's backend (vLLM's
+    verify); InvalidRequest naming it if it does not compile."""
+    _verify(spec, verify)
 
 
 def _verify(spec: SamplingSpec, verify: SamplingVerifier | None) -> None:

@@ -122,7 +122,7 @@ def _same_choices(duet: dict[str, Any], vllm: dict[str, Any], chat: bool) -> Non
             assert ours["message"]["content"] == theirs["message"]["content"]
         else:
             assert ours["text"] == theirs["text"]
-        assert ours["finish_reason"] == theirs["finish_reason"]
+        assert (ours["finish_reason"], ours["stop_reason"]) == (theirs["finish_reason"], theirs["stop_reason"])
         _close(ours["logprobs"], theirs["logprobs"], f"choice {ours['index']} logprobs")
     assert duet["usage"]["prompt_tokens"] == vllm["usage"]["prompt_tokens"]
     assert duet["usage"]["completion_tokens"] == vllm["usage"]["completion_tokens"]
@@ -495,3 +495,24 @@ def test_n_sequences_compute_their_prompt_once(deployment, worker_status):
     # Once in full, then the partial last block (900 % 128 = 4 tokens, and the block before
     # it when a hit must leave one to compute) for each of the two others: far below 3 x 900.
     assert len(prompt) <= spent < 1.5 * len(prompt), spent
+
+
+def test_a_constraint_slow_to_compile_is_refused_without_stalling_the_front_door(deployment):
+    """Constraints compile in a thread, bounded by api.structured_output_timeout_s: here a bound
+    no compilation meets, so the request is refused (400 naming the field), and a plain request
+    is served meanwhile."""
+    from dataclasses import replace
+
+    service = deployment.service
+    limits = service.limits
+    service.limits = replace(limits, structured_output_timeout_s=1e-6)
+    try:
+        schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)}}
+        status, reply = _post(deployment.http_port, "/v1/completions", {
+            "prompt": PROMPT, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        })
+        assert status == 400 and reply["error"]["param"] == "structured_outputs" and "did not compile" in reply["error"]["message"]
+    finally:
+        service.limits = limits
+    status, reply = _post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+    assert status == 200

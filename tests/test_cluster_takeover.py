@@ -171,7 +171,8 @@ def test_a_cluster_deployment_outlives_duet_serve_and_is_taken_over(ray_cluster,
         # `duet serve` again, same config: it takes the deployment over, nothing restarted.
         started = time.monotonic()
         server, lines = _serve(config)
-        assert time.monotonic() - started < 60
+        took_s = time.monotonic() - started
+        assert took_s < 15, f"the take-over took {took_s:.1f} s"
         assert any(f"took over the running deployment {deployment_id}" in line for line in lines), lines
         again = _status(target)
         assert again.deployment_id == deployment_id and {d.index: d.pid for d in again.front_ends} == doors

@@ -50,6 +50,7 @@ class _Completion:
     text: str
     finish_reason: str | None
     logprobs: None = None  # a SIMULATED engine computes no model, so no log-probabilities
+    stop_reason: None = None
 
 
 @dataclass

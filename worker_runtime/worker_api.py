@@ -212,6 +212,8 @@ class PrefillResult:
     # The first token's logprobs (one position) and the prompt's, when the request asked.
     first_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # What stopped it when prefill finished it: the stop string or stop token (None: EOS).
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,8 @@ class DecodeChunk:
     logprobs: list[PositionLogprobs | None] | None = None
     # On the first chunk of a round that computed the prompt, when the request asked for them.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # On the last chunk: the stop string or stop token that ended it (None: EOS or length).
+    stop_reason: int | str | None = None
 
 
 @dataclass

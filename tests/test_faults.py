@@ -40,6 +40,18 @@ async def _decode_on(member, request_id, prompt, spec, prefill) -> list[int]:
     return tokens
 
 
+def _processes_of(threads: dict[int, float] | None) -> list[int]:
+    """The process ids among an engine's thread ids (a process's main thread has its id)."""
+    pids = []
+    for tid in threads or {}:
+        with contextlib.suppress(OSError):
+            status = open(f"/proc/{tid}/status").read()
+            if f"\nTgid:\t{tid}\n" in status:
+                pids.append(tid)
+    assert pids, "no engine process found"
+    return pids
+
+
 def _wait_replaced(member, restarts: int, timeout_s: float = 300) -> None:
     """Wait until the router has replaced ``member`` since it had ``restarts``: how soon it
     notices a failure and how long a replacement takes to start vary with the machine's speed."""
@@ -57,7 +69,14 @@ def test_prefill_killed_before_decode_pulls(client, deployment, reference, worke
     prefill = deployment.prefill.members[0]
     restarts = prefill.restarts
     result = deployment.background.run(prefill.engine.prefill("fault-prefill", prompt, spec, None), timeout=60)
+    engine_processes = _processes_of(deployment.background.run(prefill.engine.threads_cpu_wait(), timeout=30))
     ray.kill(prefill.actor, no_restart=True)
+    # The engine core outlives its actor by a moment (it notices its parent's death): a pull in
+    # that moment succeeds, and there would be nothing to recompute. Wait until it is gone.
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in engine_processes):
+        assert time.monotonic() < deadline, "the prefill engine core outlived its actor by 30 s"
+        time.sleep(0.1)
 
     decode = deployment.decode.members[0]
     computed_before = worker_status("decode").engine_metrics.get(COMPUTED, 0)

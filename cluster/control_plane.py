@@ -70,6 +70,9 @@ class Identity:
     port: int
     http_port: int | None
 
+    def serves_ports_of(self, config: DuetConfig) -> bool:
+        return (self.port, self.http_port) == (config.server.port, config.server.http_port)
+
 
 class ControlPlane:
     """The deployment's control plane as a restartable Ray actor (the module docstring)."""
@@ -187,8 +190,7 @@ async def find_running(config: DuetConfig, node_id: str) -> Identity | None:
     there. ConfigError when one does with another config: two deployments cannot share ports,
     and the operator has to say which one goes."""
     for identity in await running_control_planes():
-        same_ports = (identity.port, identity.http_port) == (config.server.port, config.server.http_port)
-        if identity.node_id != node_id or not same_ports:
+        if identity.node_id != node_id or not identity.serves_ports_of(config):
             continue
         if identity.digest != config_digest(config):
             raise ConfigError(
@@ -223,8 +225,7 @@ async def stop_running(config: DuetConfig, deployment_id: str | None) -> str:
     if deployment_id is not None:
         chosen = [identity for identity in running if identity.deployment_id == deployment_id]
     else:
-        ports = (config.server.port, config.server.http_port)
-        chosen = [identity for identity in running if (identity.port, identity.http_port) == ports]
+        chosen = [identity for identity in running if identity.serves_ports_of(config)]
     if len(chosen) != 1:
         known = ", ".join(f"{i.deployment_id} (port {i.port})" for i in running) or "none"
         wanted = f"--deployment {deployment_id}" if deployment_id else f"the config's ports ({config.server.port})"

@@ -87,7 +87,7 @@ class FrontEnds:
             tasks.append(loop.create_task(service.rebalancer.run()))
         http_runner, bound_http = None, None
         if http_port is not None:
-            front_end = OpenAIFrontEnd(service, server.http_max_body_bytes, chat_template, service.tool_parser)
+            front_end = OpenAIFrontEnd(service, server.http_max_body_bytes, chat_template)
             ssl_context = http_ssl_context(server.tls) if server.tls else None
             try:
                 http_runner, bound_http = await start_http_server(

@@ -94,14 +94,10 @@ def _api_error(error: Exception) -> ApiError:
 
 
 class OpenAIFrontEnd:
-    def __init__(
-        self, service: RequestService, max_body_bytes: int, chat_template: str | None = None, tool_parser: Any = None
-    ) -> None:
+    def __init__(self, service: RequestService, max_body_bytes: int, chat_template: str | None = None) -> None:
         self.service = service
         self.max_body_bytes = max_body_bytes
         self.chat_template = chat_template
-        # vLLM's tool-call parser class for tool_choice "auto" (router/tool_calls.py).
-        self.tool_parser = tool_parser
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_errors_as_json])
@@ -159,7 +155,7 @@ class OpenAIFrontEnd:
         """The request's tools, read by vLLM's protocol and parsers (None without any)."""
         if not parsed.tools and parsed.tool_choice in (None, "none"):
             return None
-        return ToolCalling(body, self.service.tokenizer, self.tool_parser)
+        return ToolCalling(body, self.service.tokenizer, self.service.tool_parser)
 
     async def _serve(self, http: web.Request, chat: bool) -> web.StreamResponse:
         caller = self.service.authenticate(http.headers.get("Authorization"))

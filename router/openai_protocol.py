@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.tool_calls import ToolCalling
-from duet.router.validation import InvalidRequest, ModelLimits, SamplingVerifier, Tokenizer, ValidatedRequest, validate
+from duet.router.validation import (
+    InvalidRequest, ModelLimits, SamplingVerifier, Tokenizer, ValidatedRequest, check_model, check_token_ids, validate,
+)
 
 # gRPC field paths (as validate() names them) and the OpenAI parameters they came from.
 _OPENAI_NAMES = {
@@ -387,7 +389,7 @@ def tokenize(
     request: TokenizeRequest, limits: ModelLimits, tokenizer: ChatTokenizer, chat_template: str | None
 ) -> list[int]:
     """The token ids vLLM's ``/tokenize`` answers for ``request``."""
-    _check_model(request.model, limits)
+    check_model(request.model or "", limits)
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequest("prompt", "set prompt or messages, not both")
     if request.messages is not None:
@@ -401,16 +403,9 @@ def tokenize(
 
 def detokenize(request: DetokenizeRequest, limits: ModelLimits, tokenizer: Tokenizer) -> str:
     """The text vLLM's ``/detokenize`` answers for ``request``."""
-    _check_model(request.model, limits)
-    bad = next((token for token in request.tokens if token >= limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("tokens", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+    check_model(request.model or "", limits)
+    check_token_ids(request.tokens, "tokens", limits)
     return tokenizer.decode(request.tokens)  # type: ignore[attr-defined]
-
-
-def _check_model(model: str | None, limits: ModelLimits) -> None:
-    if model and model != limits.name:
-        raise InvalidRequest("model", f"unknown model {model!r}; this deployment serves {limits.name!r}")
 
 
 def chat_to_validated(

@@ -21,7 +21,7 @@ from duet.router.rebalancer import Rebalancer
 from duet.router.load_meter import LoadMeter
 from duet.router.pools import NoWorkerAvailable
 from duet.router.status import ClusterView
-from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, ValidatedRequest, validate_constraint
+from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, ValidatedRequest, verify_spec
 from duet.worker_runtime.worker_api import SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class RequestService:
             if not key[0] or key in seen:
                 continue
             seen.add(key)
-            check = asyncio.to_thread(validate_constraint, request.sampling, self._engine_verify)
+            check = asyncio.to_thread(verify_spec, request.sampling, self._engine_verify)
             try:
                 await asyncio.wait_for(check, self.limits.structured_output_timeout_s)
             except TimeoutError:

@@ -82,8 +82,7 @@ def validate(
     request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, verify: SamplingVerifier | None = None
 ) -> ValidatedRequest:
     """Check ``request`` field by field; raise :class:`InvalidRequest` on the first problem."""
-    if request.model and request.model != limits.name:
-        raise InvalidRequest("model", f"unknown model {request.model!r}; this deployment serves {limits.name!r}")
+    check_model(request.model, limits)
     prompt_ids = _prompt_token_ids(request, limits, tokenizer)
     max_tokens = _max_tokens(request.max_tokens, len(prompt_ids), limits)
     resume_after = _resume_after(request, limits, max_tokens)
@@ -141,7 +140,7 @@ def validate(
         structured_kind=structured_kind,
         structured_value=structured_value,
     )
-    _verify(spec, verify)
+    verify_spec(spec, verify)
     return ValidatedRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_ids,
@@ -203,14 +202,9 @@ def _structured_output(sampling: pb.SamplingParams, limits: ModelLimits) -> tupl
     return kind, value
 
 
-def validate_constraint(spec: SamplingSpec, verify: SamplingVerifier) -> None:
-    """``spec``'s structured-output constraint compiled by the engine's backend (vLLM's
-    verify); InvalidRequest naming it if it does not compile."""
-    _verify(spec, verify)
-
-
-def _verify(spec: SamplingSpec, verify: SamplingVerifier | None) -> None:
-    """vLLM's own checks, as the engine would make them, before any worker is touched."""
+def verify_spec(spec: SamplingSpec, verify: SamplingVerifier | None) -> None:
+    """vLLM's own checks, as the engine would make them, before any worker is touched;
+    InvalidRequest naming the field vLLM refused."""
     if verify is None:
         return
     from vllm.exceptions import VLLMClientError
@@ -232,11 +226,22 @@ def _refused_field(error: Exception, spec: SamplingSpec) -> str:
     return "sampling.structured_output" if spec.structured_kind else "sampling"
 
 
+def check_model(model: str, limits: ModelLimits) -> None:
+    """A request may name the served model, or none."""
+    if model and model != limits.name:
+        raise InvalidRequest("model", f"unknown model {model!r}; this deployment serves {limits.name!r}")
+
+
+def check_token_ids(ids: list[int], field: str, limits: ModelLimits) -> None:
+    """Every id within the vocabulary; InvalidRequest naming ``field`` and the first that is not."""
+    if ids and max(ids) >= limits.vocab_size:  # max() first: the scan in C, the search only on failure
+        bad = next(i for i in ids if i >= limits.vocab_size)
+        raise InvalidRequest(field, f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+
+
 def _resume_after(request: pb.GenerateRequest, limits: ModelLimits, max_tokens: int) -> list[int]:
     ids = list(request.resume_after.ids)
-    bad = next((i for i in ids if i >= limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("resume_after", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+    check_token_ids(ids, "resume_after", limits)
     if len(ids) >= max_tokens:
         raise InvalidRequest(
             "resume_after", f"{len(ids)} tokens already received leave nothing to generate (max_tokens {max_tokens})"
@@ -258,9 +263,7 @@ def _prompt_token_ids(request: pb.GenerateRequest, limits: ModelLimits, tokenize
         field = "prompt_token_ids"
         if not ids:
             raise InvalidRequest(field, "must not be empty")
-        if max(ids) >= limits.vocab_size:  # max() first: the scan in C, the search only on failure
-            bad = next(i for i in ids if i >= limits.vocab_size)
-            raise InvalidRequest(field, f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+        check_token_ids(ids, field, limits)
     if len(ids) >= limits.max_model_len:
         raise InvalidRequest(
             field,

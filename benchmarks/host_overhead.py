@@ -47,7 +47,8 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS
 
 
-def _is_engine(pid: int) -> bool:
+def is_engine_process(pid: int) -> bool:
+    """Whether ``pid`` is a vLLM engine process (see the module's docstring)."""
     try:
         return (
             Path(f"/proc/{pid}/comm").read_text().startswith(_ENGINE_PROCESS_PREFIX)
@@ -57,7 +58,7 @@ def _is_engine(pid: int) -> bool:
         return False
 
 
-def _tree(root_pid: int, stats: dict[int, tuple[int, float]]) -> list[int]:
+def process_tree(root_pid: int, stats: dict[int, tuple[int, float]]) -> list[int]:
     """``root_pid`` and every live process below it, from each process's parent in ``stats``."""
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in stats.items():
@@ -70,16 +71,17 @@ def _tree(root_pid: int, stats: dict[int, tuple[int, float]]) -> list[int]:
     return [pid for pid in tree if pid in stats]
 
 
-def _all_stats() -> dict[int, tuple[int, float]]:
+def all_process_stats() -> dict[int, tuple[int, float]]:
+    """(parent pid, CPU seconds) of every live process."""
     return {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p)))}
 
 
 def host_cpu_seconds(root_pid: int, include_self: bool = True) -> dict[int, float]:
     """CPU seconds so far of each serving-path process under ``root_pid``, and of this process
     (the load generator) unless ``include_self`` is False."""
-    stats = _all_stats()
-    counted = set(_tree(root_pid, stats)) | ({os.getpid()} if include_self else set())
-    return {pid: stats[pid][1] for pid in counted if not _is_engine(pid)}
+    stats = all_process_stats()
+    counted = set(process_tree(root_pid, stats)) | ({os.getpid()} if include_self else set())
+    return {pid: stats[pid][1] for pid in counted if not is_engine_process(pid)}
 
 
 def tree_memory_bytes(root_pid: int) -> int:
@@ -87,7 +89,7 @@ def tree_memory_bytes(root_pid: int) -> int:
     their proportional set sizes (PSS), so that pages they share (torch's and vLLM's libraries,
     mapped by every engine and front end) count once in all, not once per process."""
     total = 0
-    for pid in _tree(root_pid, _all_stats()):
+    for pid in process_tree(root_pid, all_process_stats()):
         try:
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         except OSError:  # exited meanwhile, or not ours to read

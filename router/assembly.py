@@ -63,6 +63,7 @@ def request_service(
         prefill_pushes_kv=TRANSPORTS[transfer.transport].pushes_to_decode,
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,
+        local_prefill_tpot_s=config.router.local_prefill_tpot_s,
     )
     lifecycle.on_move = cluster.moved
     if prefill is not None and config.router.drain_moves_kv:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PositionLogprobs, PrefillResult, SamplingSpec
+from duet.router.local_prefill import LocalPrefillGuard
 from duet.router.pools import NoWorkerAvailable, PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
 from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket
@@ -225,6 +226,7 @@ class RequestLifecycle:
         prefill_pushes_kv: bool = False,
         local_prefill_max_tokens: int = 0,
         local_prefill_queue_tokens: int = 0,
+        local_prefill_tpot_s: float | None = None,
     ) -> None:
         self.prefill_pool = prefill
         self.decode_pool = decode
@@ -235,6 +237,8 @@ class RequestLifecycle:
         # is any prompt while the prefill pool's queues are longer than the threshold.
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
+        # ... and then only while the decode worker's streams stay inside this TPOT target.
+        self.local_prefill_guard = LocalPrefillGuard(local_prefill_tpot_s)
         # The decode rounds in flight, by the engines' request id: where each runs, to move them.
         self._decoding: dict[str, Decoding] = {}
         # Told of every request that continued on another decode worker (status, metrics).
@@ -412,7 +416,9 @@ class RequestLifecycle:
         if not self.local_prefill_queue_tokens or not ready:
             return True
         backlog = min(member.outstanding_tokens for member in ready)
-        return backlog <= self.local_prefill_queue_tokens or decode_worker.local_prefill_tokens >= backlog
+        if backlog <= self.local_prefill_queue_tokens or decode_worker.local_prefill_tokens >= backlog:
+            return True
+        return not self.local_prefill_guard.allows(decode_worker.name, decode_worker.local_prefill_tokens + prompt_tokens)
 
     async def _disaggregated_round(self, round_: _Round, decode_worker: PoolMember) -> AsyncIterator[DecodeChunk]:
         assert self.prefill_pool is not None
@@ -485,10 +491,14 @@ class RequestLifecycle:
     async def _prefill(self, worker: PoolMember, round_: _Round, decode_endpoint: str | None) -> PrefillResult:
         assert self.prefill_pool is not None
         engine = _engine_of(self.prefill_pool, worker)
+        alone, started = worker.outstanding_tokens == 0, time.perf_counter()
         worker.inflight += 1
         worker.outstanding_tokens += len(round_.prompt_token_ids)
         try:
-            return await engine.prefill(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
+            result = await engine.prefill(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
+            if alone:  # nothing queued with it: what a prompt costs (the guard's estimate)
+                self.local_prefill_guard.prefilled(len(round_.prompt_token_ids), time.perf_counter() - started)
+            return result
         except (EngineLost, EngineRejected) as error:
             raise self._worker_failure(self.prefill_pool, worker, engine, error) from error
         finally:
@@ -521,16 +531,24 @@ class RequestLifecycle:
             prefill.first_token_id if prefill else None,
             prefill.first_text if prefill else "",
         )
+        guard, last_at = self.local_prefill_guard, None
         try:
             async for chunk in chunks:
                 if prefilling:
                     worker.local_prefill_tokens -= prefilling
                     prefilling = 0
+                now = time.perf_counter()
+                if last_at is None:  # after the prompt or the KV pull: the stream's pace from here
+                    guard.stream_started(worker.name, round_.request_id, round_.sampling.max_tokens)
+                else:
+                    guard.streamed(worker.name, len(chunk.token_ids), now - last_at)
+                last_at = now
                 yield chunk
         except (EngineLost, EngineRejected) as error:
             raise self._worker_failure(self.decode_pool, worker, engine, error) from error
         finally:
             self._decoding.pop(round_.request_id, None)
+            guard.stream_ended(worker.name, round_.request_id)
             worker.inflight -= 1
             worker.outstanding_tokens -= len(round_.prompt_token_ids)
             worker.local_prefill_tokens -= prefilling

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
+import pytest
+
 from duet.router.lifecycle import RequestLifecycle
+from duet.router.local_prefill import LocalPrefillGuard
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import PoolMember, WorkerPool
 
@@ -125,3 +128,43 @@ def test_the_queue_condition_needs_every_prefill_worker_past_the_threshold():
     assert not lifecycle._prefill_remotely(decode, 500)
     assert _conditional(threshold=0)._prefill_remotely(decode, 500)  # 0: off
     assert not _conditional(threshold=0, max_tokens=600)._prefill_remotely(decode, 500)  # short prompt
+
+
+def test_local_prefill_waits_while_the_decode_streams_would_miss_their_tpot():
+    lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
+    guard = lifecycle.local_prefill_guard
+    guard.tpot_target_s = 0.04
+    assert not lifecycle._prefill_remotely(decode, 500)  # nothing decoding there: nothing to stall
+    guard.stream_started("decode-0", "r1", max_tokens=100)
+    assert lifecycle._prefill_remotely(decode, 500)  # its streams' pace and the prompt's cost unknown
+    guard.prefilled(1000, 0.1)  # 0.1 ms a prompt token
+    for _ in range(50):
+        guard.streamed("decode-0", 2, 0.02)  # 10 ms a token
+    assert guard.pace_s("decode-0") == pytest.approx(0.01)
+    # 10 ms + 500 x 0.1 ms / 100 tokens = 10.5 ms, inside 0.8 x 40 ms.
+    assert not lifecycle._prefill_remotely(decode, 500)
+    # A 5,000-token prompt stalls each stream 0.5 s: 5 ms a token more, still inside.
+    assert not lifecycle._prefill_remotely(decode, 5000)
+    # 25,000 tokens: 25 ms a token more, past 32 ms.
+    assert lifecycle._prefill_remotely(decode, 25000)
+    for _ in range(100):
+        guard.streamed("decode-0", 1, 0.035)  # the streams have slowed to 35 ms a token
+    assert lifecycle._prefill_remotely(decode, 500)
+    guard.stream_ended("decode-0", "r1")
+    assert not lifecycle._prefill_remotely(decode, 500)  # no stream left to stall
+
+
+def test_without_a_tpot_target_the_queue_threshold_alone_decides():
+    lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
+    lifecycle.local_prefill_guard.tpot_target_s = None
+    lifecycle.local_prefill_guard.stream_started("decode-0", "r1", max_tokens=100)
+    assert not lifecycle._prefill_remotely(decode, 500)
+
+
+def test_short_prompts_do_not_set_the_prefill_cost():
+    guard = LocalPrefillGuard(0.04)
+    guard.prefilled(20, 0.05)
+    assert guard.prefill_s_per_token is None
+    guard.prefilled(200, 0.02)
+    guard.prefilled(200, 0.04)
+    assert guard.prefill_s_per_token == pytest.approx(0.0001 + 0.1 * 0.0001)

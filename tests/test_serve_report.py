@@ -131,10 +131,12 @@ def test_render_table_has_a_row_per_system_and_rate_then_goodputs_and_ratios():
     assert all(r.count("|") == rows[0].count("|") for r in rows[: 2 + 9])
     assert f"| {DISAGG} | 1 | 88.9% | 88.9% |" in table
     ratios = {r.split("|")[1].strip(): r for r in rows if " / " in r}
-    assert set(ratios) == {f"{DISAGG} / {VLLM}", f"{DISAGG} / {COLOCATED}"}
+    # Only systems driven through the same protocol are compared: duet's gRPC against its
+    # colocated mode over gRPC, not against vLLM over HTTP.
+    assert set(ratios) == {f"{DISAGG} / {COLOCATED}"}
     good = goodputs(report)
     # 8 of 9 met the SLO below the knee: no rate reaches 90%, so every goodput is 0.
-    assert good[DISAGG]["tight"] == 0.0 and "n/a" in ratios[f"{DISAGG} / {VLLM}"]
+    assert good[DISAGG]["tight"] == 0.0 and "n/a" in ratios[f"{DISAGG} / {COLOCATED}"]
 
 
 def test_render_table_gives_cpu_per_token_against_vllm_at_each_rate():
@@ -387,6 +389,9 @@ def test_openai_replay_records_http_errors_and_short_outputs():
         (["--requests", "0"], "--requests"),
         (["--rounds", "0"], "--rounds"),
         (["--rounds", "3", "--systems", "vllm"], "--rounds"),
+        (["--systems", "vllm@fastest"], "no setting 'fastest'"),
+        (["--tune", "--rates", "4,8"], "--tune"),
+        (["--tuned", "/nonexistent/report.json"], "--tuned"),
         (["--trace", "/nonexistent.csv"], "does not exist"),
     ],
 )

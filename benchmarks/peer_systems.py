@@ -19,25 +19,24 @@ whole.
   file discovery, the TCP request plane and the ZMQ event plane, every address on loopback.
   Dynamo's vLLM plugin is the only one loaded (``VLLM_PLUGINS``).
 
-Fair terms (docs/benchmarks.md): the same model, dtype, seed, step token budget, sequence limit
-and KV capacity per engine as duet's workers; a disaggregated peer's engines each bound to a
-core of their own (``VLLM_CPU_OMP_THREADS_BIND``; the NixlConnector then moves both forward
-passes to the last core, see ``--own-core`` below), as duet binds its two workers; an aggregated
-one on all cores with both workers' KV, as plain vLLM in the same benchmark. ``--nixl-progress
-wait`` gives a peer's NIXL a setting of duet's that neither peer exposes: NIXL's progress thread
-sleeping in ``poll()`` instead of busy-polling a core (kv_transfer/vllm_plugin.py, loaded into
-the peer's processes for that alone); the benchmark's ``-tuned`` systems run with it.
+Fair terms (docs/benchmarks/serving.md): the same model, dtype, seed, step token budget,
+sequence limit and KV capacity per engine as duet's workers; a disaggregated peer's engines
+each bound to a core of their own (``VLLM_CPU_OMP_THREADS_BIND``), as duet binds its two
+workers; an aggregated one on vLLM's own binding with both workers' KV, as plain vLLM in the
+same benchmark.
 
-Two more of duet's engine settings can be given, and were measured (vLLM's P/D, 80 requests
-at 4 req/s, 2026-11-28): ``--one-process-executor`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
-model in the engine core's process, as duet's engines run on CPU, instead of a worker process
-whose shared-memory queue reader spins) and ``--own-core`` (each disaggregated engine kept on
-its core: vLLM's NixlConnector moves the forward pass of both to the last core, core 1 here,
-whatever ``VLLM_CPU_OMP_THREADS_BIND`` says; duet's plugin undoes it, as for duet's workers).
-Each made the peer slower (TPOT p50 7.5 ms with neither, 17.2 with the executor, 65.1 with
-both; TTFT p50 0.45 s, 1.09 s with own cores), most likely because its three Python HTTP
-processes (proxy, two API servers) have core 0 to themselves while both engines compute on core
-1. So ``-tuned`` does not use them: a peer is compared on the settings that serve it best.
+The knobs its users could set are flags here, each a setting of the benchmark
+(benchmarks/system_settings.py), which ``duet bench serve --tune`` measures to pick the peer's
+best: ``--own-core`` (vLLM's NixlConnector moves the forward pass of both disaggregated engines
+to the last core, core 1 here, whatever ``VLLM_CPU_OMP_THREADS_BIND`` says; this keeps each on
+its own, as duet's plugin does for duet's workers), ``--one-process-executor``
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model in the engine core's process instead of a
+worker process whose shared-memory queue reader spins), ``--stream-interval``, ``--bind`` (an
+aggregated engine's cores) and ``--nixl-progress wait`` (NIXL's progress thread sleeping in
+``poll()`` instead of busy-polling a core: a setting of duet's that neither peer exposes,
+through duet's vLLM plugin, loaded into the peer's processes for that alone). ``OMP_NUM_THREADS``
+comes from the environment the benchmark gives: with the one-process executor nothing else
+sets it.
 """
 
 from __future__ import annotations

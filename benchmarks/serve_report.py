@@ -59,11 +59,10 @@ DISAGG_HTTP = "duet-disagg-http"
 COLOCATED_HTTP = "duet-colocated-http"
 # duet disaggregated with two front doors apart from the control plane (server.front_ends: 2).
 DISAGG_FRONT_DOORS = "duet-disagg-2fd"
-# The systems users would pick instead (benchmarks/peer_systems.py); "-tuned": with duet's NIXL
-# progress-thread setting, which neither peer exposes.
+# The systems users would pick instead (benchmarks/peer_systems.py), each with the settings its
+# users could set (benchmarks/system_settings.py).
 VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG = "vllm-pd", "dynamo-agg", "dynamo-disagg"
-VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED = "vllm-pd-tuned", "dynamo-disagg-tuned"
-PEERS = (VLLM_PD, VLLM_PD_TUNED, DYNAMO_AGG, DYNAMO_DISAGG, DYNAMO_DISAGG_TUNED)
+PEERS = (VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG)
 GOODPUT_TARGET = 0.9  # attainment at which goodput is read off, as in DistServe
 # duet's deployments by the mode `duet plan` would choose between (benchmarks/serve_planned.py).
 # Conditional disaggregation runs as duet's disaggregated deployment does: both pools.
@@ -89,7 +88,8 @@ def protocol(system: str) -> str:
 def ratio_pairs(systems: Sequence[str]) -> list[tuple[str, str]]:
     """The comparisons the table reports for the systems a run included, each between two
     systems driven through the same protocol: every duet deployment against every other
-    system, and duet disaggregated against duet colocated."""
+    system, duet disaggregated against duet colocated, and the first setting of a system in the
+    run against each of its other settings."""
     duet = [s for s in systems if base_name(s) in DUET_MODES]
     others = [s for s in systems if base_name(s) not in DUET_MODES]
     pairs = [(top, bottom) for top in duet for bottom in others if protocol(top) == protocol(bottom)]
@@ -98,6 +98,11 @@ def ratio_pairs(systems: Sequence[str]) -> list[tuple[str, str]]:
         (top, bottom) for top in duet for bottom in colocated
         if top not in colocated and protocol(top) == protocol(bottom)
     ]
+    firsts: dict[str, str] = {}
+    for system in systems:
+        first = firsts.setdefault(base_name(system), system)
+        if first != system:
+            pairs.append((first, system))
     return pairs
 
 
@@ -370,15 +375,17 @@ def _rounds_table(report: Mapping[str, Any], reference: str, vllm_runs: Mapping[
 
 
 def rounds_versus_table(report: Mapping[str, Any]) -> str:
-    """Markdown, for a run of several rounds: each duet deployment against each other system
-    (same protocol), round by round at each rate: attainment at each SLO (``duet/other``, in
+    """Markdown, for a run of several rounds: each pair of :func:`ratio_pairs` measured in the
+    same rounds, round by round at each rate: attainment at each SLO (``duet/other``, in
     percent) and how many rounds duet was at or above; CPU per token over the other's (median
     of rounds, in total and above each system's idle floor)."""
     slos = list(report["slos"])
     lines = []
-    for top, bottom in ratio_pairs(list(report["systems"])):
-        theirs_by_rate = dict(_by_rate(report, bottom))
-        for rate, ours in _by_rate(report, top):
+    # A tuning run measured its settings in groups (benchmarks/serve_tune.py): each group's own.
+    runs = [{"systems": group} for group in report.get("group_entries", [])] or [report]
+    for run, (top, bottom) in ((run, pair) for run in runs for pair in ratio_pairs(list(run["systems"]))):
+        theirs_by_rate = dict(_by_rate(run, bottom))
+        for rate, ours in _by_rate(run, top):
             pairs = list(zip(ours.get("rounds", []), theirs_by_rate.get(rate, {}).get("rounds", [])))
             if not pairs:
                 continue
@@ -396,7 +403,7 @@ def rounds_versus_table(report: Mapping[str, Any]) -> str:
         return ""
     header = ["round by round", "rate (req/s)", *(f"{slo}: rounds at or above (attainment %)" for slo in slos)]
     header += ["CPU/token ratio, median", "above idle, median"]
-    return "\n".join(["", "Each duet deployment against each other system in the same rounds:", "",
+    return "\n".join(["", "Side by side in the same rounds (the first system's figures first):", "",
                       _row(header), _row(["---"] * len(header)), *lines]) + "\n"
 
 

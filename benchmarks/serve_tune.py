@@ -60,10 +60,14 @@ def tune(plan: Any, config: Any, bench_interleaved: Callable[[Any, Any], dict[st
     """Every setting of every system in ``plan.systems``, measured in groups (see the module's
     docstring) with ``bench_interleaved`` (benchmarks/serve_bench.py); returns the report's
     ``systems`` (every setting measured, by ``NAME@SETTING``; a setting measured in two groups
-    keeps its first) and ``best`` (by system name)."""
+    keeps its first), ``best`` (by system name), ``groups`` (the settings of each group, by
+    system name) and ``group_entries`` (each group's measurements, in order)."""
     systems: dict[str, Any] = {}
     best: dict[str, str] = {}
     groups: dict[str, list[list[str]]] = {}
+    # Each group's own measurements (without records): a leader measured again in a later group
+    # is compared with that group's settings in those rounds.
+    group_entries: list[dict[str, Any]] = []
     for system in plan.systems:
         remaining = settings_to_try(system)
         group, remaining = remaining[:GROUP_SIZE], remaining[GROUP_SIZE:]
@@ -75,13 +79,27 @@ def tune(plan: Any, config: Any, bench_interleaved: Callable[[Any, Any], dict[st
             )
             for name, entry in measured.items():
                 systems.setdefault(name, entry)
+            group_entries.append({name: _without_records(entry) for name, entry in measured.items()})
             rate = str(plan.rates[0])
             leader = pick_best({name: entry["rates"][rate] for name, entry in measured.items()})
+            _save_progress(plan.out, {"systems": systems, "best": {**best, base_name(system): leader}, "groups": groups,
+                                      "group_entries": group_entries})
             if not remaining:
                 break
             group, remaining = [leader, *remaining[: GROUP_SIZE - 1]], remaining[GROUP_SIZE - 1 :]
         best[base_name(system)] = leader
-    return {"systems": systems, "best": best, "groups": groups}
+    return {"systems": systems, "best": best, "groups": groups, "group_entries": group_entries}
+
+
+def _without_records(entry: dict[str, Any]) -> dict[str, Any]:
+    return {**entry, "rates": {rate: {k: v for k, v in run.items() if k != "records"} for rate, run in entry["rates"].items()}}
+
+
+def _save_progress(out: Path, so_far: dict[str, Any]) -> None:
+    """What the sweep has measured so far, in ``out/tune_progress.json``: a sweep of several
+    systems runs for an hour or more, and one that is interrupted keeps its groups."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune_progress.json").write_text(json.dumps(so_far) + "\n")
 
 
 def best_systems(report_path: Path, systems: list[str]) -> list[str]:

@@ -11,9 +11,7 @@
   apart from the control plane; the client spreads its requests over 8 connections, which the
   kernel spreads over the front doors.
 - ``vllm-pd``, ``dynamo-agg``, ``dynamo-disagg``: the systems users would pick instead, as
-  their documentation sets them up (benchmarks/peer_systems.py); ``vllm-pd-tuned`` and
-  ``dynamo-disagg-tuned`` with duet's NIXL progress-thread setting, which neither exposes.
-  Dynamo needs ``make peers``.
+  their documentation sets them up (benchmarks/peer_systems.py). Dynamo needs ``make peers``.
 
 Any of them may be named with a setting, ``NAME@SETTING`` (benchmarks/system_settings.py): the
 knobs its users could set (core binding, OpenMP threads, the executor, stream interval; duet's
@@ -41,8 +39,7 @@ import yaml
 
 from duet.benchmarks.peer_systems import PEERS_PYTHON
 from duet.benchmarks.serve_report import (
-    COLOCATED, COLOCATED_HTTP, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, DYNAMO_DISAGG_TUNED, GRPC_SYSTEMS, PEERS, VLLM,
-    VLLM_PD, VLLM_PD_TUNED, base_name,
+    COLOCATED, COLOCATED_HTTP, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, GRPC_SYSTEMS, PEERS, VLLM, VLLM_PD, base_name,
 )
 from duet.benchmarks.system_settings import Setting, setting_of
 from duet.config import COLOCATED_CONFIG_PATH, DuetConfig, load_config
@@ -52,9 +49,8 @@ from duet.worker_runtime.engine import resolve_model_path
 SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, COLOCATED_HTTP, DISAGG_FRONT_DOORS, *PEERS)
 DEFAULT_SYSTEMS = SYSTEMS[:4]  # the front-door comparison and the peers on request
 _DUET = (DISAGG, COLOCATED, DISAGG_HTTP, COLOCATED_HTTP, DISAGG_FRONT_DOORS)
-_TUNED = (VLLM_PD_TUNED, DYNAMO_DISAGG_TUNED)
 # Served by the started process itself and ready on GET /health: vLLM's server, vLLM's P/D proxy.
-_SELF_SERVED = (VLLM, VLLM_PD, VLLM_PD_TUNED)
+_SELF_SERVED = (VLLM, VLLM_PD)
 _START_TIMEOUT_S = 600.0
 
 
@@ -136,19 +132,18 @@ def _vllm_command(config: DuetConfig, port: int) -> tuple[list[str], dict[str, s
 
 
 def _peer_command(name: str, config: DuetConfig, port: int) -> list[str]:
-    """``python -m duet.benchmarks.peer_systems`` for peer ``name``, on duet's engine terms."""
-    system = name.removesuffix("-tuned")
-    python = sys.executable if system == VLLM_PD else str(PEERS_PYTHON)
+    """``python -m duet.benchmarks.peer_systems`` for peer ``name``, on duet's engine terms
+    (its setting's arguments follow)."""
+    python = sys.executable if name == VLLM_PD else str(PEERS_PYTHON)
     if not Path(python).exists():
         raise SystemStartError(f"{name}: Dynamo is not installed; run `make peers` (it installs into .venv-peers)")
     return [
-        python, "-m", "duet.benchmarks.peer_systems", system,
+        python, "-m", "duet.benchmarks.peer_systems", name,
         "--model", str(resolve_model_path(config.model)), "--served-model-name", config.model.name,
         "--dtype", config.model.dtype, "--seed", str(config.model.seed),
         "--max-num-seqs", str(config.decode.max_num_seqs),
         "--max-num-batched-tokens", str(config.decode.max_num_batched_tokens),
         "--kv-cache-gib", str(round(config.decode.kv_cache_gib)),
-        "--nixl-progress", "wait" if name in _TUNED else "poll",
         "--port", str(port),
         *(["--enforce-eager"] if config.model.enforce_eager else []),
     ]

@@ -539,9 +539,9 @@ class RequestLifecycle:
                     prefilling = 0
                 now = time.perf_counter()
                 if last_at is None:  # after the prompt or the KV pull: the stream's pace from here
-                    guard.stream_started(worker.name, round_.request_id, round_.sampling.max_tokens)
+                    guard.stream_started(worker.name, round_.request_id, len(chunk.token_ids), round_.sampling.max_tokens, now)
                 else:
-                    guard.streamed(worker.name, len(chunk.token_ids), now - last_at)
+                    guard.streamed(worker.name, round_.request_id, len(chunk.token_ids), now - last_at)
                 last_at = now
                 yield chunk
         except (EngineLost, EngineRejected) as error:

@@ -4,31 +4,36 @@ A decode worker that prefills a prompt (because every prefill worker's queue is 
 request's TTFT, and stalls every stream it decodes for as long as the prompt takes: on two CPU
 cores near the knee, that stall cost duet most of its tight-TPOT attainment (issue 53: 54/23/20%
 with local prefill against 65/76/94% without). So the router lets a decode worker prefill only
-while its streams stay inside the TPOT target with the stall added:
+if no stream it decodes that is still inside the TPOT target would be pushed past it.
 
-    pace + (its prompts in progress + this prompt) x prefill_cost / stream_length <= 0.8 x target
+For each stream the front door relays from the worker it knows when its first token came, how
+many tokens it has had and its ``max_tokens``, so it predicts the stream's TPOT at its end:
 
-- ``pace``: the seconds per token the worker's streams saw lately (an average over the chunks
-  this front door relayed from it, stalls of earlier local prefills included);
-- ``prefill_cost``: seconds per prompt token, measured on prefill workers that had nothing else
-  to do (a queue behind the prompt would inflate it);
-- ``stream_length``: the mean ``max_tokens`` of the streams decoding there: a stall adds its
-  length once to each of them, spread over all their tokens;
-- 0.8: headroom, because the target is met per request, not on average.
+    (seconds since its first token + stall + tokens still to come x pace) / (max_tokens - 1)
 
-A worker that decodes nothing can always prefill; one whose pace is not known yet (no stream
-relayed) or before any prefill cost is measured, never (the remote path is the safe default).
-Each front door judges from the streams it relays.
+- ``stall``: the prompts the worker is computing itself plus this one, times the seconds a
+  prompt token costs (timed on prefill workers that had nothing else queued: a queue behind the
+  prompt would inflate it);
+- ``pace``: the seconds per token the worker's streams have seen lately (an average over the
+  chunks relayed, about the last ten), the steady pace the rest of each stream will get.
+
+The prompt is prefilled locally only if every stream predicted inside :data:`_HEADROOM` x the
+target without the stall stays inside it with the stall. Streams already past it are lost to the
+SLO either way; a worker that decodes nothing always may. Before a pace and a prompt's cost are
+known, never (the remote path is the safe default). Each front door judges by the streams it
+relays. The TPOT is the one the SLO judges: the mean gap between a stream's tokens after its
+first, so a stall counts once, spread over the stream's tokens.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 # Weight of each new observation in the running averages: about the last 10 chunks or prefills.
 _SMOOTHING = 0.1
-# The share of the TPOT target the predicted pace may reach (the target holds per request).
-_HEADROOM = 0.8
+# The share of the TPOT target a stream's prediction may reach (predictions err both ways).
+_HEADROOM = 0.9
 # Prompts shorter than this are left out of the prefill cost: their fixed costs dominate.
 _COST_MIN_TOKENS = 128
 
@@ -38,8 +43,20 @@ def _averaged(previous: float | None, value: float) -> float:
 
 
 @dataclass
+class _Stream:
+    first_token_at: float
+    tokens: int
+    max_tokens: int
+
+    def predicted_tpot_s(self, now: float, pace_s: float, stall_s: float) -> float:
+        """Its mean time per token after the first, at its end, if stalled ``stall_s`` now."""
+        still_to_come = max(0, self.max_tokens - self.tokens)
+        return (now - self.first_token_at + stall_s + still_to_come * pace_s) / max(1, self.max_tokens - 1)
+
+
+@dataclass
 class LocalPrefillGuard:
-    """What the router knows of each decode worker's pace and of a prompt's cost; ``allows``
+    """What the router knows of each decode worker's streams and of a prompt's cost; ``allows``
     decides. ``tpot_target_s`` None: no guard (only the queue threshold decides)."""
 
     tpot_target_s: float | None
@@ -47,17 +64,27 @@ class LocalPrefillGuard:
 
     def __post_init__(self) -> None:
         self._pace_s: dict[str, float] = {}
-        # The ``max_tokens`` of the streams each decode worker is relaying, by request id.
-        self._streams: dict[str, dict[str, int]] = {}
+        # The streams each decode worker is relaying, by request id.
+        self._streams: dict[str, dict[str, _Stream]] = {}
 
     def prefilled(self, prompt_tokens: int, seconds: float) -> None:
         """A prefill worker with nothing else queued computed ``prompt_tokens`` in ``seconds``."""
         if prompt_tokens >= _COST_MIN_TOKENS and seconds > 0:
             self.prefill_s_per_token = _averaged(self.prefill_s_per_token, seconds / prompt_tokens)
 
-    def stream_started(self, worker: str, request_id: str, max_tokens: int) -> None:
-        """A stream's first tokens arrived from ``worker``: local prefills there now stall it."""
-        self._streams.setdefault(worker, {})[request_id] = max_tokens
+    def stream_started(self, worker: str, request_id: str, tokens: int, max_tokens: int, now: float | None = None) -> None:
+        """A stream's first ``tokens`` arrived from ``worker``: local prefills there now stall it."""
+        at = time.perf_counter() if now is None else now
+        self._streams.setdefault(worker, {})[request_id] = _Stream(at, tokens, max_tokens)
+
+    def streamed(self, worker: str, request_id: str, tokens: int, gap_s: float) -> None:
+        """The stream ``request_id`` on ``worker`` got ``tokens`` more, ``gap_s`` after its last."""
+        if tokens <= 0:
+            return
+        self._pace_s[worker] = _averaged(self._pace_s.get(worker), gap_s / tokens)
+        stream = self._streams.get(worker, {}).get(request_id)
+        if stream is not None:
+            stream.tokens += tokens
 
     def stream_ended(self, worker: str, request_id: str) -> None:
         streams = self._streams.get(worker, {})
@@ -65,24 +92,23 @@ class LocalPrefillGuard:
         if not streams:
             self._streams.pop(worker, None)
 
-    def streamed(self, worker: str, tokens: int, gap_s: float) -> None:
-        """A stream on decode worker ``worker`` got ``tokens`` more, ``gap_s`` after its last."""
-        if tokens > 0:
-            self._pace_s[worker] = _averaged(self._pace_s.get(worker), gap_s / tokens)
-
     def pace_s(self, worker: str) -> float | None:
         """Seconds per token lately on ``worker``'s streams (None before any was relayed)."""
         return self._pace_s.get(worker)
 
-    def allows(self, worker: str, pending_tokens: int) -> bool:
+    def allows(self, worker: str, pending_tokens: int, now: float | None = None) -> bool:
         """Whether ``worker`` may compute ``pending_tokens`` of prompts (its own in progress and
-        the new one) and keep the streams it decodes inside the TPOT target."""
-        stream_lengths = list(self._streams.get(worker, {}).values())
-        if self.tpot_target_s is None or not stream_lengths:
+        the new one) and push none of the streams it decodes past the TPOT target."""
+        streams = self._streams.get(worker)
+        if self.tpot_target_s is None or not streams:
             return True
         pace = self._pace_s.get(worker)
         if pace is None or self.prefill_s_per_token is None:
             return False
+        at = time.perf_counter() if now is None else now
+        limit = _HEADROOM * self.tpot_target_s
         stall_s = pending_tokens * self.prefill_s_per_token
-        mean_length = max(1.0, sum(stream_lengths) / len(stream_lengths))
-        return pace + stall_s / mean_length <= _HEADROOM * self.tpot_target_s
+        return not any(
+            stream.predicted_tpot_s(at, pace, 0.0) <= limit < stream.predicted_tpot_s(at, pace, stall_s)
+            for stream in streams.values()
+        )

@@ -3,6 +3,7 @@ load figures are set directly)."""
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 
 import pytest
@@ -130,34 +131,44 @@ def test_the_queue_condition_needs_every_prefill_worker_past_the_threshold():
     assert not _conditional(threshold=0, max_tokens=600)._prefill_remotely(decode, 500)  # short prompt
 
 
-def test_local_prefill_waits_while_the_decode_streams_would_miss_their_tpot():
+def test_local_prefill_waits_while_it_would_push_a_stream_past_its_tpot():
     lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
     guard = lifecycle.local_prefill_guard
     guard.tpot_target_s = 0.04
     assert not lifecycle._prefill_remotely(decode, 500)  # nothing decoding there: nothing to stall
-    guard.stream_started("decode-0", "r1", max_tokens=100)
-    assert lifecycle._prefill_remotely(decode, 500)  # its streams' pace and the prompt's cost unknown
+    now = time.perf_counter()
+    guard.stream_started("decode-0", "r1", tokens=1, max_tokens=101, now=now)
+    assert lifecycle._prefill_remotely(decode, 500)  # its pace and a prompt's cost not known yet
     guard.prefilled(1000, 0.1)  # 0.1 ms a prompt token
     for _ in range(50):
-        guard.streamed("decode-0", 2, 0.02)  # 10 ms a token
+        guard.streamed("decode-0", "another", 2, 0.02)  # the worker's streams: 10 ms a token
     assert guard.pace_s("decode-0") == pytest.approx(0.01)
-    # 10 ms + 500 x 0.1 ms / 100 tokens = 10.5 ms, inside 0.8 x 40 ms.
-    assert not lifecycle._prefill_remotely(decode, 500)
-    # A 5,000-token prompt stalls each stream 0.5 s: 5 ms a token more, still inside.
+    # Just started, 100 tokens to come at 10 ms: 10 ms a token; a 5,000-token prompt stalls it
+    # 0.5 s, 5 ms a token more: inside 0.9 x 40 ms.
     assert not lifecycle._prefill_remotely(decode, 5000)
-    # 25,000 tokens: 25 ms a token more, past 32 ms.
-    assert lifecycle._prefill_remotely(decode, 25000)
-    for _ in range(100):
-        guard.streamed("decode-0", 1, 0.035)  # the streams have slowed to 35 ms a token
-    assert lifecycle._prefill_remotely(decode, 500)
+    # 30,000 tokens: 3 s, 30 ms a token more, past it.
+    assert lifecycle._prefill_remotely(decode, 30000)
+    # What it already prefills counts: 26,000 tokens in progress and 4,000 more.
+    decode.local_prefill_tokens = 26000
+    assert lifecycle._prefill_remotely(decode, 4000)
+    decode.local_prefill_tokens = 0
+    # A stream already past the target is lost to it either way: it does not hold prompts back.
     guard.stream_ended("decode-0", "r1")
-    assert not lifecycle._prefill_remotely(decode, 500)  # no stream left to stall
+    guard.stream_started("decode-0", "late", tokens=1, max_tokens=11, now=now - 1.0)  # 1 s for its first 10 gaps
+    assert not lifecycle._prefill_remotely(decode, 30000)
+    # A stream near its end with a little room: a small stall fits, a larger one does not.
+    guard.stream_started("decode-0", "r2", tokens=90, max_tokens=101, now=now - 2.7)
+    assert not lifecycle._prefill_remotely(decode, 6000)  # (2.7 + 0.6 + 11 x 0.01) / 100 = 34 ms
+    assert lifecycle._prefill_remotely(decode, 9000)  # (2.7 + 0.9 + 0.11) / 100 = 37 ms, past 36
+    guard.stream_ended("decode-0", "r2")
+    guard.stream_ended("decode-0", "late")
+    assert not lifecycle._prefill_remotely(decode, 30000)  # no stream left to stall
 
 
 def test_without_a_tpot_target_the_queue_threshold_alone_decides():
     lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
     lifecycle.local_prefill_guard.tpot_target_s = None
-    lifecycle.local_prefill_guard.stream_started("decode-0", "r1", max_tokens=100)
+    lifecycle.local_prefill_guard.stream_started("decode-0", "r1", tokens=1, max_tokens=100)
     assert not lifecycle._prefill_remotely(decode, 500)
 
 

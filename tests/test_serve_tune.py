@@ -56,6 +56,8 @@ def test_a_system_with_more_settings_than_fit_is_tuned_in_groups_beside_the_best
     assert measured_groups[1][0] == "duet-disagg-http@no-local-prefill"
     assert result["best"] == {"duet-disagg-http": "duet-disagg-http@no-local-prefill", "vllm": "vllm@stream-4"}
     assert set(result["systems"]) == set(duet) | set(vllm)
+    # Each group keeps its own measurements: the leader again beside the second group's settings.
+    assert [list(group) for group in result["group_entries"]] == measured_groups
 
     report = tmp_path / "report.json"
     report.write_text('{"best": {"vllm": "vllm@stream-4"}}')
@@ -85,6 +87,8 @@ def test_comparisons_pair_systems_driven_through_the_same_protocol():
         ("duet-colocated-http@interval-10", "vllm-pd@own-core"), ("duet-colocated-http@interval-10", "vllm"),
         ("duet-disagg-http", "duet-colocated-http@interval-10"),
     }
+    # Settings of one system: the first in the run against each other one.
+    assert ratio_pairs(["vllm@one-process", "vllm", "vllm@stream-4"]) == [("vllm@one-process", "vllm"), ("vllm@one-process", "vllm@stream-4")]
 
 
 def test_rounds_versus_table_counts_the_rounds_duet_is_at_or_above():

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from duet.benchmarks.serve_report import base_name
-from duet.benchmarks.system_settings import DEFAULT, SETTINGS
+from duet.benchmarks.system_settings import DEFAULT, SETTINGS, Setting
 
 GROUP_SIZE = 3
 ATTAINMENT_TIE = 0.02
@@ -33,9 +33,11 @@ TUNE_WARMUP_S, TUNE_IDLE_WINDOW_S = 30.0, 10.0
 
 
 def settings_to_try(system: str) -> list[str]:
-    """``NAME@SETTING`` for every setting of ``system``'s base, its default first."""
+    """``NAME@SETTING`` for every setting of ``system``'s base that the sweep measures, in the
+    catalogue's order (its default first where the sweep can measure it)."""
     name = base_name(system)
-    return [f"{name}@{key}" for key in SETTINGS.get(name, {DEFAULT: None})]
+    settings = SETTINGS.get(name, {DEFAULT: Setting("as its documentation sets it up")})
+    return [f"{name}@{key}" for key, setting in settings.items() if setting.swept]
 
 
 def _pooled(entry: dict[str, Any], slo: str) -> float:

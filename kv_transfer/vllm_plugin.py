@@ -31,6 +31,7 @@ Seven adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md,
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 from duet.logs import configure_logging
@@ -89,10 +90,18 @@ def _set_progress_thread(mode: str) -> None:
 
 
 def _pin_worker_to_core(core: int) -> None:
+    """Keep the engine's forward pass on ``core``. NixlConnector pins its worker thread to
+    max(group) of each group ``discover_numa_topology`` returns, so that answers ``core``. And
+    vLLM binds OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``) only in the worker processes of
+    its multiprocess executor: with the one-process executor nothing pinned an engine without
+    a NIXL connector (a colocated worker's two engines each ran on both cores, 60-70% on one,
+    as ``duet bench serve`` showed). So the engine core process pins its own thread, before it
+    starts the executor's threads, which inherit it."""
     from vllm.platforms.cpu import CpuPlatform
 
-    # NixlConnector pins its worker thread to max(group) of each group this returns.
     CpuPlatform.discover_numa_topology = classmethod(lambda cls: [[core]])  # type: ignore[method-assign]
+    if multiprocessing.current_process().name.startswith("EngineCore"):
+        os.sched_setaffinity(0, {core})
 
 
 def register() -> None:

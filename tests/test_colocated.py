@@ -4,6 +4,7 @@ exact and clean up like the disaggregated path."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,3 +96,19 @@ def test_disaggregated_equals_colocated_for_every_feature(colocated, client):
         for index in ours:
             assert ours[index][0] == theirs[index][0], (fields, index)
             assert all(abs(a - b) <= 1e-4 for a, b in zip(ours[index][1], theirs[index][1])), (fields, index)
+
+
+def test_each_colocated_engine_computes_on_its_own_core(colocated):
+    """``cpu_cores: [0, 1]`` holds without a KV connector too: vLLM binds nothing for its
+    one-process executor, and both engines once ran on both cores (kv_transfer/vllm_plugin.py)."""
+    from duet.benchmarks.engine_cores import EngineCoreSampler
+
+    _, client = colocated
+    requests = [build_request(f"pinned {i} " * 60, max_tokens=32, ignore_eos=True) for i in range(8)]
+    with EngineCoreSampler(os.getpid()) as sampler, ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda request: client.generate_ids(request, timeout=300), requests))
+    engines = [p for label, p in sampler.report().items() if "under ray::ColocatedWorker" in label]
+    assert sorted(p["affinity"] for p in engines) == ["0", "1"], sampler.report()
+    for process in engines:
+        by_core = process["cpu_s_by_core"]
+        assert by_core.get(process["affinity"], 0.0) > 0.9 * sum(by_core.values()), process

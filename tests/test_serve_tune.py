@@ -56,6 +56,8 @@ def test_a_system_with_more_settings_than_fit_is_tuned_in_groups_beside_the_best
     assert measured_groups[1][0] == "duet-disagg-http@no-local-prefill"
     assert result["best"] == {"duet-disagg-http": "duet-disagg-http@no-local-prefill", "vllm": "vllm@stream-4"}
     assert set(result["systems"]) == set(duet) | set(vllm)
+    # vLLM's P/D as documented busy-polls both cores idle: not measured beside other settings.
+    assert "vllm-pd@default" not in settings_to_try("vllm-pd") and settings_to_try("vllm-pd")[0] == "vllm-pd@nixl-wait"
     # Each group keeps its own measurements: the leader again beside the second group's settings.
     assert [list(group) for group in result["group_entries"]] == measured_groups
 

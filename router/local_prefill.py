@@ -4,7 +4,7 @@ A decode worker that prefills a prompt (because every prefill worker's queue is 
 request's TTFT, and stalls every stream it decodes for as long as the prompt takes: on two CPU
 cores near the knee, that stall cost duet most of its tight-TPOT attainment (issue 53: 54/23/20%
 with local prefill against 65/76/94% without). So the router lets a decode worker prefill only
-if no stream it decodes that is still inside the TPOT target would be pushed past it.
+if every stream it decodes stays inside the TPOT target with the stall added.
 
 For each stream the front door relays from the worker it knows when its first token came, how
 many tokens it has had and its ``max_tokens``, so it predicts the stream's TPOT at its end:
@@ -17,10 +17,13 @@ many tokens it has had and its ``max_tokens``, so it predicts the stream's TPOT 
 - ``pace``: the seconds per token the worker's streams have seen lately (an average over the
   chunks relayed, about the last ten), the steady pace the rest of each stream will get.
 
-The prompt is prefilled locally only if every stream predicted inside :data:`_HEADROOM` x the
-target without the stall stays inside it with the stall. Streams already past it are lost to the
-SLO either way; a worker that decodes nothing always may. Before a pace and a prompt's cost are
-known, never (the remote path is the safe default). Each front door judges by the streams it
+The prompt is prefilled locally only if every stream is predicted inside :data:`_HEADROOM` x
+the target with the stall; a worker that decodes nothing always may. Before a pace and a
+prompt's cost are known, never (the remote path is the safe default). A stream already
+predicted past the target holds local prefills back too: ignoring such streams as lost to the
+SLO let every stream pass the target under load (the stalls inflate the pace, every stream
+looks lost, and the guard lets every prompt through: at 14 req/s on the conversation slice, 56%
+of streams inside 40 ms against 92% without local prefill, 2026-12-02). Each front door judges by the streams it
 relays. The TPOT is the one the SLO judges: the mean gap between a stream's tokens after its
 first, so a stall counts once, spread over the stream's tokens.
 """
@@ -98,7 +101,7 @@ class LocalPrefillGuard:
 
     def allows(self, worker: str, pending_tokens: int, now: float | None = None) -> bool:
         """Whether ``worker`` may compute ``pending_tokens`` of prompts (its own in progress and
-        the new one) and push none of the streams it decodes past the TPOT target."""
+        the new one) with every stream it decodes still inside the TPOT target."""
         streams = self._streams.get(worker)
         if self.tpot_target_s is None or not streams:
             return True
@@ -108,7 +111,4 @@ class LocalPrefillGuard:
         at = time.perf_counter() if now is None else now
         limit = _HEADROOM * self.tpot_target_s
         stall_s = pending_tokens * self.prefill_s_per_token
-        return not any(
-            stream.predicted_tpot_s(at, pace, 0.0) <= limit < stream.predicted_tpot_s(at, pace, stall_s)
-            for stream in streams.values()
-        )
+        return all(stream.predicted_tpot_s(at, pace, stall_s) <= limit for stream in streams.values())

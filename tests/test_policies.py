@@ -152,14 +152,15 @@ def test_local_prefill_waits_while_it_would_push_a_stream_past_its_tpot():
     decode.local_prefill_tokens = 26000
     assert lifecycle._prefill_remotely(decode, 4000)
     decode.local_prefill_tokens = 0
-    # A stream already past the target is lost to it either way: it does not hold prompts back.
-    guard.stream_ended("decode-0", "r1")
-    guard.stream_started("decode-0", "late", tokens=1, max_tokens=11, now=now - 1.0)  # 1 s for its first 10 gaps
-    assert not lifecycle._prefill_remotely(decode, 30000)
     # A stream near its end with a little room: a small stall fits, a larger one does not.
+    guard.stream_ended("decode-0", "r1")
     guard.stream_started("decode-0", "r2", tokens=90, max_tokens=101, now=now - 2.7)
     assert not lifecycle._prefill_remotely(decode, 6000)  # (2.7 + 0.6 + 11 x 0.01) / 100 = 34 ms
     assert lifecycle._prefill_remotely(decode, 9000)  # (2.7 + 0.9 + 0.11) / 100 = 37 ms, past 36
+    # A stream already past the target holds every local prefill back: under load a guard that
+    # wrote such streams off let every prompt through.
+    guard.stream_started("decode-0", "late", tokens=1, max_tokens=11, now=now - 1.0)  # 1 s for its first 10 gaps
+    assert lifecycle._prefill_remotely(decode, 200)
     guard.stream_ended("decode-0", "r2")
     guard.stream_ended("decode-0", "late")
     assert not lifecycle._prefill_remotely(decode, 30000)  # no stream left to stall

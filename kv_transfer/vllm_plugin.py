@@ -96,7 +96,9 @@ def _pin_worker_to_core(core: int) -> None:
     its multiprocess executor: with the one-process executor nothing pinned an engine without
     a NIXL connector (a colocated worker's two engines each ran on both cores, 60-70% on one,
     as ``duet bench serve`` showed). So the engine core process pins its own thread, before it
-    starts the executor's threads, which inherit it."""
+    starts the executor's threads, which inherit it. (duet sets the core for NIXL and colocated
+    engines; with the nccl transport its engines stay unpinned, as they were: pinning them with
+    their gloo threads failed the drain test.)"""
     from vllm.platforms.cpu import CpuPlatform
 
     CpuPlatform.discover_numa_topology = classmethod(lambda cls: [[core]])  # type: ignore[method-assign]

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from duet.config import BUILTIN_MODEL, ModelConfig
-from duet.kv_transfer.config import ENV_WORKER_CPU_CORE
 from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE
 
 _GIB = 1 << 30
@@ -82,7 +81,6 @@ def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None, one_proces
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cpu_core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
-        env[ENV_WORKER_CPU_CORE] = str(cpu_core)  # duet's plugin pins the engine core (kv_transfer/vllm_plugin.py)
     env[ENV_SHARED_GLOO_DEVICE] = "1"
     return env
 

@@ -35,6 +35,7 @@ from duet.worker_runtime.cpu_wait import threads_cpu_wait_s
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
 from duet.worker_runtime.worker_api import EngineAddresses, EngineExit, WorkerStatus
 from duet.kv_transfer.config import (
+    ENV_WORKER_CPU_CORE,
     TRANSPORTS,
     Role,
     TransferEndpoint,
@@ -141,6 +142,10 @@ class EngineCoreHost(WorkerHost):
         on_cpu = is_cpu_only()
         core = self.cpu_core if on_cpu else None
         env = engine_environment(transfer, endpoint, core) if transfers_kv else {}
+        if not transfers_kv and core is not None:
+            # Without a KV connector nothing else pins a one-process engine: duet's plugin does
+            # (kv_transfer/vllm_plugin.py).
+            env[ENV_WORKER_CPU_CORE] = str(core)
         if on_cpu:
             env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
         env[ENV_OUTPUT_INTERVAL_MS] = str(self.pool.output_interval_ms)

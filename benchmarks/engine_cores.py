@@ -74,6 +74,7 @@ class _Process:
     name: str
     parent: str
     affinity: str
+    parent_pid: int = 0
     threads: int = 0
     cpu_s_by_core: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     io_cpu_s: float = 0.0  # of it, its I/O threads'
@@ -147,7 +148,7 @@ class EngineCoreSampler:
         except OSError:
             affinity = "?"
         parent = stats.get(pid, (0, 0.0))[0]
-        return _Process(pid, _display_name(pid), _display_name(parent), affinity)
+        return _Process(pid, _display_name(pid), _display_name(parent), affinity, parent)
 
     def report(self) -> dict[str, dict[str, Any]]:
         """Per engine process (``name pid N (under parent)``): its allowed cores, thread count
@@ -167,11 +168,11 @@ class EngineCoreSampler:
 
     def step_cpu_s(self) -> float:
         """CPU seconds the engines spent in their steps (see the module's docstring)."""
-        has_workers = any(p.name.startswith(_WORKER_PROCESS) for p in self._processes.values())
+        handing_off = {p.parent_pid for p in self._processes.values() if p.name.startswith(_WORKER_PROCESS)}
         total = 0.0
         for process in self._processes.values():
-            if has_workers and not process.name.startswith(_WORKER_PROCESS):
-                continue  # an engine core handing its steps to a worker process
+            if process.pid in handing_off:
+                continue  # an engine core handing its steps to its worker process
             total += sum(process.cpu_s_by_core.values()) - process.io_cpu_s
         return total
 

@@ -27,9 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duet.benchmarks.host_overhead import all_process_stats, is_engine_process, process_name, process_tree
+from duet.benchmarks.host_overhead import (
+    CLOCK_TICKS_PER_S,
+    all_process_stats,
+    cpu_seconds,
+    is_engine_process,
+    process_name,
+    process_tree,
+    read_proc_stat,
+)
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_INTERVAL_S = 0.25
 # Threads of an engine process that move bytes, not tensors (by their kernel names).
 _IO_THREAD_PREFIXES = ("ZMQbg", "ucx", "UCX", "nixl", "NIXL", "progress", "gloo", "pt_gloo")
@@ -38,13 +45,11 @@ _WORKER_PROCESS = "VLLM::Worker"
 
 def _thread_stat(pid: int, tid: int) -> tuple[str, int, float] | None:
     """(name, core it last ran on, CPU seconds) of one thread; None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-    except OSError:
+    stat = read_proc_stat(f"/proc/{pid}/task/{tid}/stat")
+    if stat is None:
         return None
-    name = text[text.index("(") + 1 : text.rindex(")")]
-    fields = text[text.rindex(")") + 2 :].split()  # from field 3 (state) on
-    return name, int(fields[36]), (int(fields[11]) + int(fields[12])) / _TICKS
+    name, fields = stat
+    return name, int(fields[36]), cpu_seconds(fields)
 
 
 def _cores_text(cores: set[int]) -> str:
@@ -182,4 +187,4 @@ def machine_busy_s() -> float:
     idle and I/O wait), to take the machine's whole CPU around a replay."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]
-    return (sum(fields[:8]) - idle) / _TICKS
+    return (sum(fields[:8]) - idle) / CLOCK_TICKS_PER_S

@@ -32,19 +32,30 @@ from duet.benchmarks.loadgen import RequestRecord, replay
 from duet.cluster.placement.latency_model import ServingPathCost
 from duet.cluster.placement.trace import Trace
 
-_TICKS = os.sysconf("SC_CLK_TCK")
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _ENGINE_PROCESS_PREFIX = "VLLM::"
 _SPAWNED_CHILD = b"multiprocessing.spawn"
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of a live process, None if it is gone."""
+def read_proc_stat(path: str) -> tuple[str, list[str]] | None:
+    """(command name, the fields after it, state first) of a ``/proc/.../stat`` file; None if
+    the process or thread is gone. The name may hold spaces and parentheses: split at the last."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        text = Path(path).read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS
+    return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+
+
+def cpu_seconds(fields: list[str]) -> float:
+    """User plus system CPU seconds in the fields :func:`read_proc_stat` returns."""
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of a live process, None if it is gone."""
+    stat = read_proc_stat(f"/proc/{pid}/stat")
+    return None if stat is None else (int(stat[1][1]), cpu_seconds(stat[1]))
 
 
 def is_engine_process(pid: int) -> bool:

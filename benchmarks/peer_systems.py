@@ -32,7 +32,8 @@ to the last core, core 1 here, whatever ``VLLM_CPU_OMP_THREADS_BIND`` says; this
 its own, as duet's plugin does for duet's workers), ``--one-process-executor``
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model in the engine core's process instead of a
 worker process whose shared-memory queue reader spins), ``--stream-interval``, ``--bind`` (an
-aggregated engine's cores) and ``--nixl-progress wait`` (NIXL's progress thread sleeping in
+aggregated engine's cores), ``--conditional-disagg TOKENS`` (Dynamo's own conditional
+disaggregation, at duet's threshold) and ``--nixl-progress wait`` (NIXL's progress thread sleeping in
 ``poll()`` instead of busy-polling a core: a setting of duet's that neither peer exposes,
 through duet's vLLM plugin, loaded into the peer's processes for that alone). ``OMP_NUM_THREADS``
 comes from the environment the benchmark gives: with the one-process executor nothing else
@@ -257,19 +258,33 @@ def run_dynamo(args: argparse.Namespace, disaggregated: bool) -> int:
     }
     planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
     processes = Processes()
+    conditional = disaggregated and args.conditional_disagg is not None
     processes.start(
-        [sys.executable, "-m", "dynamo.frontend", "--http-host", _LOOPBACK, "--http-port", str(args.port), *planes],
+        [sys.executable, "-m", "dynamo.frontend", "--http-host", _LOOPBACK, "--http-port", str(args.port), *planes,
+         *(_conditional_disagg_arguments(args.conditional_disagg, args.max_num_batched_tokens) if conditional else [])],
         {**common, "VLLM_PLUGINS": _DYNAMO_PLUGIN},
     )
     for engine in _engines(args, disaggregated):
         command = [sys.executable, "-m", "dynamo.vllm", *engine_arguments(args), *planes]
         if disaggregated:
             command += ["--disaggregation-mode", engine.role, "--kv-transfer-config", json.dumps(_NIXL_CONNECTOR)]
+        if conditional:  # the KV router learns each engine's cache from its KV events
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port(_LOOPBACK)}"}
+            command += ["--kv-events-config", json.dumps(events)]
         env = {**common, **engine_environment(args, engine, plugins=[_DYNAMO_PLUGIN]), "DYN_SYSTEM_PORT": str(_free_low_port())}
         processes.start(command, env)
     processes.until(lambda: args.served_model_name in (_get(f"http://{_LOOPBACK}:{args.port}/v1/models") or ""), "Dynamo")
     print(f"dynamo: serving {args.served_model_name} on {_LOOPBACK}:{args.port}", flush=True)
     return processes.wait()
+
+
+def _conditional_disagg_arguments(queue_tokens: int, step_tokens: int) -> list[str]:
+    """Dynamo's conditional disaggregation (its frontend's KV router, experimental in 1.6.1):
+    the decode worker prefills a prompt itself while the prefill worker has more than
+    ``queue_tokens`` of prompts in progress (policy ``prefill_load``; Dynamo takes the threshold
+    as a fraction of the step's token budget)."""
+    policy = {"policy": "prefill_load", "prefill_busy_threshold": queue_tokens / step_tokens}
+    return ["--router-mode", "kv", "--router-conditional-disagg", "--router-conditional-disagg-config", json.dumps(policy)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's one-process executor (VLLM_ENABLE_V1_MULTIPROCESSING=0), as duet's engines run")
     parser.add_argument("--stream-interval", type=int, default=0, help="vLLM's --stream-interval for every engine (0: vLLM's default)")
     parser.add_argument("--bind", default="", help="an aggregated peer's engine cores (VLLM_CPU_OMP_THREADS_BIND; default: vLLM's)")
+    parser.add_argument("--conditional-disagg", type=int, metavar="TOKENS",
+                        help="dynamo-disagg: its decode worker prefills while the prefill worker has over TOKENS in progress")
     parser.add_argument("--port", type=int, required=True, help="the OpenAI HTTP API's")
     args = parser.parse_args(argv)
     if args.system == VLLM_PD:

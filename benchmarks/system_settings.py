@@ -55,6 +55,10 @@ _DUET = {
     "no-local-prefill": Setting(
         "conditional disaggregation off (router.local_prefill_queue_tokens: 0)", config={"router": {"local_prefill_queue_tokens": 0}}
     ),
+    "tpot-100": Setting(
+        "the guard at the loose SLO's TPOT (router.local_prefill_tpot_s: 0.1, as `duet plan` sets it for 100 ms)",
+        config={"router": {"local_prefill_tpot_s": 0.1}},
+    ),
     "interval-10": Setting("engine outputs merged every 10 ms (output_interval_ms: 10)", config=_every_pool(output_interval_ms=10)),
     "interval-0": Setting("every engine step's outputs sent at once (output_interval_ms: 0)", config=_every_pool(output_interval_ms=0)),
 }
@@ -87,6 +91,15 @@ _DISAGG_PEER = {
         env=_ONE_OMP_THREAD, args=(*_OWN_CORE.args, "--stream-interval", "4"),
     ),
 }
+_DYNAMO_DISAGG = {
+    **_DISAGG_PEER,
+    "conditional": Setting(
+        _DISAGG_PEER["own-core-stream-4"].description + ", and Dynamo's conditional disaggregation: its decode "
+        "worker prefills while the prefill worker has over 1024 prompt tokens in progress, duet's threshold "
+        "(--conditional-disagg 1024: KV router, policy prefill_load)",
+        env=_ONE_OMP_THREAD, args=(*_DISAGG_PEER["own-core-stream-4"].args, "--conditional-disagg", "1024"),
+    ),
+}
 _AGG_PEER = {
     DEFAULT: _AS_DOCUMENTED,
     "bind-0-1": Setting("the engine's OpenMP threads on both cores (--bind 0-1)", args=("--bind", "0-1")),
@@ -96,7 +109,7 @@ _AGG_PEER = {
 SETTINGS: dict[str, dict[str, Setting]] = {
     DISAGG: _DUET, DISAGG_HTTP: _DUET, DISAGG_FRONT_DOORS: _DUET,
     COLOCATED: _DUET_COLOCATED, COLOCATED_HTTP: _DUET_COLOCATED,
-    VLLM: _VLLM, VLLM_PD: _DISAGG_PEER, DYNAMO_DISAGG: _DISAGG_PEER, DYNAMO_AGG: _AGG_PEER,
+    VLLM: _VLLM, VLLM_PD: _DISAGG_PEER, DYNAMO_DISAGG: _DYNAMO_DISAGG, DYNAMO_AGG: _AGG_PEER,
 }
 
 

@@ -77,8 +77,9 @@ def test_settings_reach_the_command_the_environment_and_the_config(tmp_path: Pat
     assert written.router.local_prefill_queue_tokens == 0 and written.model == config.model
     command, _ = _command("duet-disagg-http@tpot-100", config, 8123, tmp_path)
     assert load_config(command[command.index("--config") + 1]).router.local_prefill_tpot_s == 0.1
-    command, env = _command("dynamo-disagg@conditional", config, 8123, tmp_path)
-    assert env == {"OMP_NUM_THREADS": "1"} and command[-2:] == ["--conditional-disagg", "1024"]
+    # Dynamo's own conditional disaggregation (its launcher needs `make peers`: the setting only).
+    conditional = setting_of("dynamo-disagg@conditional")
+    assert conditional.env == {"OMP_NUM_THREADS": "1"} and conditional.args[-2:] == ("--conditional-disagg", "1024")
     command, _ = _command("duet-colocated-http", config, 8123, tmp_path)
     assert load_config(command[command.index("--config") + 1]).mode == "colocated"
     assert command[command.index("--http-port") + 1] == "8123"

@@ -55,7 +55,10 @@ def cpu_seconds(fields: list[str]) -> float:
 def _stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, CPU seconds) of a live process, None if it is gone."""
     stat = read_proc_stat(f"/proc/{pid}/stat")
-    return None if stat is None else (int(stat[1][1]), cpu_seconds(stat[1]))
+    if stat is None:
+        return None
+    _, fields = stat
+    return int(fields[1]), cpu_seconds(fields)
 
 
 def is_engine_process(pid: int) -> bool:

@@ -91,13 +91,16 @@ _DISAGG_PEER = {
         env=_ONE_OMP_THREAD, args=(*_OWN_CORE.args, "--stream-interval", "4"),
     ),
 }
+# duet's router.local_prefill_queue_tokens in the embedded default (configs/local.yaml).
+_DUET_QUEUE_TOKENS = 1024
+_BEST_DISAGG = _DISAGG_PEER["own-core-stream-4"]
 _DYNAMO_DISAGG = {
     **_DISAGG_PEER,
     "conditional": Setting(
-        _DISAGG_PEER["own-core-stream-4"].description + ", and Dynamo's conditional disaggregation: its decode "
-        "worker prefills while the prefill worker has over 1024 prompt tokens in progress, duet's threshold "
-        "(--conditional-disagg 1024: KV router, policy prefill_load)",
-        env=_ONE_OMP_THREAD, args=(*_DISAGG_PEER["own-core-stream-4"].args, "--conditional-disagg", "1024"),
+        f"{_BEST_DISAGG.description}, and Dynamo's conditional disaggregation: its decode worker prefills while "
+        f"the prefill worker has over {_DUET_QUEUE_TOKENS} prompt tokens in progress, duet's threshold "
+        f"(--conditional-disagg {_DUET_QUEUE_TOKENS}: KV router, policy prefill_load)",
+        env=_ONE_OMP_THREAD, args=(*_BEST_DISAGG.args, "--conditional-disagg", str(_DUET_QUEUE_TOKENS)),
     ),
 }
 _AGG_PEER = {

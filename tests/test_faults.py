@@ -203,19 +203,26 @@ def test_a_request_held_by_two_crashing_engines_is_not_retried_on_a_third(client
             assert consumer.is_alive() and time.monotonic() < deadline, f"the stream stopped at {len(received)} tokens: {errors}"
             time.sleep(0.01)
 
+    # Each engine's pid is looked up before the tokens are awaited, so that each crash lands
+    # within microseconds of its token (a lookup through Ray after it let a fast spell finish
+    # the whole stream before the second crash).
+    first_engine = _engine_pid(decode)
     consumer = threading.Thread(target=consume)
     consumer.start()
     wait_for_tokens(16)
-    _crash(_engine_pid(decode))
-    at_first_crash = len(received)
+    _crash(first_engine)
     _wait_replaced(decode, restarts)
-    wait_for_tokens(at_first_crash + 16)  # resumed on the replacement
-    _crash(_engine_pid(decode))
+    second_engine = _engine_pid(decode)
+    # Every token the first engine made has reached the client by now; 16 more come from its
+    # replacement, which holds the resumed request.
+    before_second = len(received)
+    wait_for_tokens(before_second + 16)
+    _crash(second_engine)
     consumer.join(300)
     assert not consumer.is_alive(), "the stream did not end after the second crash"
     assert errors and errors[0].code() == grpc.StatusCode.INTERNAL, errors or f"finished with {len(received)} tokens"
     assert "2 engines crashed while they held this request" in errors[0].details()
-    assert at_first_crash + 16 <= len(received) < 1024
+    assert before_second + 16 <= len(received) < 1024
     assert received == expected[: len(received)], "the stream resumed after the first crash differs"
     _wait_replaced(decode, restarts + 1)
     ids, _ = client.generate_ids(build_request(prompt_token_ids=prompt[:100], max_tokens=4, ignore_eos=True), timeout=120)

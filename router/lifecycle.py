@@ -423,19 +423,27 @@ class RequestLifecycle:
     async def _disaggregated_round(self, round_: _Round, decode_worker: PoolMember) -> AsyncIterator[DecodeChunk]:
         assert self.prefill_pool is not None
         prompt = round_.prompt_token_ids
-        with decode_worker.assign(len(prompt)):  # counted there from now, not once its KV arrives
-            prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
-            round_.prefill_worker = prefill_worker.name
-            result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
-        yield DecodeChunk(
-            [result.first_token_id], result.first_text, result.finish_reason, result.first_logprobs, result.prompt_logprobs,
-            result.stop_reason,
-        )
-        if result.finish_reason is not None:
-            return
-        decode_worker = await self._still_ready(decode_worker, round_)  # the prompt took a while
-        async for chunk in self._pull_and_decode(decode_worker, round_, result.kv_transfer_params, result):
-            yield chunk
+        # The TPOT guard counts the request on its decode worker from now: its first token (and
+        # so its TPOT) comes before its KV is pulled there.
+        guard, assigned_to, request_id = self.local_prefill_guard, decode_worker.name, round_.request_id
+        guard.stream_assigned(assigned_to, request_id, round_.sampling.max_tokens)
+        try:
+            with decode_worker.assign(len(prompt)):  # counted there from now, not once its KV arrives
+                prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
+                round_.prefill_worker = prefill_worker.name
+                result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
+            guard.first_token(assigned_to, request_id)
+            yield DecodeChunk(
+                [result.first_token_id], result.first_text, result.finish_reason, result.first_logprobs, result.prompt_logprobs,
+                result.stop_reason,
+            )
+            if result.finish_reason is not None:
+                return
+            decode_worker = await self._still_ready(decode_worker, round_)  # the prompt took a while
+            async for chunk in self._pull_and_decode(decode_worker, round_, result.kv_transfer_params, result):
+                yield chunk
+        finally:
+            guard.stream_ended(assigned_to, request_id)
 
     async def _moved_round(
         self, round_: _Round, decode_worker: PoolMember, ticket: MigrationTicket
@@ -538,7 +546,7 @@ class RequestLifecycle:
                     worker.local_prefill_tokens -= prefilling
                     prefilling = 0
                 now = time.perf_counter()
-                if last_at is None:  # after the prompt or the KV pull: the stream's pace from here
+                if last_at is None:  # after the prompt or the KV pull: the worker's pace from here
                     guard.stream_started(worker.name, round_.request_id, len(chunk.token_ids), round_.sampling.max_tokens, now)
                 else:
                     guard.streamed(worker.name, round_.request_id, len(chunk.token_ids), now - last_at)

@@ -17,6 +17,14 @@ many tokens it has had and its ``max_tokens``, so it predicts the stream's TPOT 
 - ``pace``: the seconds per token the worker's streams have seen lately (an average over the
   chunks relayed, about the last ten), the steady pace the rest of each stream will get.
 
+A request counts from the moment it is assigned to the worker, not from its worker's first
+chunk: a prompt prefilled remotely gives the client its first token (which starts the TPOT the
+SLO judges) before its KV is pulled, so a local prefill that starts while it is being pulled, or
+still being prefilled, stalls its first decoded tokens. Such a request is predicted as if its
+first token came now (the whole stall lands on it). Counting streams only from their first
+decoded chunk left exactly those unprotected: on the code slice, bursts of 1,800-token prompts
+with 6-10 output tokens, a stall of a second spread over 5-9 gaps put them past 40 ms.
+
 The prompt is prefilled locally only if every stream is predicted inside :data:`_HEADROOM` x
 the target with the stall; a worker that decodes nothing always may. Before a pace and a
 prompt's cost are known, never (the remote path is the safe default). A stream already
@@ -49,14 +57,19 @@ def _averaged(previous: float | None, value: float) -> float:
 
 @dataclass
 class _Stream:
-    first_token_at: float
-    tokens: int
     max_tokens: int
+    # None while its first token is still being computed (on a prefill worker).
+    first_token_at: float | None = None
+    tokens: int = 0
 
     def predicted_tpot_s(self, now: float, pace_s: float, stall_s: float) -> float:
-        """Its mean time per token after the first, at its end, if stalled ``stall_s`` now."""
-        still_to_come = max(0, self.max_tokens - self.tokens)
-        return (now - self.first_token_at + stall_s + still_to_come * pace_s) / max(1, self.max_tokens - 1)
+        """Its mean time per token after the first, at its end, if stalled ``stall_s`` now (a
+        stream still waiting for its first token as if it came now)."""
+        if self.max_tokens <= 1:
+            return 0.0  # one token: no time per output token to spoil
+        first_token_at = now if self.first_token_at is None else self.first_token_at
+        still_to_come = max(0, self.max_tokens - max(1, self.tokens))
+        return (now - first_token_at + stall_s + still_to_come * pace_s) / (self.max_tokens - 1)
 
 
 @dataclass
@@ -77,10 +90,26 @@ class LocalPrefillGuard:
         if prompt_tokens >= _COST_MIN_TOKENS and seconds > 0:
             self.prefill_s_per_token = _averaged(self.prefill_s_per_token, seconds / prompt_tokens)
 
+    def stream_assigned(self, worker: str, request_id: str, max_tokens: int) -> None:
+        """A request whose prompt a prefill worker computes will decode on ``worker``: a local
+        prefill there from now on may stall its first decoded tokens."""
+        self._streams.setdefault(worker, {})[request_id] = _Stream(max_tokens)
+
+    def first_token(self, worker: str, request_id: str, now: float | None = None) -> None:
+        """The prefill worker's first token of ``request_id`` went to the client: its TPOT counts
+        from now, while its KV is still to be pulled to ``worker``."""
+        stream = self._streams.get(worker, {}).get(request_id)
+        if stream is not None:
+            stream.first_token_at, stream.tokens = time.perf_counter() if now is None else now, 1
+
     def stream_started(self, worker: str, request_id: str, tokens: int, max_tokens: int, now: float | None = None) -> None:
-        """A stream's first ``tokens`` arrived from ``worker``: local prefills there now stall it."""
+        """``worker``'s first chunk of a stream, ``tokens`` long, arrived: added to its first
+        token where that came from a prefill worker, else its TPOT counts from now."""
         at = time.perf_counter() if now is None else now
-        self._streams.setdefault(worker, {})[request_id] = _Stream(at, tokens, max_tokens)
+        stream = self._streams.setdefault(worker, {}).setdefault(request_id, _Stream(max_tokens))
+        if stream.first_token_at is None:
+            stream.first_token_at = at
+        stream.tokens += tokens
 
     def streamed(self, worker: str, request_id: str, tokens: int, gap_s: float) -> None:
         """The stream ``request_id`` on ``worker`` got ``tokens`` more, ``gap_s`` after its last."""

@@ -271,12 +271,17 @@ def test_a_long_prefill_queue_is_relieved_by_the_decode_worker(deployment, clien
         return deployment.cluster.metrics.registry.get_sample_value("duet_prefills_total", {"where": "decode_worker"}) or 0.0
 
     before = prefilled_on_decode()
+    # The queue condition alone: the TPOT guard (tests/test_policies.py) would hold these prompts
+    # back while the others are assigned to the decode worker and its pace is not yet known.
+    guard = lifecycle.local_prefill_guard
     threshold, lifecycle.local_prefill_queue_tokens = lifecycle.local_prefill_queue_tokens, 100
+    tpot_target_s, guard.tpot_target_s = guard.tpot_target_s, None
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(run, prompts))
     finally:
         lifecycle.local_prefill_queue_tokens = threshold
+        guard.tpot_target_s = tpot_target_s
     prefilled_by = [last.usage.prefill_worker for _, last in results]
     assert "prefill-0" in prefilled_by and "decode-0" in prefilled_by, prefilled_by
     # What operators see; counted as each request leaves the router, just after its last message.

@@ -166,6 +166,33 @@ def test_local_prefill_waits_while_it_would_push_a_stream_past_its_tpot():
     assert not lifecycle._prefill_remotely(decode, 30000)  # no stream left to stall
 
 
+def test_a_request_counts_from_its_assignment_so_its_pull_is_protected():
+    """A remotely prefilled request's first token (its TPOT's start) comes before its decode
+    worker's first chunk: a stall meanwhile lands on its few remaining gaps, and the guard
+    counts it from its assignment (the code slice: 1,800-token prompts, 6-10 output tokens)."""
+    lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
+    guard = lifecycle.local_prefill_guard
+    guard.tpot_target_s = 0.04
+    guard.prefilled(1000, 0.5)  # 0.5 ms a prompt token: 1,800 tokens stall 0.9 s
+    for _ in range(50):
+        guard.streamed("decode-0", "another", 1, 0.01)  # 10 ms a token
+    assert not lifecycle._prefill_remotely(decode, 1800)  # nothing assigned to it: nothing to stall
+    guard.stream_assigned("decode-0", "short", max_tokens=8)  # still being prefilled elsewhere
+    assert lifecycle._prefill_remotely(decode, 1800)  # (0.9 + 7 x 0.01) / 7 = 139 ms a token
+    assert not lifecycle._prefill_remotely(decode, 100)  # 0.05 s: (0.05 + 0.07) / 7 = 17 ms
+    now = time.perf_counter()
+    guard.first_token("decode-0", "short", now=now - 0.1)  # its KV is being pulled
+    assert lifecycle._prefill_remotely(decode, 200)  # (0.1 + 0.1 + 0.07) / 7 = 39 ms, past 36
+    guard.stream_started("decode-0", "short", tokens=6, max_tokens=8, now=now)  # its first chunk
+    # Its first chunk's 6 tokens count (1 to come): (0.1 + 0.1 + 0.01) / 7 = 30 ms fits ...
+    assert not lifecycle._prefill_remotely(decode, 200)
+    # ... and its clock still runs from the first token: (0.1 + 0.2 + 0.01) / 7 = 44 ms.
+    assert lifecycle._prefill_remotely(decode, 400)
+    guard.stream_ended("decode-0", "short")
+    guard.stream_assigned("decode-0", "one", max_tokens=1)  # one token: no TPOT to spoil
+    assert not lifecycle._prefill_remotely(decode, 1800)
+
+
 def test_without_a_tpot_target_the_queue_threshold_alone_decides():
     lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
     lifecycle.local_prefill_guard.tpot_target_s = None

@@ -540,6 +540,7 @@ class RequestLifecycle:
             prefill.first_text if prefill else "",
         )
         guard, last_at = self.local_prefill_guard, None
+        guard.stream_assigned(worker.name, round_.request_id, round_.sampling.max_tokens)  # from now, not its first chunk
         try:
             async for chunk in chunks:
                 if prefilling:

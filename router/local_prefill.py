@@ -19,9 +19,10 @@ many tokens it has had and its ``max_tokens``, so it predicts the stream's TPOT 
 
 A request counts from the moment it is assigned to the worker, not from its worker's first
 chunk: a prompt prefilled remotely gives the client its first token (which starts the TPOT the
-SLO judges) before its KV is pulled, so a local prefill that starts while it is being pulled, or
-still being prefilled, stalls its first decoded tokens. Such a request is predicted as if its
-first token came now (the whole stall lands on it). Counting streams only from their first
+SLO judges) before its KV is pulled, and one prefilled on the worker itself gets its first token
+just before the next local prompt's chunk, so a local prefill that starts while either is still
+being prefilled or pulled stalls its first decoded tokens. Such a request is predicted as if
+its first token came now (the whole stall lands on it). Counting streams only from their first
 decoded chunk left exactly those unprotected: on the code slice, bursts of 1,800-token prompts
 with 6-10 output tokens, a stall of a second spread over 5-9 gaps put them past 40 ms.
 
@@ -91,9 +92,9 @@ class LocalPrefillGuard:
             self.prefill_s_per_token = _averaged(self.prefill_s_per_token, seconds / prompt_tokens)
 
     def stream_assigned(self, worker: str, request_id: str, max_tokens: int) -> None:
-        """A request whose prompt a prefill worker computes will decode on ``worker``: a local
-        prefill there from now on may stall its first decoded tokens."""
-        self._streams.setdefault(worker, {})[request_id] = _Stream(max_tokens)
+        """``request_id`` will decode on ``worker`` (its prompt computed there or on a prefill
+        worker): a local prefill there from now on may stall its first decoded tokens."""
+        self._streams.setdefault(worker, {}).setdefault(request_id, _Stream(max_tokens))
 
     def first_token(self, worker: str, request_id: str, now: float | None = None) -> None:
         """The prefill worker's first token of ``request_id`` went to the client: its TPOT counts

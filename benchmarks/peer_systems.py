@@ -258,7 +258,7 @@ def run_dynamo(args: argparse.Namespace, disaggregated: bool) -> int:
     }
     planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
     processes = Processes()
-    conditional = disaggregated and args.conditional_disagg is not None
+    conditional = args.conditional_disagg is not None  # main() allows it for dynamo-disagg only
     processes.start(
         [sys.executable, "-m", "dynamo.frontend", "--http-host", _LOOPBACK, "--http-port", str(args.port), *planes,
          *(_conditional_disagg_arguments(args.conditional_disagg, args.max_num_batched_tokens) if conditional else [])],
@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dynamo-disagg: its decode worker prefills while the prefill worker has over TOKENS in progress")
     parser.add_argument("--port", type=int, required=True, help="the OpenAI HTTP API's")
     args = parser.parse_args(argv)
+    if args.conditional_disagg is not None and args.system != DYNAMO_DISAGG:
+        parser.error(f"--conditional-disagg is {DYNAMO_DISAGG}'s option (Dynamo's KV router), not {args.system}'s")
     if args.system == VLLM_PD:
         return run_vllm_pd(args)
     return run_dynamo(args, disaggregated=args.system == DYNAMO_DISAGG)

@@ -21,6 +21,7 @@ from typing import Any
 from duet.benchmarks.serve_report import (
     COLOCATED, COLOCATED_HTTP, DISAGG, DISAGG_FRONT_DOORS, DISAGG_HTTP, DYNAMO_AGG, DYNAMO_DISAGG, VLLM, VLLM_PD,
 )
+from duet.config import load_config
 
 DEFAULT = "default"
 
@@ -92,7 +93,7 @@ _DISAGG_PEER = {
     ),
 }
 # duet's router.local_prefill_queue_tokens in the embedded default (configs/local.yaml).
-_DUET_QUEUE_TOKENS = 1024
+_DUET_QUEUE_TOKENS = load_config().router.local_prefill_queue_tokens
 _BEST_DISAGG = _DISAGG_PEER["own-core-stream-4"]
 _DYNAMO_DISAGG = {
     **_DISAGG_PEER,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from duet.benchmarks.host_overhead import tree_memory_bytes
-from duet.benchmarks.peer_systems import PEERS_PYTHON
+from duet.benchmarks.peer_systems import PEERS_PYTHON, main
 from duet.benchmarks.serve_report import DYNAMO_AGG, DYNAMO_DISAGG, VLLM_PD
 from duet.benchmarks.serving_systems import started
 from waiting import wait_for
@@ -61,3 +61,12 @@ def test_peer_serves_exactly_and_stops_cleanly(name: str, duet_config, reference
             answer = json.loads(reply.read())
     assert answer["choices"][0]["text"] == expected, f"{name} computed something else than a colocated engine"
     wait_for(lambda: not _group_members(group), 30, f"every process of {name} gone")
+
+
+def test_conditional_disaggregation_is_refused_for_a_peer_without_it(capsys) -> None:
+    """Only Dynamo disaggregated has a KV router to prefill on its decode worker; elsewhere the
+    option would be silently ignored, so the launcher refuses it."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["vllm-pd", "--model", "m", "--served-model-name", "m", "--port", "1", "--conditional-disagg", "1024"])
+    assert exit_.value.code == 2
+    assert "--conditional-disagg is dynamo-disagg's option" in capsys.readouterr().err

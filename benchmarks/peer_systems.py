@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -59,7 +58,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from duet.kv_transfer.config import ENV_NIXL_PROGRESS_THREAD, ENV_WORKER_CPU_CORE
-from duet.kv_transfer.ports import free_port
+from duet.kv_transfer.ports import PortReservation, reserve_ports
 
 VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG = "vllm-pd", "dynamo-agg", "dynamo-disagg"
 PEERS = (VLLM_PD, DYNAMO_AGG, DYNAMO_DISAGG)
@@ -82,23 +81,18 @@ class Engine:
     kv_cache_gib: int
 
 
-_GIVEN_LOW_PORTS: set[int] = set()
+# Held until this launcher exits: another launcher, or the benchmark, reserving ports the same
+# way skips them even before the worker given one has bound it.
+_LOW_PORTS: list[PortReservation] = []
 
 
 def _free_low_port() -> int:
-    """A free port below 32768 (Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number), not
-    one given to another worker that may not have bound it yet."""
-    for port in range(20000 + os.getpid() % 5000, 32768):
-        if port in _GIVEN_LOW_PORTS:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind((_LOOPBACK, port))
-            except OSError:
-                continue
-        _GIVEN_LOW_PORTS.add(port)
-        return port
-    raise SystemExit("peer: no free port below 32768 for Dynamo's system server")
+    """A free port below 32768, for a server that binds it only once started (an engine's takes
+    half a minute): below the kernel's ephemeral range nothing else takes it meanwhile, and
+    Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number."""
+    reservation = reserve_ports(_LOOPBACK, 20000 + os.getpid() % 5000)
+    _LOW_PORTS.append(reservation)
+    return reservation.base_port
 
 
 def engine_arguments(args: argparse.Namespace) -> list[str]:
@@ -119,7 +113,7 @@ def engine_environment(args: argparse.Namespace, engine: Engine, plugins: list[s
         "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_gib),
         "VLLM_HOST_IP": _LOOPBACK,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": _LOOPBACK,
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(_LOOPBACK)),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_low_port()),
     }
     if engine.cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = engine.cores
@@ -181,7 +175,7 @@ def run_vllm_pd(args: argparse.Namespace) -> int:
 
     processes, ports = Processes(), []
     for engine in _engines(args, disaggregated=True):
-        port = free_port(_LOOPBACK)
+        port = _free_low_port()
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_arguments(args),
             "--host", _LOOPBACK, "--port", str(port), "--kv-transfer-config", json.dumps(_NIXL_CONNECTOR),
@@ -269,7 +263,7 @@ def run_dynamo(args: argparse.Namespace, disaggregated: bool) -> int:
         if disaggregated:
             command += ["--disaggregation-mode", engine.role, "--kv-transfer-config", json.dumps(_NIXL_CONNECTOR)]
         if conditional:  # the KV router learns each engine's cache from its KV events
-            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port(_LOOPBACK)}"}
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{_free_low_port()}"}
             command += ["--kv-events-config", json.dumps(events)]
         env = {**common, **engine_environment(args, engine, plugins=[_DYNAMO_PLUGIN]), "DYN_SYSTEM_PORT": str(_free_low_port())}
         processes.start(command, env)

@@ -43,7 +43,7 @@ from duet.benchmarks.serve_report import (
 )
 from duet.benchmarks.system_settings import Setting, setting_of
 from duet.config import COLOCATED_CONFIG_PATH, DuetConfig, load_config
-from duet.kv_transfer.ports import free_port
+from duet.kv_transfer.ports import reserve_ports
 from duet.worker_runtime.engine import resolve_model_path
 
 SYSTEMS = (DISAGG, COLOCATED, VLLM, DISAGG_HTTP, COLOCATED_HTTP, DISAGG_FRONT_DOORS, *PEERS)
@@ -52,6 +52,8 @@ _DUET = (DISAGG, COLOCATED, DISAGG_HTTP, COLOCATED_HTTP, DISAGG_FRONT_DOORS)
 # Served by the started process itself and ready on GET /health: vLLM's server, vLLM's P/D proxy.
 _SELF_SERVED = (VLLM, VLLM_PD)
 _START_TIMEOUT_S = 600.0
+# Each system's API port is reserved from here up (duet.kv_transfer.ports), below the ephemeral range.
+_API_PORT_BASE = 20000
 
 
 class SystemStartError(RuntimeError):
@@ -165,7 +167,11 @@ def started(system: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningS
     """Start ``system`` (``NAME`` or ``NAME@SETTING``), wait until it serves, yield it, and
     stop its whole process group."""
     name = base_name(system)
-    port = free_port("127.0.0.1")
+    # Below the kernel's ephemeral range: a port from it (free_port) can be taken, by another
+    # system's outgoing connections or auto-bound listeners, in the minute before this system
+    # binds it (a duet deployment failed to start that way, 2026-12-02).
+    reservation = reserve_ports("127.0.0.1", _API_PORT_BASE)
+    port = reservation.base_port
     command, env = _command(system, config, port, log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{system.replace('@', '-')}.log"
@@ -192,6 +198,7 @@ def started(system: str, config: DuetConfig, log_dir: Path) -> Iterator[RunningS
         )
     finally:
         _stop(process)
+        reservation.release()
 
 
 def _front_door_pid(name: str, pid: int) -> int:

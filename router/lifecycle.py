@@ -431,6 +431,7 @@ class RequestLifecycle:
             with decode_worker.assign(len(prompt)):  # counted there from now, not once its KV arrives
                 prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
                 round_.prefill_worker = prefill_worker.name
+                guard.queued_behind(assigned_to, request_id, prefill_worker.outstanding_tokens)
                 result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
             guard.first_token(assigned_to, request_id)
             yield DecodeChunk(

@@ -169,7 +169,8 @@ def test_local_prefill_waits_while_it_would_push_a_stream_past_its_tpot():
 def test_a_request_counts_from_its_assignment_so_its_pull_is_protected():
     """A remotely prefilled request's first token (its TPOT's start) comes before its decode
     worker's first chunk: a stall meanwhile lands on its few remaining gaps, and the guard
-    counts it from its assignment (the code slice: 1,800-token prompts, 6-10 output tokens)."""
+    counts it from its assignment (the code slice: 1,800-token prompts, 6-10 output tokens),
+    less what passes before its first token can come."""
     lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
     guard = lifecycle.local_prefill_guard
     guard.tpot_target_s = 0.04
@@ -189,6 +190,14 @@ def test_a_request_counts_from_its_assignment_so_its_pull_is_protected():
     # ... and its clock still runs from the first token: (0.1 + 0.2 + 0.01) / 7 = 44 ms.
     assert lifecycle._prefill_remotely(decode, 400)
     guard.stream_ended("decode-0", "short")
+    # Queued on a prefill worker behind 1,000 prompt tokens: its first token is 0.5 s away at the
+    # soonest, so a stall reaches it only past that.
+    guard.stream_assigned("decode-0", "queued", max_tokens=8)
+    assert lifecycle._prefill_remotely(decode, 1000)  # not yet queued: (0.5 + 0.07) / 7 = 81 ms
+    guard.queued_behind("decode-0", "queued", prompt_tokens_ahead=1000, now=now)
+    assert not lifecycle._prefill_remotely(decode, 1000)  # over before its first token: 10 ms
+    assert lifecycle._prefill_remotely(decode, 1800)  # 0.4 s past it: (0.4 + 0.07) / 7 = 67 ms
+    guard.stream_ended("decode-0", "queued")
     guard.stream_assigned("decode-0", "one", max_tokens=1)  # one token: no TPOT to spoil
     assert not lifecycle._prefill_remotely(decode, 1800)
 

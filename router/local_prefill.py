@@ -31,7 +31,7 @@ code slice, bursts of 1,800-token prompts with 6-10 output tokens, a stall of a 
 over 5-9 gaps put them past 40 ms.
 
 The prompt is prefilled locally only if every stream is predicted inside :data:`_HEADROOM` x
-the target with the stall; a worker that decodes nothing always may. Before a pace and a
+the target with the stall; a worker with nothing assigned always may. Before a pace and a
 prompt's cost are known, never (the remote path is the safe default). A stream already
 predicted past the target holds local prefills back too: ignoring such streams as lost to the
 SLO let every stream pass the target under load (the stalls inflate the pace, every stream
@@ -111,7 +111,7 @@ class LocalPrefillGuard:
         """``request_id``'s prompt joined a prefill worker with ``prompt_tokens_ahead`` tokens of
         other prompts in progress: its first token comes no sooner than they take (a lower bound:
         its own prompt is not counted), so only a stall lasting past that reaches it."""
-        stream = self._streams.get(worker, {}).get(request_id)
+        stream = self._stream(worker, request_id)
         if stream is not None and self.prefill_s_per_token is not None:
             at = time.perf_counter() if now is None else now
             stream.first_token_not_before = at + prompt_tokens_ahead * self.prefill_s_per_token
@@ -119,7 +119,7 @@ class LocalPrefillGuard:
     def first_token(self, worker: str, request_id: str, now: float | None = None) -> None:
         """The prefill worker's first token of ``request_id`` went to the client: its TPOT counts
         from now, while its KV is still to be pulled to ``worker``."""
-        stream = self._streams.get(worker, {}).get(request_id)
+        stream = self._stream(worker, request_id)
         if stream is not None:
             stream.first_token_at, stream.tokens = time.perf_counter() if now is None else now, 1
 
@@ -137,9 +137,12 @@ class LocalPrefillGuard:
         if tokens <= 0:
             return
         self._pace_s[worker] = _averaged(self._pace_s.get(worker), gap_s / tokens)
-        stream = self._streams.get(worker, {}).get(request_id)
+        stream = self._stream(worker, request_id)
         if stream is not None:
             stream.tokens += tokens
+
+    def _stream(self, worker: str, request_id: str) -> _Stream | None:
+        return self._streams.get(worker, {}).get(request_id)
 
     def stream_ended(self, worker: str, request_id: str) -> None:
         streams = self._streams.get(worker, {})

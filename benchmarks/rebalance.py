@@ -41,7 +41,7 @@ class Pinned:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def choose(self, ready: list[Any], prompt: list[int]) -> Any:
+    def choose(self, ready: list[Any], prompt: list[int], adapter: str = "") -> Any:
         return next(member for member in ready if member.name == self.name)
 
     def describe(self) -> str:

@@ -40,6 +40,7 @@ from duet.router.assembly import chat_template, request_service, router_host
 from duet.router.auth import Gatekeeper
 from duet.router.control_channel import start_control_server
 from duet.router.front_ends import FrontEnds, check_exposure
+from duet.router.lora_adapters import AdapterError, AdapterRegistry
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
 
@@ -93,6 +94,9 @@ class Deployment:
     # 1; with one, this process serves), and the private socket (in a directory of its own) on
     # which they reach this control plane.
     front_doors: FrontDoorSet | None = None
+    # The LoRA adapters served (router/lora_adapters.py): changed one at a time, under the lock.
+    adapters: AdapterRegistry | None = None
+    _adapters_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _control_dir: str | None = None
     _control_server: Any = None
     _metrics_server: Any = None
@@ -120,6 +124,7 @@ class Deployment:
         pools = [self.decode] if colocated else [self.prefill, self.decode]
         transport = "none (colocated)" if colocated else self.config.kv_transfer.transport
         self.cluster = ClusterView(self.config.model.name, transport, pools)
+        self.cluster.lora_adapters = self.config.model.adapter_names()
         self.cluster.deployment_id = self.deployment_id or ""
         if server_config.metrics_port is not None:
             try:
@@ -169,6 +174,8 @@ class Deployment:
             self.config, None if colocated else self.prefill, self.decode, engine_limits, self.cluster, gatekeeper
         )
         self.cluster.routing_notes.extend(_conditional_disaggregation_notes(self.config))
+        self.adapters = AdapterRegistry(self.config.model)
+        self.service.adapter_admin = self
         if self.front_doors is None:
             self.front_ends = await FrontEnds.start(
                 self.service, server_config, bind_port, bind_http, chat_template(self.config), AdminServicer(self.service, self)
@@ -180,7 +187,10 @@ class Deployment:
             )
             if self.adopted:
                 self.port, self.http_port = await self.front_doors.adopt(engine_limits)
+                self.adapters.adopt(self.front_doors.adapters)  # loaded by the control plane before
+                self.service.set_adapters(self.adapters.adapters)
             else:
+                self.front_doors.adapters = self.adapters.adapters
                 self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, engine_limits)
         if self.config.autoscale is not None:
             self._start_autoscaler(self.config.autoscale)
@@ -247,6 +257,39 @@ class Deployment:
                 return manager.drain(worker, timeout_s)
         known = ", ".join(m.name for manager in self.managers.values() for m in manager.pool.members)
         raise ScaleError(f"worker: no worker named {worker!r} (workers: {known})")
+
+    async def load_adapter(self, name: str, path: str) -> str:
+        """Serve the LoRA adapter at ``path`` as model ``name`` (the Admin service's
+        LoadLoraAdapter): checked, preloaded on every running engine (a worker started later
+        loads it with its first request), then served by every front door."""
+        assert self.adapters is not None and self.service is not None
+        async with self._adapters_lock:
+            adapter = self.adapters.new_adapter(name, path)
+            members = [member for pool in (self.prefill, self.decode) for member in pool.members if member.engine is not None]
+            results = await asyncio.gather(*(member.engine.add_lora(adapter) for member in members), return_exceptions=True)
+            for member, result in zip(members, results):
+                if isinstance(result, BaseException) and member.state == "ready":
+                    raise AdapterError("invalid", f"lora_path: {member.name} could not load it: {result}")
+            self.adapters.add(adapter)
+            await self._publish_adapters()
+        logger.info("serving LoRA adapter %s from %s", name, adapter.path)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_adapter(self, name: str) -> str:
+        """Stop serving LoRA adapter ``name`` (the Admin service's UnloadLoraAdapter). Requests
+        in flight carry it and finish; the engines drop it from their caches as others are used."""
+        assert self.adapters is not None
+        async with self._adapters_lock:
+            self.adapters.remove(name)
+            await self._publish_adapters()
+        logger.info("stopped serving LoRA adapter %s", name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    async def _publish_adapters(self) -> None:
+        assert self.adapters is not None and self.service is not None
+        self.service.set_adapters(self.adapters.adapters)
+        if self.front_doors is not None:
+            await self.front_doors.set_adapters(self.adapters.adapters)
 
     def manager(self, role: str) -> PoolManager:
         """The manager of pool ``role``; ScaleError naming the roles this deployment has."""

@@ -29,7 +29,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from duet.config import DuetConfig
-from duet.worker_runtime.worker_api import EngineAddresses
+from duet.worker_runtime.worker_api import EngineAddresses, ServedAdapter
 from duet.cluster.actor_names import actor_name, named_actors
 from duet.router.engine_front_end import FrontEndListeners
 from duet.router.front_door import FrontDoor, WorkerSnapshot
@@ -95,6 +95,9 @@ class FrontDoorSet:
     actor_prefix: str | None = None
     # What a (replacement) front door starts serving with: ports and model limits.
     _serving: tuple[int, int | None, tuple[int, int, int]] | None = None
+    # The LoRA adapters served (the config's, and any loaded since): a front door brought up
+    # starts with them; a control plane that takes the front doors over reads them back.
+    adapters: tuple[ServedAdapter, ...] = ()
     _stopping: bool = False
 
     @property
@@ -136,7 +139,9 @@ class FrontDoorSet:
                 try:
                     door.actor = ray.get_actor(full_name)
                     await asyncio.wait_for(door.actor.control_at.remote(self.control.address, self.control.token), _CALL_TIMEOUT_S)
-                    shown, grpc_port, http_port = await asyncio.wait_for(door.actor.serving.remote(), _CALL_TIMEOUT_S)
+                    shown, grpc_port, http_port, self.adapters = await asyncio.wait_for(
+                        door.actor.serving.remote(), _CALL_TIMEOUT_S
+                    )
                 except Exception as error:
                     logger.warning("front door %d could not be taken over: %s", door.index, error)
                     continue
@@ -176,7 +181,7 @@ class FrontDoorSet:
     async def _serve(self, door: _Door) -> tuple[int, int | None, tuple[int, int, int]]:
         assert self._serving is not None
         grpc_port, http_port, limits = self._serving
-        door.pid, bound_grpc, bound_http = await door.actor.start.remote(grpc_port, http_port, limits)
+        door.pid, bound_grpc, bound_http = await door.actor.start.remote(grpc_port, http_port, limits, self.adapters)
         door.state, door.error = "ready", ""
         return bound_grpc, bound_http, limits
 
@@ -230,6 +235,13 @@ class FrontDoorSet:
             await asyncio.wait_for(member.engine.move_client(door.index, addresses), _CALL_TIMEOUT_S)
             member.client_addresses[door.index] = addresses
         await asyncio.wait_for(door.actor.connect.remote(_snapshot(member, pool, door.index)), _CALL_TIMEOUT_S)
+
+    async def set_adapters(self, adapters: tuple[ServedAdapter, ...]) -> None:
+        """Have every serving front door serve exactly ``adapters``, waited for: a load is
+        answered once every front door that answers serves the adapter (one that does not is
+        left to its watch: a dead one's replacement starts with them)."""
+        self.adapters = adapters
+        await asyncio.gather(*(self._call(door, "set_adapters", adapters) for door in self.doors))
 
     def tell(self, method: str, *args: Any) -> None:
         """Tell every front door a worker's ``set_state``, ``lost`` or ``remove``, or the

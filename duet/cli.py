@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
@@ -252,7 +252,8 @@ def _print_status(status: pb.ClusterStatus) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"duet · {status.model} · KV transport {status.kv_transport}")
+    adapters = f" + LoRA {', '.join(status.lora_adapters)}" if status.lora_adapters else ""
+    table = Table(title=f"duet · {status.model}{adapters} · KV transport {status.kv_transport}")
     for column in (
         "pool", "worker", "state", "core", "KV channel", "served", "in flight", "prompt tokens queued", "KV used",
         "prompt tokens transferred / computed", "KV transfers (MiB, GiB/s, failed)", "requests moved out / in (KV + replay)",
@@ -373,6 +374,36 @@ def _drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_make(args: argparse.Namespace) -> int:
+    from duet.worker_runtime.tiny_lora import make_tiny_lora
+
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        print(f"duet: {out} exists and is not a directory; name a directory for the adapter", file=sys.stderr)
+        return 2
+    make_tiny_lora(out, seed=args.seed, rank=args.rank)
+    print(f"duet: wrote a rank-{args.rank} LoRA adapter for the built-in model to {out}")
+    return 0
+
+
+def _lora_load(args: argparse.Namespace) -> int:
+    path = str(Path(args.path).expanduser().resolve())
+    return _lora_change(args, lambda client: client.load_lora_adapter(args.name, path))
+
+
+def _lora_unload(args: argparse.Namespace) -> int:
+    return _lora_change(args, lambda client: client.unload_lora_adapter(args.name))
+
+
+def _lora_change(args: argparse.Namespace, change: Callable[[DuetClient], str]) -> int:
+    with _client(args) as client:
+        try:
+            print(change(client))
+        except grpc.RpcError as error:
+            return _rpc_failure(error, args.target)
+    return 0
+
+
 # ---- parser ------------------------------------------------------------------------------
 
 
@@ -426,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
-    generate.add_argument("--model", default="", help="model name to check against the server's")
+    generate.add_argument("--model", default="", help="the served model's name or one of its LoRA adapters' (default: the model)")
     generate.add_argument("--timeout", type=float, default=300.0)
     _add_client_arguments(generate)
     generate.set_defaults(handler=_generate)
@@ -455,6 +486,33 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--timeout", type=float, help="seconds to wait for its requests (default: router.drain_timeout_s)")
     _add_client_arguments(drain)
     drain.set_defaults(handler=_drain)
+
+    lora = commands.add_parser("lora", help="LoRA adapters for the built-in model")
+    lora_commands = lora.add_subparsers(dest="lora", required=True, metavar="ACTION")
+    make = lora_commands.add_parser(
+        "make", help="write a random-weight LoRA adapter for the built-in model (to try, test or benchmark adapters)",
+        description="Write a PEFT LoRA adapter for the built-in tiny model into DIR, with random weights drawn "
+        "from --seed: the same seed gives the same adapter, different seeds adapters that generate differently. "
+        "Serve it by listing it under model.lora.adapters in the config.",
+    )
+    make.add_argument("out", metavar="DIR", help="directory to write (created if missing)")
+    make.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    make.add_argument("--rank", type=int, default=8, choices=(1, 8, 16, 32, 64), help="the adapter's rank (default 8)")
+    make.set_defaults(handler=_lora_make)
+    load = lora_commands.add_parser(
+        "load", help="serve a LoRA adapter on a running duet, under a model name of its own",
+        description="Preload the PEFT LoRA adapter in PATH on every engine of a running duet, then serve it "
+        "as model NAME from every front door (the deployment needs model.lora in its config; PATH is read on the "
+        "workers' hosts). With API keys, an admin key.",
+    )
+    load.add_argument("name", help="the model name requests will send")
+    load.add_argument("path", help="the adapter's directory, as the workers' hosts see it")
+    _add_client_arguments(load)
+    load.set_defaults(handler=_lora_load)
+    unload = lora_commands.add_parser("unload", help="stop serving a LoRA adapter (requests in flight finish with it)")
+    unload.add_argument("name", help="the adapter's model name")
+    _add_client_arguments(unload)
+    unload.set_defaults(handler=_lora_unload)
 
     from duet.benchmarks.chaos import register_command as register_bench_chaos
     from duet.benchmarks.front_door_cost import register_command as register_bench_front_door

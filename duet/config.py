@@ -7,6 +7,7 @@ out-of-memory deep inside a Ray actor.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +31,83 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
+# vLLM's possible ``max_lora_rank`` values (vllm.config.lora.MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# An adapter's name is a model name clients send and a metric label: kept plain.
+_ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class LoraAdapterConfig(_Strict):
+    """One LoRA adapter on the base model, served under a model name of its own."""
+
+    name: str = Field(pattern=_ADAPTER_NAME)
+    """The model name clients send to get the base model with this adapter applied."""
+    path: str
+    """A local PEFT adapter directory (``adapter_config.json`` and its weights), at the same
+    path on every host that runs a worker (as the model's)."""
+
+    @field_validator("path")
+    @classmethod
+    def _peft_adapter(cls, value: str) -> str:
+        adapter_rank(value)
+        return value
+
+
+def adapter_rank(path: str) -> int:
+    """The rank of the PEFT LoRA adapter at ``path``; ValueError saying what is wrong with it."""
+    directory = Path(path).expanduser()
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path!r} is not a LoRA adapter directory (no adapter_config.json)")
+    try:
+        adapter = json.loads(config_file.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{config_file}: not readable JSON ({error})") from None
+    if not isinstance(adapter, dict) or adapter.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{config_file}: not a LoRA adapter (peft_type must be LORA)")
+    rank = adapter.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{config_file}: r (the adapter's rank) must be a positive integer, got {rank!r}")
+    if not any((directory / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ValueError(f"{path!r} has no adapter weights (adapter_model.safetensors or adapter_model.bin)")
+    return rank
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters served on the base model: every engine can apply any of them."""
+
+    adapters: list[LoraAdapterConfig] = []
+    """The adapters served from the start, each under its own model name."""
+    max_loras: int = Field(default=4, ge=1)
+    """Adapters one engine step may apply at once (vLLM's ``max_loras``); requests for more wait."""
+    max_lora_rank: int = 16
+    """The largest adapter rank served (vLLM's ``max_lora_rank``: one of 1, 8, 16, 32, 64, 128,
+    256, 320, 512); an adapter of a higher rank is refused at start."""
+    max_cpu_loras: int | None = None
+    """Adapters each engine keeps loaded in host memory (vLLM's ``max_cpu_loras``; null: max_loras)."""
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_rank(cls, value: int) -> int:
+        if value not in LORA_RANKS:
+            raise ValueError(f"must be one of {', '.join(map(str, LORA_RANKS))}, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> "LoraConfig":
+        names = [adapter.name for adapter in self.adapters]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"adapters: each name once; repeated: {', '.join(repeated)}")
+        for adapter in self.adapters:
+            rank = adapter_rank(adapter.path)
+            if rank > self.max_lora_rank:
+                raise ValueError(f"adapters: {adapter.name!r} has rank {rank}, above max_lora_rank ({self.max_lora_rank})")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        return self
+
+
 class ModelConfig(_Strict):
     """Which model every worker serves, and the engine settings that must match across roles."""
 
@@ -49,6 +127,8 @@ class ModelConfig(_Strict):
     """Sampling seed of every engine, so seeded requests repeat."""
     chat_template: str | None = None
     """Jinja chat template file for /v1/chat/completions, for models whose tokenizer has none."""
+    lora: LoraConfig | None = None
+    """LoRA adapters on this model (null: none, and the engines start without LoRA support)."""
 
     @field_validator("path")
     @classmethod
@@ -63,6 +143,16 @@ class ModelConfig(_Strict):
         if value is not None and not Path(value).expanduser().is_file():
             raise ValueError(f"{value!r} is not a readable file (a Jinja chat template)")
         return value
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The model names of its LoRA adapters, in the config's order."""
+        return tuple(adapter.name for adapter in self.lora.adapters) if self.lora is not None else ()
+
+    @model_validator(mode="after")
+    def _adapters_named_apart(self) -> "ModelConfig":
+        if self.lora is not None and any(adapter.name == self.name for adapter in self.lora.adapters):
+            raise ValueError(f"lora.adapters: {self.name!r} is the base model's name; give the adapter another")
+        return self
 
 
 class PoolConfig(_Strict):

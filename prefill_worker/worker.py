@@ -45,7 +45,9 @@ async def run_prefill(
     transfer_params = prefill_request_params(transfer, decode_endpoint) if wants_decode else None
     params = make_params(sampling.for_prefill(), transfer_params, False)
     final: Any = None
-    async for output in engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+    async for output in engine.generate(
+        {"prompt_token_ids": prompt_token_ids}, params, request_id, lora_request=sampling.lora_request()
+    ):
         final = output
     completion = final.outputs[0]
     if completion.finish_reason == "abort":  # its worker was found dead, or it was cancelled

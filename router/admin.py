@@ -1,4 +1,5 @@
-"""The ``duet.v1.Admin`` gRPC service: scale pools, drain workers, list them with their states.
+"""The ``duet.v1.Admin`` gRPC service: scale pools, drain workers, list them with their states,
+load and unload LoRA adapters.
 
 It only translates: the pools are changed by the deployment's pool managers
 (cluster/pool_manager.py), reached through :class:`PoolOperator`. When API keys are configured
@@ -12,6 +13,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
 
+from duet.router.lora_adapters import AdapterError
 from duet.router.pools import ScaleError
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
@@ -25,6 +27,10 @@ class PoolOperator(Protocol):
     def scale(self, role: str, replicas: int) -> list[str]: ...
 
     def drain(self, worker: str, timeout_s: float | None) -> str: ...
+
+    async def load_adapter(self, name: str, path: str) -> str: ...
+
+    async def unload_adapter(self, name: str) -> str: ...
 
 
 class AdminServicer:
@@ -60,6 +66,14 @@ class AdminServicer:
         await self._authorize(request, context)
         return await self.service.cluster.status()
 
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(request, context)
+        return await _adapter_change(context, self.operator.load_adapter(request.lora_name, request.lora_path))
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(request, context)
+        return await _adapter_change(context, self.operator.unload_adapter(request.lora_name))
+
     @staticmethod
     async def _change(context: grpc.aio.ServicerContext, change: Callable[[], list[str]]) -> pb.AdminReply:
         try:
@@ -92,6 +106,29 @@ class ForwardingAdmin(AdminServicer):
     async def ListWorkers(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         await self._authorize(request, context)
         return await _forward(context, self.control().ListWorkers(request))
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(request, context)
+        return await _forward(context, self.control().LoadLoraAdapter(request))
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(request, context)
+        return await _forward(context, self.control().UnloadLoraAdapter(request))
+
+
+async def _adapter_change(context: grpc.aio.ServicerContext, change: Awaitable[str]) -> pb.AdminReply:
+    try:
+        return pb.AdminReply(changes=[await change])
+    except AdapterError as error:
+        await context.abort(_ADAPTER_ERROR_CODES[error.kind], str(error))
+        raise  # unreachable: abort raises
+
+
+_ADAPTER_ERROR_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "off": grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 
 async def _forward(context: grpc.aio.ServicerContext, call: Awaitable[Any]) -> Any:

@@ -14,6 +14,7 @@ from duet.worker_runtime.engine import resolve_model_path
 from duet.kv_transfer.config import TRANSPORTS
 from duet.router.auth import Gatekeeper
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
+from duet.router.lora_adapters import served_adapters
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import WorkerPool
 from duet.router.rebalancer import Rebalancer
@@ -29,10 +30,20 @@ def set_policies(config: DuetConfig, prefill: WorkerPool, decode: WorkerPool, en
     prefill_policies = {
         "least_requests": LeastRequests,
         "least_prompt_tokens": LeastPromptTokens,
-        "prefix_affinity": lambda: PrefixAffinity(router.prefix_block_size or engine_block_size, router.load_factor),
+        "prefix_affinity": lambda: PrefixAffinity(
+            router.prefix_block_size or engine_block_size, router.load_factor, adapters_held=_adapters_held(config)
+        ),
     }
     prefill.policy = prefill_policies[router.prefill_policy]()
     decode.policy = {"least_requests": LeastRequests, "least_kv_load": LeastKvLoad}[router.decode_policy]()
+
+
+def _adapters_held(config: DuetConfig) -> int:
+    """LoRA adapters each engine keeps loaded (vLLM's max_cpu_loras, which defaults to max_loras)."""
+    lora = config.model.lora
+    if lora is None:
+        return 1
+    return lora.max_cpu_loras or lora.max_loras
 
 
 def request_service(
@@ -76,6 +87,7 @@ def request_service(
         max_n=api.max_n, max_logprobs=api.max_logprobs,
         max_structured_output_bytes=api.max_structured_output_bytes, max_batch_prompts=api.max_batch_prompts,
         structured_output_timeout_s=api.structured_output_timeout_s,
+        adapters=served_adapters(config.model),
     )
     service = RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
     service.tool_parser = tool_parser_class(api.tool_call_parser, tokenizer)

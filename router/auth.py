@@ -6,7 +6,8 @@ gRPC and over HTTP draw on the same budget:
 
 - ``requests_per_minute``: a token bucket holding up to a minute's worth of requests, refilled
   continuously; an empty bucket answers with the seconds until the next request is allowed;
-- ``max_concurrent_requests``: requests of that key in flight at once.
+- ``max_concurrent_requests``: requests of that key in flight at once;
+- ``models``: the model names (the served model's, its LoRA adapters') the key may request.
 
 Keys come from a YAML file (one entry per key, each with optional quotas of its own) and from an
 environment variable (comma-separated, default quotas), so that secrets can come from a
@@ -40,6 +41,10 @@ class QuotaExceeded(Exception):
         self.retry_after_s = retry_after_s
 
 
+class ModelNotAllowed(Exception):
+    """A key asked for a model it is not allowed (gRPC PERMISSION_DENIED, HTTP 403)."""
+
+
 class _KeyEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -53,7 +58,10 @@ class _KeyEntry(BaseModel):
     """This key's limit on requests in flight (overrides auth.max_concurrent_requests); null is
     unlimited."""
     admin: bool = False
-    """May call the Admin service (scale pools, drain workers)."""
+    """May call the Admin service (scale pools, drain workers, load and unload LoRA adapters)."""
+    models: list[str] | None = None
+    """The model names this key may request: the served model's and its LoRA adapters' (an
+    adapter loaded later included, by its name); null: every one."""
 
 
 class _KeysFile(BaseModel):
@@ -71,6 +79,7 @@ class Caller:
     requests_per_minute: float | None
     max_concurrent_requests: int | None
     admin: bool = False
+    models: frozenset[str] | None = None  # the model names it may request (None: every one)
     inflight: int = 0
     _tokens: float = field(default=0.0, repr=False)
     _refilled_at: float = field(default_factory=time.monotonic, repr=False)
@@ -93,6 +102,16 @@ class Caller:
                 wait,
             )
         self._tokens -= 1.0
+
+    def may_use(self, model: str) -> bool:
+        """Whether this key may request model (or adapter) ``model``."""
+        return self.models is None or model in self.models
+
+    def check_model(self, model: str) -> None:
+        """Raise ModelNotAllowed unless this key may request ``model``."""
+        if not self.may_use(model):
+            allowed = ", ".join(sorted(self.models or ())) or "none"
+            raise ModelNotAllowed(f"API key {self.name!r} may not use model {model!r} (it may use: {allowed})")
 
     def acquire(self) -> None:
         """Take one request slot of this key; raise QuotaExceeded if it has none left.
@@ -166,6 +185,7 @@ class Gatekeeper:
                     entry.requests_per_minute or auth.requests_per_minute,
                     entry.max_concurrent_requests or auth.max_concurrent_requests,
                     admin=entry.admin,
+                    models=frozenset(entry.models) if entry.models is not None else None,
                 )))
         for index, item in enumerate(filter(None, (part.strip() for part in environ.get(auth.api_keys_env, "").split(",")))):
             name, _, secret = item.rpartition(":")

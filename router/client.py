@@ -186,6 +186,16 @@ class DuetClient:
         request = pb.DrainWorkerRequest(worker=worker, timeout_s=timeout_s)
         return list(self._admin.DrainWorker(request, timeout=timeout, metadata=self._metadata).changes)
 
+    def load_lora_adapter(self, name: str, path: str, timeout: float = 60.0) -> str:
+        """Admin: serve the LoRA adapter at ``path`` (on the workers' hosts) as model ``name``."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return self._admin.LoadLoraAdapter(request, timeout=timeout, metadata=self._metadata).changes[0]
+
+    def unload_lora_adapter(self, name: str, timeout: float = 30.0) -> str:
+        """Admin: stop serving LoRA adapter ``name``."""
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        return self._admin.UnloadLoraAdapter(request, timeout=timeout, metadata=self._metadata).changes[0]
+
     def list_workers(self, timeout: float = 10.0) -> pb.ClusterStatus:
         return self._read(lambda: self._admin.ListWorkers(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata))
 

@@ -35,7 +35,7 @@ import grpc
 
 from duet.config import DuetConfig
 from duet.logs import configure_logging
-from duet.worker_runtime.worker_api import EngineAddresses
+from duet.worker_runtime.worker_api import EngineAddresses, ServedAdapter
 from duet.router.actor_channel import ActorChannel
 from duet.router.admin import ForwardingAdmin
 from duet.router.assembly import chat_template, request_service, router_host
@@ -44,6 +44,7 @@ from duet.router.control_channel import control_stub
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.front_ends import FrontEnds
 from duet.router.load_meter import LoadWindow
+from duet.router.lora_adapters import ControlPlaneAdapters
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
@@ -233,12 +234,17 @@ class FrontDoor:
 
     # ---- serving -------------------------------------------------------------------------
 
-    async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> tuple[int, int, int | None]:
+    async def start(
+        self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int], adapters: tuple[ServedAdapter, ...]
+    ) -> tuple[int, int, int | None]:
         """Serve both APIs on the deployment's ports (0: pick one, which the other front doors
-        then share); returns this process's id and the ports."""
+        then share) and the LoRA ``adapters`` the control plane serves; returns this process's
+        id and the ports."""
         gatekeeper = Gatekeeper.from_config(self.config.server.auth)
         prefill, decode = self.pools.get("prefill"), self.pools["decode"]
         self.service = request_service(self.config, prefill, decode, limits, self.cluster, gatekeeper)
+        self.service.set_adapters(adapters)
+        self.service.adapter_admin = ControlPlaneAdapters(lambda: self.cluster.control)
         admin = ForwardingAdmin(self.service, lambda: self.cluster.control)
         self.front_ends = await FrontEnds.start(
             self.service, self.config.server, grpc_port, http_port, chat_template(self.config), admin
@@ -254,11 +260,18 @@ class FrontDoor:
         self._control_channel, self.cluster.control = control_stub(address, token)
         await old.close()
 
-    async def serving(self) -> tuple[pb.FrontEnd, int, int | None]:
-        """What a restarted control plane takes over: this front door and its ports."""
-        if self.front_ends is None:
+    async def serving(self) -> tuple[pb.FrontEnd, int, int | None, tuple[ServedAdapter, ...]]:
+        """What a restarted control plane takes over: this front door, its ports and the LoRA
+        adapters it serves."""
+        if self.front_ends is None or self.service is None:
             raise RuntimeError(f"front door {self.index} is not serving yet")
-        return self.cluster.front_door(self.index), self.front_ends.grpc_port, self.front_ends.http_port
+        door = self.cluster.front_door(self.index)
+        return door, self.front_ends.grpc_port, self.front_ends.http_port, self.service.limits.adapters
+
+    async def set_adapters(self, adapters: tuple[ServedAdapter, ...]) -> None:
+        """Serve exactly these LoRA adapters from now on (the control plane loaded or unloaded one)."""
+        if self.service is not None:
+            self.service.set_adapters(adapters)
 
     async def load_sample(self, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
         """This front door's load since the control plane's last call (its autoscaler)."""

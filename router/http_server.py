@@ -1,9 +1,12 @@
 """duet's OpenAI-compatible HTTP front end (aiohttp), beside the gRPC one on the same service.
 
 Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent
-events, or whole), ``GET /v1/models``, and ``GET /health`` (200 while every pool has a ready
-worker, else 503; no key needed, for load balancers and probes). Errors use OpenAI's JSON shape,
-``{"error": {"message", "type", "param", "code"}}``: 400 naming the field, 401 without a valid key,
+events, or whole), ``GET /v1/models`` (the model and its LoRA adapters), vLLM's
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (admin calls), and ``GET /health``
+(200 while every pool has a ready worker, else 503; no key needed, for load balancers and
+probes). Errors use OpenAI's JSON shape,
+``{"error": {"message", "type", "param", "code"}}``: 400 naming the field, 404 (vLLM's) for an
+unknown model, 401 without a valid key, 403 for an admin call without an admin key,
 413 for an oversized body, 429 with ``Retry-After`` over a quota or the admission limit, 503 when
 the request cannot be served, 500 with ``x-should-retry: false`` for a request that crashed the
 engines that held it (router/lifecycle.py). A client that disconnects cancels its request, which aborts it on
@@ -18,18 +21,21 @@ import math
 import ssl
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
+from duet.router.auth import Caller, ModelNotAllowed, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestCrashesEngines, StreamEvent
+from duet.router.lora_adapters import AdapterAdmin, AdapterError
 from duet.router.openai_protocol import (
     ChatCompletionRequest,
     openai_name,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     chat_to_validated,
     completion_to_validated,
     detokenize,
@@ -39,7 +45,7 @@ from duet.router.openai_protocol import (
 from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
 from duet.router.openai_replies import Reply, Sequence
 from duet.router.tool_calls import ToolCalling
-from duet.router.validation import InvalidRequest
+from duet.router.validation import InvalidRequest, UnknownModel
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +83,15 @@ class ApiError(Exception):
 
 def _api_error(error: Exception) -> ApiError:
     """The HTTP answer for an exception from parsing, authentication or serving."""
+    if isinstance(error, UnknownModel):  # as vLLM's server answers it
+        message = f"The model `{error.model}` does not exist. Valid aliases: {error.base}."
+        return ApiError(404, message, "NotFoundError", param="model", code=404)
     if isinstance(error, InvalidRequest):
         return ApiError(400, str(error), "invalid_request_error", param=error.field)
     if isinstance(error, Unauthenticated):
         return ApiError(401, str(error), "authentication_error", code="invalid_api_key")
+    if isinstance(error, ModelNotAllowed):
+        return ApiError(403, str(error), "permission_error", param="model")
     if isinstance(error, QuotaExceeded):
         return ApiError(429, str(error), "rate_limit_error", code="rate_limit_exceeded", retry_after_s=error.retry_after_s)
     if isinstance(error, Overloaded):
@@ -107,6 +118,8 @@ class OpenAIFrontEnd:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         from duet.router.anthropic_api import AnthropicMessages  # built on this module
         from duet.router.responses_api import Responses
 
@@ -131,19 +144,53 @@ class OpenAIFrontEnd:
         parsed = parse(DetokenizeRequest, await _json_body(request, self.max_body_bytes))
         return web.json_response({"prompt": detokenize(parsed, self.service.limits, self.service.tokenizer)})
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/load_lora_adapter``: serve an adapter from every front door (an admin
+        call: with API keys, admin keys only)."""
+        parsed = parse(LoadLoraAdapterRequest, await self._admin_body(request))
+        return await self._adapter_change(self._adapter_admin().load_adapter(parsed.lora_name, parsed.lora_path))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/unload_lora_adapter``: stop serving an adapter (an admin call)."""
+        parsed = parse(UnloadLoraAdapterRequest, await self._admin_body(request))
+        return await self._adapter_change(self._adapter_admin().unload_adapter(parsed.lora_name))
+
+    async def _admin_body(self, request: web.Request) -> object:
+        caller = self.service.authenticate(request.headers.get("Authorization"))
+        if self.service.gatekeeper.enabled and not caller.admin:
+            raise ApiError(403, f"API key {caller.name!r} is not an admin key", "permission_error")
+        return await _json_body(request, self.max_body_bytes)
+
+    def _adapter_admin(self) -> AdapterAdmin:
+        assert self.service.adapter_admin is not None, "every front door is given the deployment's adapter admin"
+        return self.service.adapter_admin
+
+    @staticmethod
+    async def _adapter_change(change: Awaitable[str]) -> web.Response:
+        try:
+            return web.Response(text=await change)
+        except AdapterError as error:  # vLLM's statuses and error types for these endpoints
+            status, kind = (404, "NotFoundError") if error.kind == "not_found" else (400, "InvalidUserInput")
+            raise ApiError(status, str(error), kind, code=status) from None
+
     async def health(self, request: web.Request) -> web.Response:
         if self.service.is_ready():
             return web.Response(status=200)
         raise ApiError(503, "no ready worker in every pool", "service_unavailable_error")
 
     async def models(self, request: web.Request) -> web.Response:
-        self.service.authenticate(request.headers.get("Authorization"))
+        caller = self.service.authenticate(request.headers.get("Authorization"))
         limits = self.service.limits
-        model = {
+        base = {
             "id": limits.name, "object": "model", "created": 0, "owned_by": "duet",
             "root": limits.name, "parent": None, "max_model_len": limits.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        # As vLLM lists its LoRA modules: the adapter's directory as root, the base as parent.
+        adapters = [
+            {**base, "id": adapter.name, "root": adapter.path, "parent": limits.name} for adapter in limits.adapters
+        ]
+        listed = [model for model in (base, *adapters) if caller.may_use(model["id"])]  # a key sees what it may use
+        return web.json_response({"object": "list", "data": listed})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -189,11 +236,14 @@ class OpenAIFrontEnd:
                 prompts = completion_to_validated(parsed, limits, tokenizer, request_id, verify)
                 top_logprobs, tools = parsed.logprobs, None
             await self.service.check_constraints(prompts)
+        except UnknownModel:
+            self.service.cluster.reject("invalid")
+            raise
         except InvalidRequest as error:
             self.service.cluster.reject("invalid")
             raise InvalidRequest(openai_name(error.field), error.problem) from None
         reply = Reply(
-            chat, limits.name, prompts, prompts[0].n, parsed.return_token_ids, tokenizer,
+            chat, parsed.model or limits.name, prompts, prompts[0].n, parsed.return_token_ids, tokenizer,
             echo=not chat and parsed.echo, echo_only=not chat and parsed.echo and parsed.max_tokens == 0,
             top_logprobs=top_logprobs, tools=tools if chat and tools is not None and tools.active else None,
         )

@@ -395,7 +395,7 @@ class RequestLifecycle:
         prompt = round_.prompt_token_ids
         source = round_.moved.source if round_.moved is not None else None
         decode_worker = self._moved_target(round_.moved) or await self.decode_pool.acquire(
-            self.policy.worker_wait_s, prompt, avoid=source
+            self.policy.worker_wait_s, prompt, avoid=source, adapter=round_.sampling.lora_name
         )
         if round_.moved is not None:
             return self._moved_round(round_, decode_worker, round_.moved)
@@ -429,7 +429,9 @@ class RequestLifecycle:
         guard.stream_assigned(assigned_to, request_id, round_.sampling.max_tokens)
         try:
             with decode_worker.assign(len(prompt)):  # counted there from now, not once its KV arrives
-                prefill_worker = await self.prefill_pool.acquire(self.policy.worker_wait_s, prompt)
+                prefill_worker = await self.prefill_pool.acquire(
+                    self.policy.worker_wait_s, prompt, adapter=round_.sampling.lora_name
+                )
                 round_.prefill_worker = prefill_worker.name
                 guard.queued_behind(assigned_to, request_id, prefill_worker.outstanding_tokens)
                 result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
@@ -493,7 +495,9 @@ class RequestLifecycle:
         """``decode_worker``, or another ready one if it failed or began draining meanwhile;
         recorded as the round's decode worker."""
         if decode_worker.state != "ready":
-            decode_worker = await self.decode_pool.acquire(self.policy.worker_wait_s, round_.prompt_token_ids)
+            decode_worker = await self.decode_pool.acquire(
+                self.policy.worker_wait_s, round_.prompt_token_ids, adapter=round_.sampling.lora_name
+            )
         round_.decode_worker = decode_worker.name
         return decode_worker
 

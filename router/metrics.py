@@ -29,7 +29,7 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry  # for the autoscaler's metrics, on the same endpoint
         self.requests = Counter(
-            "duet_requests", "Requests by outcome: served, failed, cancelled, invalid, overloaded, quota, unauthenticated.", ["outcome"], registry=registry
+            "duet_requests", "Requests by outcome: served, failed, cancelled, invalid, overloaded, quota, unauthenticated, forbidden (a model the key may not use).", ["outcome"], registry=registry
         )
         self.inflight = Gauge("duet_requests_inflight", "Requests being served.", registry=registry)
         self.prefills = Counter(

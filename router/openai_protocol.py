@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.tool_calls import ToolCalling
 from duet.router.validation import (
-    InvalidRequest, ModelLimits, SamplingVerifier, Tokenizer, ValidatedRequest, check_model, check_token_ids, validate,
+    InvalidRequest, ModelLimits, SamplingVerifier, Tokenizer, UnknownModel, ValidatedRequest, check_model, check_token_ids,
+    validate,
 )
 
 # gRPC field paths (as validate() names them) and the OpenAI parameters they came from.
@@ -286,6 +287,8 @@ def _validated(
 ) -> ValidatedRequest:
     try:
         return validate(grpc_request, limits, tokenizer, verify)
+    except UnknownModel:
+        raise  # answered as vLLM answers it (404), not as a bad field
     except InvalidRequest as error:
         field = prompt_field if error.field in ("prompt", "prompt_token_ids") else openai_name(error.field)
         raise InvalidRequest(field, error.problem) from None
@@ -367,6 +370,22 @@ def render_chat(
     except Exception as error:  # a template's own raise_exception() (e.g. roles out of order)
         raise InvalidRequest("messages", f"the chat template rejected them: {error}") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[call-arg]
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's ``/v1/load_lora_adapter`` body (loading in place is not offered: load new weights
+    under a new name, so that no prefix cached with the old weights is reused)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's ``/v1/unload_lora_adapter`` body; its ``lora_int_id`` is accepted and unused
+    (duet's ids are its own)."""
+
+    lora_name: str = ""
+    lora_int_id: int | None = None
 
 
 class TokenizeRequest(_Strict):

@@ -121,13 +121,13 @@ class WorkerPool:
     def ready(self) -> list[PoolMember]:
         return [member for member in self.members if member.state == "ready"]
 
-    def pick(self, prompt: list[int] | None = None, avoid: str | None = None) -> PoolMember:
-        """The ready member the pool's policy chooses for ``prompt``; not the one named
-        ``avoid`` unless it is the only one ready."""
+    def pick(self, prompt: list[int] | None = None, avoid: str | None = None, adapter: str = "") -> PoolMember:
+        """The ready member the pool's policy chooses for ``prompt`` under the LoRA ``adapter``
+        ("" for the base model); not the one named ``avoid`` unless it is the only one ready."""
         ready = [member for member in self.ready() if member.name != avoid] or self.ready()
         if not ready:
             raise NoWorkerAvailable(f"no {self.role} worker is ready")
-        return self.policy.choose(ready, prompt or [])
+        return self.policy.choose(ready, prompt or [], adapter)
 
     def find(self, name: str) -> PoolMember | None:
         return next((member for member in self.members if member.name == name), None)
@@ -146,13 +146,15 @@ class WorkerPool:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def acquire(self, timeout_s: float, prompt: list[int] | None = None, avoid: str | None = None) -> PoolMember:
+    async def acquire(
+        self, timeout_s: float, prompt: list[int] | None = None, avoid: str | None = None, adapter: str = ""
+    ) -> PoolMember:
         """Pick a ready member (see :meth:`pick`), waiting up to ``timeout_s`` for one (e.g.
         during a restart)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return self.pick(prompt, avoid)
+                return self.pick(prompt, avoid, adapter)
             except NoWorkerAvailable:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not any(m.state in _COMING for m in self.members):

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from duet.config import TlsConfig
-from duet.router.auth import Caller, QuotaExceeded, Unauthenticated
+from duet.router.auth import Caller, ModelNotAllowed, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestCrashesEngines, StreamEvent
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
@@ -142,6 +142,8 @@ class DuetServicer:
                 str(error),
                 trailing_metadata=(("retry-after", str(max(1, math.ceil(error.retry_after_s)))),),
             )
+        except ModelNotAllowed as error:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
         except Unavailable as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except RequestCrashesEngines as error:  # INTERNAL: a status clients do not retry

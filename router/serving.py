@@ -15,14 +15,15 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
-from duet.router.auth import Caller, Gatekeeper, QuotaExceeded, Unauthenticated
+from duet.router.auth import Caller, Gatekeeper, ModelNotAllowed, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestCrashesEngines, RequestFailed, RequestLifecycle, StreamEvent
 from duet.router.rebalancer import Rebalancer
 from duet.router.load_meter import LoadMeter
+from duet.router.lora_adapters import AdapterAdmin
 from duet.router.pools import NoWorkerAvailable
 from duet.router.status import ClusterView
 from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, ValidatedRequest, verify_spec
-from duet.worker_runtime.worker_api import SamplingSpec
+from duet.worker_runtime.worker_api import SamplingSpec, ServedAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,14 @@ class RequestService:
     rebalancer: Rebalancer | None = None
     # vLLM's tool-call parser class for chat requests with tool_choice "auto" (api.tool_call_parser).
     tool_parser: Any = None
+    # Loads and unloads LoRA adapters for the whole deployment: the control plane itself, or
+    # this front door's channel to it (router/lora_adapters.py).
+    adapter_admin: AdapterAdmin | None = None
+
+    def set_adapters(self, adapters: tuple[ServedAdapter, ...]) -> None:
+        """Serve exactly these LoRA adapters from now on (the control plane's list)."""
+        self.limits = replace(self.limits, adapters=adapters)
+        self.cluster.lora_adapters = tuple(adapter.name for adapter in adapters)
 
     def authenticate(self, authorization: str | None) -> Caller:
         """The caller an ``Authorization`` header (or gRPC metadata) value names; raises
@@ -101,9 +110,14 @@ class RequestService:
     async def generate(self, request: ValidatedRequest, caller: Caller) -> AsyncIterator[StreamEvent]:
         """Serve ``request`` for ``caller``, streaming its events.
 
-        Raises QuotaExceeded or Overloaded before any worker is touched, Unavailable when it
+        Raises ModelNotAllowed, QuotaExceeded or Overloaded before any worker is touched, Unavailable when it
         cannot be served, RequestCrashesEngines when it must not be retried; a consumer that stops early (client gone) aborts it on the workers.
         """
+        try:
+            caller.check_model(request.sampling.lora_name or self.limits.name)
+        except ModelNotAllowed:
+            self.cluster.reject("forbidden")
+            raise
         try:
             caller.acquire()
         except QuotaExceeded:

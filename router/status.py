@@ -26,6 +26,7 @@ _KV_USAGE = "vllm:kv_cache_usage_perc"
 class ClusterView:
     def __init__(self, model: str, transport: str, pools: list[WorkerPool]) -> None:
         self.model = model
+        self.lora_adapters: tuple[str, ...] = ()  # the model names of its LoRA adapters
         self.transport = transport
         self.pools = pools
         self.inflight = 0
@@ -90,6 +91,7 @@ class ClusterView:
         _add_migrations(pools, front_ends)
         return pb.ClusterStatus(
             model=self.model,
+            lora_adapters=self.lora_adapters,
             pools=pools,
             requests_served=sum(front_end.requests_served for front_end in front_ends),
             requests_inflight=sum(front_end.requests_inflight for front_end in front_ends),

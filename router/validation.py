@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from duet.worker_runtime.worker_api import SamplingSpec
+from duet.worker_runtime.worker_api import SamplingSpec, ServedAdapter
 from duet.router.proto import duet_api_pb2 as pb
 
 
@@ -25,6 +25,15 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
+
+
+class UnknownModel(InvalidRequest):
+    """A request naming a model this deployment does not serve (vLLM's server answers 404)."""
+
+    def __init__(self, model: str, base: str, served: list[str]) -> None:
+        super().__init__("model", f"unknown model {model!r}; this deployment serves {', '.join(map(repr, served))}")
+        self.model = model
+        self.base = base  # the model's own name (vLLM's "valid aliases")
 
 
 class Tokenizer(Protocol):
@@ -44,6 +53,12 @@ class ModelLimits:
     max_structured_output_bytes: int = 64 * 1024
     max_batch_prompts: int = 64
     structured_output_timeout_s: float = 5.0
+    # LoRA adapters on the model, each a model name of its own.
+    adapters: tuple[ServedAdapter, ...] = ()
+
+    def served_names(self) -> list[str]:
+        """Every model name a request may send: the base model's, then its adapters'."""
+        return [self.name, *(adapter.name for adapter in self.adapters)]
 
 
 @dataclass(frozen=True)
@@ -82,7 +97,7 @@ def validate(
     request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, verify: SamplingVerifier | None = None
 ) -> ValidatedRequest:
     """Check ``request`` field by field; raise :class:`InvalidRequest` on the first problem."""
-    check_model(request.model, limits)
+    adapter = check_model(request.model, limits)
     prompt_ids = _prompt_token_ids(request, limits, tokenizer)
     max_tokens = _max_tokens(request.max_tokens, len(prompt_ids), limits)
     resume_after = _resume_after(request, limits, max_tokens)
@@ -139,6 +154,9 @@ def validate(
         ),
         structured_kind=structured_kind,
         structured_value=structured_value,
+        lora_name=adapter.name if adapter else "",
+        lora_id=adapter.lora_id if adapter else 0,
+        lora_path=adapter.path if adapter else "",
     )
     verify_spec(spec, verify)
     return ValidatedRequest(
@@ -226,10 +244,14 @@ def _refused_field(error: Exception, spec: SamplingSpec) -> str:
     return "sampling.structured_output" if spec.structured_kind else "sampling"
 
 
-def check_model(model: str, limits: ModelLimits) -> None:
-    """A request may name the served model, or none."""
-    if model and model != limits.name:
-        raise InvalidRequest("model", f"unknown model {model!r}; this deployment serves {limits.name!r}")
+def check_model(model: str, limits: ModelLimits) -> ServedAdapter | None:
+    """The adapter a request's ``model`` names; None for the base model (or no name)."""
+    if not model or model == limits.name:
+        return None
+    for adapter in limits.adapters:
+        if adapter.name == model:
+            return adapter
+    raise UnknownModel(model, limits.name, limits.served_names())
 
 
 def check_token_ids(ids: list[int], field: str, limits: ModelLimits) -> None:

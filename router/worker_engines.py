@@ -21,7 +21,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
-from duet.worker_runtime.worker_api import DecodeChunk, EngineExit, PrefillResult, SamplingSpec, WorkerStatus
+from duet.worker_runtime.worker_api import DecodeChunk, EngineExit, PrefillResult, SamplingSpec, ServedAdapter, WorkerStatus
 from duet.worker_runtime.worker_channel import sampling_to_wire
 from duet.router.actor_channel import ActorChannel, ChannelClosed
 
@@ -130,6 +130,10 @@ class WorkerEngine(Protocol):
         ...
 
     async def reset_prefix_cache(self) -> None: ...
+
+    async def add_lora(self, adapter: ServedAdapter) -> None:
+        """Load ``adapter`` into the engine ahead of its first request (raises if it cannot be loaded)."""
+        ...
 
     def lost(self, error: BaseException) -> None:
         """The worker was found dead or removed: end its requests now, with :class:`EngineLost`."""
@@ -240,6 +244,10 @@ class ActorEngine:
 
     async def reset_prefix_cache(self) -> None:
         await self.actor.reset_prefix_cache.remote()
+
+    async def add_lora(self, adapter: ServedAdapter) -> None:
+        """Nothing to load: a SIMULATED engine computes no model (requests with an adapter are
+        timed as the base model's)."""
 
     def lost(self, error: BaseException) -> None:
         self.channel.fail_all(f"the worker was found dead ({type(error).__name__}: {error})")

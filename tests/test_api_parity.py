@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,10 +20,9 @@ from typing import Any
 import openai
 import pytest
 
-from duet.kv_transfer.ports import free_port
 from duet.router.client import build_request
 from duet.router.proto import duet_api_pb2 as pb
-from duet.worker_runtime.engine import resolve_model_path
+from vllm_server import http_post, running_vllm_server
 
 PROMPT = "The router sends the prompt to a prefill worker"
 LOGPROB_TOLERANCE = 1e-4
@@ -41,58 +37,14 @@ JSON_SCHEMA = {
 @pytest.fixture(scope="module")
 def vllm_server(deployment) -> Iterator[int]:
     """vLLM's own OpenAI server on the deployment's model and engine settings; its port."""
-    model = deployment.config.model
-    port = free_port("127.0.0.1")
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(resolve_model_path(model)), "--served-model-name", model.name,
-        "--dtype", model.dtype, "--seed", str(model.seed), "--enforce-eager",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-    ]
-    if model.max_model_len is not None:
-        command += ["--max-model-len", str(model.max_model_len)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while _get(port, "/health") != 200:
-            assert server.poll() is None, f"vLLM's server exited: {server.stderr.read().decode()[-3000:]}"  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "vLLM's server did not become healthy in 300 s"
-            time.sleep(1)
+    with running_vllm_server(deployment.config.model, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as port:
         yield port
-    finally:
-        os.killpg(server.pid, 15)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-            server.wait(30)
-
-
-def _get(port: int, path: str) -> int:
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-        connection.request("GET", path)
-        return connection.getresponse().status
-    except OSError:
-        return 0
-
-
-def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    try:
-        connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        reply = connection.getresponse()
-        return reply.status, json.loads(reply.read())
-    finally:
-        connection.close()
 
 
 def _both(deployment, vllm_port: int, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     body = {"model": deployment.config.model.name, **body}
-    duet_status, duet_reply = _post(deployment.http_port, path, body)
-    vllm_status, vllm_reply = _post(vllm_port, path, body)
+    duet_status, duet_reply = http_post(deployment.http_port, path, body)
+    vllm_status, vllm_reply = http_post(vllm_port, path, body)
     assert vllm_status == 200, f"vLLM refused {body}: {vllm_reply}"
     assert duet_status == 200, f"duet refused what vLLM answers ({body}): {duet_reply}"
     return duet_reply, vllm_reply
@@ -236,9 +188,9 @@ def test_structured_outputs_hold_their_constraint(deployment):
         ({"structured_outputs": {"regex": pattern}}, lambda text: re.fullmatch(pattern, text) is not None),
         ({"structured_outputs": {"choice": ["prefill", "decode"]}}, lambda text: text in ("prefill", "decode")),
     ):
-        _, reply = _post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, "temperature": 0.8, "seed": 4, **constraint})
+        _, reply = http_post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, "temperature": 0.8, "seed": 4, **constraint})
         assert holds(reply["choices"][0]["text"]), (constraint, reply["choices"][0])
-    _, reply = _post(deployment.http_port, "/v1/chat/completions", {
+    _, reply = http_post(deployment.http_port, "/v1/chat/completions", {
         "messages": MESSAGES, "max_tokens": 200, "temperature": 0.0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": JSON_SCHEMA}},
     })
@@ -275,7 +227,7 @@ def test_streams_carry_the_same_choices_and_logprobs(deployment):
 
 def test_grpc_carries_the_same_features(deployment, client):
     """The gRPC API's fields give what the OpenAI endpoint gives for the same request."""
-    _, reply = _post(deployment.http_port, "/v1/completions", {
+    _, reply = http_post(deployment.http_port, "/v1/completions", {
         "prompt": PROMPT, "max_tokens": 12, "n": 2, "temperature": 1.0, "seed": 9, "logprobs": 2,
         "presence_penalty": 0.7, "structured_outputs": {"regex": "[a-z ]{5,40}"}, "return_token_ids": True,
     })
@@ -322,7 +274,7 @@ BAD = [
 def test_bad_new_fields_are_400_naming_the_field(deployment, worker_status, path, fields, field):
     base = {"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT}
     served = worker_status("prefill").requests_served
-    status, reply = _post(deployment.http_port, path, {**base, "max_tokens": 4, **fields})
+    status, reply = http_post(deployment.http_port, path, {**base, "max_tokens": 4, **fields})
     assert status == 400, reply
     assert reply["error"]["param"] == field, reply
     assert worker_status("prefill").requests_served == served, "a refused request reached a worker"
@@ -333,9 +285,9 @@ def test_n_counts_against_admission(deployment):
     limit = service.max_inflight
     service.max_inflight = 3
     try:
-        status, reply = _post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 4})
+        status, reply = http_post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 4})
         assert status == 429 and reply["error"]["code"] == "overloaded"
-        status, reply = _post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 3})
+        status, reply = http_post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 3})
         assert status == 200 and len(reply["choices"]) == 3
     finally:
         service.max_inflight = limit
@@ -487,7 +439,7 @@ def test_n_sequences_compute_their_prompt_once(deployment, worker_status):
     computed = "vllm:prompt_tokens_by_source_total{source=local_compute}"
     prompt = [random.Random(11).randrange(3, 700) for _ in range(900)]
     before = worker_status("prefill").engine_metrics.get(computed, 0.0)
-    status, reply = _post(deployment.http_port, "/v1/completions", {
+    status, reply = http_post(deployment.http_port, "/v1/completions", {
         "prompt": prompt, "max_tokens": 4, "n": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True,
     })
     assert status == 200 and len(reply["choices"]) == 3
@@ -508,11 +460,11 @@ def test_a_constraint_slow_to_compile_is_refused_without_stalling_the_front_door
     service.limits = replace(limits, structured_output_timeout_s=1e-6)
     try:
         schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)}}
-        status, reply = _post(deployment.http_port, "/v1/completions", {
+        status, reply = http_post(deployment.http_port, "/v1/completions", {
             "prompt": PROMPT, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
         })
         assert status == 400 and reply["error"]["param"] == "structured_outputs" and "did not compile" in reply["error"]["message"]
     finally:
         service.limits = limits
-    status, reply = _post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+    status, reply = http_post(deployment.http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
     assert status == 200

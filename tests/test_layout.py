@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # What the control plane may use of the serving path: the front-door actor and how a front door
 # is assembled, the membership interface (pools and the engines' front ends in them), the
-# Admin service it answers, and the status and metrics views. Not its internals: routing
+# Admin service it answers, the LoRA adapters it serves, and the status and metrics views. Not its internals: routing
 # policies, the request lifecycle, validation, the wire formats, the API servers themselves.
 SERVING_PATH_INTERFACE = {
     "actor_channel",
@@ -35,6 +35,7 @@ SERVING_PATH_INTERFACE = {
     "front_door",
     "front_ends",
     "load_meter",
+    "lora_adapters",
     "metrics",
     "pools",
     "proto",

@@ -194,7 +194,6 @@ BAD_BODIES = [
     ("out of range", _completion(temperature=-1), "temperature"),
     ("too long for the model", _completion(max_tokens=10**6), "max_tokens"),
     ("unsupported feature", _completion(use_beam_search=True), "use_beam_search"),
-    ("unknown model", _completion(model="gpt-9"), "model"),
 ]
 
 
@@ -205,6 +204,15 @@ def test_bad_input_is_400_naming_the_field(deployment, case, body, field):
     error = reply["error"]
     assert error["param"] == field and error["message"].startswith(f"{field}:")
     assert error["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_404_as_vllm_answers_it(deployment):
+    status, reply = _request(deployment.http_port, "POST", "/v1/completions", _completion(model="gpt-9"))
+    assert status == 404, reply
+    assert reply["error"] == {
+        "message": "The model `gpt-9` does not exist. Valid aliases: duet-tiny-llama.", "type": "NotFoundError",
+        "param": "model", "code": 404,
+    }
 
 
 def test_bad_chat_input_names_the_field(deployment):

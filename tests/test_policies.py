@@ -216,3 +216,24 @@ def test_short_prompts_do_not_set_the_prefill_cost():
     guard.prefilled(200, 0.02)
     guard.prefilled(200, 0.04)
     assert guard.prefill_s_per_token == pytest.approx(0.0001 + 0.1 * 0.0001)
+
+
+def test_prefix_affinity_keys_prefixes_by_adapter_and_prefers_workers_holding_it():
+    """An adapter's prefix is another cache entry than the base model's (vLLM keys blocks by
+    adapter); among equal prefixes, a worker that recently served the adapter (it need not
+    load it), until it falls out of the last ``adapters_held``."""
+    policy = PrefixAffinity(block_size=4, slack_tokens=0, adapters_held=2)
+    a, b = PoolMember("a", actor=None), PoolMember("b", actor=None)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    assert policy.block_hashes(prompt, "lora-x") != policy.block_hashes(prompt)
+    policy._remember(a.name, policy.block_hashes(prompt))  # a holds the base model's prefix
+    b.outstanding_tokens = 10  # a is also the less loaded
+    assert policy.choose([a, b], prompt, "lora-x") is a  # nobody holds the adapter: least loaded
+    assert policy.holds_adapter("a", "lora-x") and not policy.holds_adapter("b", "lora-x")
+    a.outstanding_tokens = 20  # now a is the busier, but holds lora-x
+    assert policy.choose([a, b], [1, 2, 3], "lora-x") is a
+    assert policy.choose([a, b], [1, 2, 3], "lora-y") is b  # nobody holds lora-y: the less loaded
+    policy.choose([a], [1, 2, 3], "lora-y")  # a holds lora-x, lora-y
+    assert policy.holds_adapter("a", "lora-x")
+    policy.choose([a], [1, 2, 3], "lora-z")  # a's third adapter pushes out the least recent
+    assert not policy.holds_adapter("a", "lora-x") and policy.holds_adapter("a", "lora-z")

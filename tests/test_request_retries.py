@@ -42,7 +42,7 @@ class _FirstReady:
 
     name = "first_ready"
 
-    def choose(self, ready: list[PoolMember], prompt: list[int]) -> PoolMember:
+    def choose(self, ready: list[PoolMember], prompt: list[int], adapter: str = "") -> PoolMember:
         return ready[0]
 
     def describe(self) -> str:

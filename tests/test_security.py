@@ -31,6 +31,7 @@ from certs import make_certificates
 ALICE = "alice-key-7f3a9c2e"  # two requests per minute
 BOB = "bob-key-d41b66f0"  # one request at a time
 ROOT = "root-key-5c0ffee1"  # may call the Admin service
+CAROL = "carol-key-0a11ce55"  # may use one LoRA adapter only, not the base model
 PROMPT = "The router sends the prompt to a prefill worker"
 
 
@@ -46,6 +47,7 @@ def keys_file(tmp_path_factory) -> str:
         {"name": "alice", "key": ALICE, "requests_per_minute": 2},
         {"name": "bob", "key": BOB, "max_concurrent_requests": 1},
         {"name": "root", "key": ROOT, "admin": True},
+        {"name": "carol", "key": CAROL, "models": ["support-lora"]},
     ]}))
     return str(path)
 
@@ -236,6 +238,33 @@ def test_concurrency_quota_on_both_apis(tls_pair, certs):
             except openai.RateLimitError:
                 assert time.monotonic() < deadline, "bob's slot was not released after his request ended"
                 time.sleep(0.1)
+
+
+def test_a_key_limited_to_some_models_is_refused_the_others_and_sees_only_its_own(tls_pair, certs):
+    """carol may use the adapter ``support-lora`` only: the base model is refused over both APIs
+    before any worker is touched (403 / PERMISSION_DENIED, naming what she may use), and
+    ``/v1/models`` lists nothing else to her; the other keys see the model."""
+    sdk = _sdk(tls_pair, certs, key=CAROL)
+    with pytest.raises(openai.PermissionDeniedError) as http_refusal:
+        sdk.completions.create(model="duet-tiny-llama", prompt=PROMPT, max_tokens=2)
+    assert "may not use model 'duet-tiny-llama'" in http_refusal.value.message and "support-lora" in http_refusal.value.message
+    with _grpc_client(tls_pair, certs, key=CAROL, client_cert=False) as client:
+        with pytest.raises(grpc.RpcError) as grpc_refusal:
+            _generate(client)
+    assert grpc_refusal.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert [model.id for model in sdk.models.list()] == []
+    assert [model.id for model in _sdk(tls_pair, certs, key=ROOT).models.list()] == ["duet-tiny-llama"]
+
+
+def test_only_admin_keys_may_load_lora_adapters(tls_pair, certs):
+    """vLLM's adapter endpoints are admin calls: bob's key is refused (403) before the body is
+    read; root's reaches the deployment, whose config has no LoRA (400 saying how to turn it on)."""
+    for key, status, words in ((BOB, 403, "not an admin key"), (ROOT, 400, "set model.lora")):
+        reply = httpx.post(
+            f"https://localhost:{tls_pair.http_port}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"},
+            headers={"Authorization": f"Bearer {key}"}, verify=certs.ca, timeout=30,
+        )
+        assert reply.status_code == status and words in reply.json()["error"]["message"], reply.text
 
 
 # ---- configuration -----------------------------------------------------------------------

@@ -52,6 +52,15 @@ def engine_kwargs(
     }
     if model.max_model_len is not None:
         kwargs["max_model_len"] = model.max_model_len
+    if model.lora is not None:
+        # Every engine of every role can apply every adapter: prefill and decode must agree on
+        # it for disaggregated output to equal colocated (and for prefix-cache keys to match).
+        kwargs.update(
+            enable_lora=True,
+            max_loras=model.lora.max_loras,
+            max_lora_rank=model.lora.max_lora_rank,
+            max_cpu_loras=model.lora.max_cpu_loras,
+        )
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
     return kwargs

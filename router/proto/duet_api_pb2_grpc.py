@@ -185,6 +185,16 @@ class AdminStub:
                 request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/duet.v1.Admin/LoadLoraAdapter',
+                request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/duet.v1.Admin/UnloadLoraAdapter',
+                request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -215,6 +225,23 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serves a LoRA adapter from a local directory under a model name of its own, from every
+        front door, after preloading it on every engine (vLLM's /v1/load_lora_adapter; needs
+        model.lora in the config). INVALID_ARGUMENT names what is wrong with the adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving a LoRA adapter (vLLM's /v1/unload_lora_adapter): new requests naming it are
+        refused; requests in flight finish with it. NOT_FOUND if it is not served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +259,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.GetStatusRequest.FromString,
                     response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.ClusterStatus.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +356,60 @@ class Admin:
             '/duet.v1.Admin/ListWorkers',
             duet_dot_router_dot_proto_dot_duet__api__pb2.GetStatusRequest.SerializeToString,
             duet_dot_router_dot_proto_dot_duet__api__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Admin/LoadLoraAdapter',
+            duet_dot_router_dot_proto_dot_duet__api__pb2.LoadLoraAdapterRequest.SerializeToString,
+            duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Admin/UnloadLoraAdapter',
+            duet_dot_router_dot_proto_dot_duet__api__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
             options,
             channel_credentials,
             insecure,

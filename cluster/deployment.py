@@ -137,6 +137,7 @@ class Deployment:
                 ) from None
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
+        self.adapters = AdapterRegistry(self.config.model)  # each new engine loads them before serving
         if server_config.front_doors_apart:
             self.front_doors = FrontDoorSet(
                 self.config, router_host(self.config), self._control_endpoint(), pools, actor_prefix=self.deployment_id,
@@ -174,7 +175,6 @@ class Deployment:
             self.config, None if colocated else self.prefill, self.decode, engine_limits, self.cluster, gatekeeper
         )
         self.cluster.routing_notes.extend(_conditional_disaggregation_notes(self.config))
-        self.adapters = AdapterRegistry(self.config.model)
         self.service.adapter_admin = self
         if self.front_doors is None:
             self.front_ends = await FrontEnds.start(
@@ -187,8 +187,9 @@ class Deployment:
             )
             if self.adopted:
                 self.port, self.http_port = await self.front_doors.adopt(engine_limits)
-                self.adapters.adopt(self.front_doors.adapters)  # loaded by the control plane before
-                self.service.set_adapters(self.adapters.adapters)
+                if self.front_doors.adopted_adapters is not None:  # loaded by the control plane before
+                    self.adapters.adopt(self.front_doors.adopted_adapters)
+                await self._publish_adapters()  # every front door on the same list again
             else:
                 self.front_doors.adapters = self.adapters.adapters
                 self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, engine_limits)
@@ -243,7 +244,7 @@ class Deployment:
         return PoolManager(
             pool, workers[role], pool_config, self.config, router_host(self.config), cores,
             plan_nodes=_plan_node_ids(pool.role, pool_config.nodes), front_doors=self.front_doors,
-            actor_prefix=self.deployment_id,
+            actor_prefix=self.deployment_id, served_adapters=lambda: self.adapters.adapters if self.adapters else (),
         )
 
     def scale(self, role: str, replicas: int) -> list[str]:
@@ -262,14 +263,23 @@ class Deployment:
         """Serve the LoRA adapter at ``path`` as model ``name`` (the Admin service's
         LoadLoraAdapter): checked, preloaded on every running engine (a worker started later
         loads it with its first request), then served by every front door."""
-        assert self.adapters is not None and self.service is not None
+        # Shielded: a caller that gives up (a timeout, a closed connection) must not leave the
+        # engines, the list and the front doors half changed.
+        return await asyncio.shield(self._load_adapter(name, path))
+
+    async def _load_adapter(self, name: str, path: str) -> str:
+        assert self.adapters is not None
         async with self._adapters_lock:
-            adapter = self.adapters.new_adapter(name, path)
+            adapter = self.adapters.new_adapter(name, path)  # its id is never issued again
             members = [member for pool in (self.prefill, self.decode) for member in pool.members if member.engine is not None]
-            results = await asyncio.gather(*(member.engine.add_lora(adapter) for member in members), return_exceptions=True)
+            timeout = self.config.server.worker_start_timeout_s
+            results = await asyncio.gather(
+                *(asyncio.wait_for(member.engine.add_lora(adapter), timeout) for member in members), return_exceptions=True
+            )
             for member, result in zip(members, results):
                 if isinstance(result, BaseException) and member.state == "ready":
-                    raise AdapterError("invalid", f"lora_path: {member.name} could not load it: {result}")
+                    problem = "did not answer" if isinstance(result, TimeoutError) else f"could not load it: {result}"
+                    raise AdapterError("invalid", f"lora_path: {member.name} {problem}")
             self.adapters.add(adapter)
             await self._publish_adapters()
         logger.info("serving LoRA adapter %s from %s", name, adapter.path)
@@ -278,6 +288,9 @@ class Deployment:
     async def unload_adapter(self, name: str) -> str:
         """Stop serving LoRA adapter ``name`` (the Admin service's UnloadLoraAdapter). Requests
         in flight carry it and finish; the engines drop it from their caches as others are used."""
+        return await asyncio.shield(self._unload_adapter(name))
+
+    async def _unload_adapter(self, name: str) -> str:
         assert self.adapters is not None
         async with self._adapters_lock:
             self.adapters.remove(name)

@@ -96,8 +96,10 @@ class FrontDoorSet:
     # What a (replacement) front door starts serving with: ports and model limits.
     _serving: tuple[int, int | None, tuple[int, int, int]] | None = None
     # The LoRA adapters served (the config's, and any loaded since): a front door brought up
-    # starts with them; a control plane that takes the front doors over reads them back.
+    # starts with them. A control plane that takes the front doors over reads them back from
+    # the first that answers (None: none answered).
     adapters: tuple[ServedAdapter, ...] = ()
+    adopted_adapters: tuple[ServedAdapter, ...] | None = None
     _stopping: bool = False
 
     @property
@@ -139,7 +141,7 @@ class FrontDoorSet:
                 try:
                     door.actor = ray.get_actor(full_name)
                     await asyncio.wait_for(door.actor.control_at.remote(self.control.address, self.control.token), _CALL_TIMEOUT_S)
-                    shown, grpc_port, http_port, self.adapters = await asyncio.wait_for(
+                    shown, grpc_port, http_port, self.adopted_adapters = await asyncio.wait_for(
                         door.actor.serving.remote(), _CALL_TIMEOUT_S
                     )
                 except Exception as error:
@@ -289,6 +291,7 @@ class FrontDoorSet:
             await self._attach_all(door)
             await asyncio.wait_for(self._serve(door), None if self.on_nodes else self.config.server.worker_start_timeout_s)
             await self._attach_all(door)  # workers that came up while it started serving
+            await self._call(door, "set_adapters", self.adapters)  # any loaded or unloaded while it started
         except Exception as error:
             logger.error("front door %d could not be brought up: %s", door.index, error)
             door.state, door.error = "failed", f"start failed: {type(error).__name__}: {error}"

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -23,6 +23,7 @@ from duet.config import DuetConfig, PoolConfig
 from duet.cluster.cores import CoreAllocator
 from duet.cluster.actor_names import actor_name, named_actors
 from duet.worker_runtime.engine_host import WorkerHost
+from duet.worker_runtime.worker_api import ServedAdapter
 from duet.cluster.front_doors import FrontDoorSet
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.pools import PoolMember, ScaleError, WorkerPool
@@ -50,6 +51,9 @@ class PoolManager:
     # With a control plane apart (cluster/control_plane.py): the deployment's id, which names
     # its workers' actors, detached so that they outlive the control plane's process.
     actor_prefix: str | None = None
+    # The LoRA adapters served now (the control plane's list): loaded on each new engine before
+    # it joins rotation, so that no adapter is first loaded mid-step by a request.
+    served_adapters: Callable[[], tuple[ServedAdapter, ...]] = tuple
     _next_index: int = 0
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -125,6 +129,11 @@ class PoolManager:
                 ),
                 timeout,
             )
+            for adapter in self.served_adapters():  # a bad adapter fails the start, naming it
+                try:
+                    await asyncio.wait_for(member.engine.add_lora(adapter), timeout)
+                except Exception as error:
+                    raise RuntimeError(f"LoRA adapter {adapter.name!r} ({adapter.path}) did not load: {error}") from error
         member.kv_endpoint = status.kv_endpoint
         if self.front_doors is not None:
             await self.front_doors.connect(member, self.pool)

@@ -387,8 +387,7 @@ def _lora_make(args: argparse.Namespace) -> int:
 
 
 def _lora_load(args: argparse.Namespace) -> int:
-    path = str(Path(args.path).expanduser().resolve())
-    return _lora_change(args, lambda client: client.load_lora_adapter(args.name, path))
+    return _lora_change(args, lambda client: client.load_lora_adapter(args.name, args.path))
 
 
 def _lora_unload(args: argparse.Namespace) -> int:

@@ -57,18 +57,21 @@ def adapter_rank(path: str) -> int:
     """The rank of the PEFT LoRA adapter at ``path``; ValueError saying what is wrong with it."""
     directory = Path(path).expanduser()
     config_file = directory / "adapter_config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path!r} is not a LoRA adapter directory (no adapter_config.json)")
     try:
+        if not config_file.is_file():
+            raise ValueError(f"{path!r} is not a LoRA adapter directory (no adapter_config.json)")
         adapter = json.loads(config_file.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{config_file}: not readable JSON ({error})") from None
+        has_weights = any((directory / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin"))
+    except OSError as error:
+        raise ValueError(f"{path!r} cannot be read here ({error.strerror or error})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file}: not valid JSON ({error})") from None
     if not isinstance(adapter, dict) or adapter.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{config_file}: not a LoRA adapter (peft_type must be LORA)")
     rank = adapter.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"{config_file}: r (the adapter's rank) must be a positive integer, got {rank!r}")
-    if not any((directory / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+    if not has_weights:
         raise ValueError(f"{path!r} has no adapter weights (adapter_model.safetensors or adapter_model.bin)")
     return rank
 

@@ -33,6 +33,7 @@ from duet.worker_runtime.engine_clients import READDRESS_METHOD
 from duet.worker_runtime.kv_migration import CONNECT_KV_PEER_METHOD, KV_PEER_METHOD, MIGRATE_OUT_METHOD
 from duet.worker_runtime.worker_api import (
     DecodeChunk, EngineAborted, EngineAddresses, EngineExit, PrefillResult, SamplingSpec, ServedAdapter, WorkerStatus,
+    vllm_lora_request,
 )
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
@@ -406,9 +407,7 @@ class EngineFrontEnd:
         await self.engine.reset_prefix_cache()
 
     async def add_lora(self, adapter: ServedAdapter) -> None:
-        from vllm.lora.request import LoRARequest
-
-        await self.engine.add_lora(LoRARequest(adapter.name, adapter.lora_id, adapter.path))
+        await self.engine.add_lora(vllm_lora_request(adapter.name, adapter.lora_id, adapter.path))
 
     def close(self) -> None:
         """Close the sockets (the engine core itself goes with its actor). A request still on

@@ -170,6 +170,8 @@ class OpenAIFrontEnd:
         try:
             return web.Response(text=await change)
         except AdapterError as error:  # vLLM's statuses and error types for these endpoints
+            if error.kind == "unavailable":
+                raise ApiError(503, str(error), "service_unavailable_error") from None
             status, kind = (404, "NotFoundError") if error.kind == "not_found" else (400, "InvalidUserInput")
             raise ApiError(status, str(error), kind, code=status) from None
 

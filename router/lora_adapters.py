@@ -3,14 +3,16 @@
 Each adapter is a model name of its own on the base model. The control plane owns the list: an
 Admin call (or vLLM's ``/v1/load_lora_adapter``, on any front door) reaches it, it checks the
 adapter, preloads it on every engine and then tells every front door, whose requests resolve
-model names against their copy (``ModelLimits.adapters``). vLLM's integer id for an adapter
-comes from here and is never reused, so no engine can mistake a reloaded adapter for the one
-it cached under the same name.
+model names against their copy (``ModelLimits.adapters``). vLLM's integer id for each load
+comes from here and is never reused (with the name it makes the engines' name for the load,
+worker_runtime/worker_api.py), so no engine can mistake a reloaded adapter for the one it
+cached under the same name.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -24,7 +26,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 class AdapterError(Exception):
     """A load or unload that cannot be done; ``kind`` says how the APIs answer it."""
 
-    def __init__(self, kind: Literal["invalid", "not_found", "off"], message: str) -> None:
+    def __init__(self, kind: Literal["invalid", "not_found", "off", "unavailable"], message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
@@ -58,12 +60,23 @@ class AdapterRegistry:
     def __init__(self, model: ModelConfig) -> None:
         self.model = model
         self.adapters = served_adapters(model)
-        self._next_id = len(self.adapters) + 1
+        self._issued = {adapter.lora_id for adapter in self.adapters}
 
     def adopt(self, adapters: tuple[ServedAdapter, ...]) -> None:
         """Take over a running deployment's adapters (a control plane started again)."""
         self.adapters = adapters
-        self._next_id = max([self._next_id, *(adapter.lora_id + 1 for adapter in adapters)])
+        self._issued |= {adapter.lora_id for adapter in adapters}
+
+    def _new_id(self) -> int:
+        """An id for a load at run time: drawn at random above the config's (1..N), so that a
+        control plane started again, which knows only the adapters served now, never gives an
+        id an engine may still hold for an adapter unloaded before (a repeat is a 1 in 2^31
+        chance per pair of loads)."""
+        while True:
+            lora_id = 1024 + secrets.randbelow(2**31 - 1025)
+            if lora_id not in self._issued:
+                self._issued.add(lora_id)
+                return lora_id
 
     def new_adapter(self, name: str, path: str) -> ServedAdapter:
         """The adapter ``name`` at ``path`` would be served as; AdapterError if it may not be."""
@@ -84,11 +97,10 @@ class AdapterRegistry:
             raise AdapterError("invalid", f"lora_path: {error}") from None
         if rank > lora.max_lora_rank:
             raise AdapterError("invalid", f"lora_path: the adapter's rank {rank} is above model.lora.max_lora_rank ({lora.max_lora_rank})")
-        return ServedAdapter(name, self._next_id, _resolved(path))
+        return ServedAdapter(name, self._new_id(), _resolved(path))
 
     def add(self, adapter: ServedAdapter) -> None:
         self.adapters = (*self.adapters, adapter)
-        self._next_id = max(self._next_id, adapter.lora_id + 1)
 
     def remove(self, name: str) -> None:
         if not name:
@@ -121,8 +133,11 @@ class ControlPlaneAdapters:
         try:
             reply = await call
         except grpc.aio.AioRpcError as error:
-            kinds = {grpc.StatusCode.NOT_FOUND: "not_found", grpc.StatusCode.FAILED_PRECONDITION: "off"}
-            if error.code() in kinds or error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise AdapterError(kinds.get(error.code(), "invalid"), error.details() or "") from None
-            raise
+            kinds = {
+                grpc.StatusCode.NOT_FOUND: "not_found", grpc.StatusCode.FAILED_PRECONDITION: "off",
+                grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+            }
+            kind = kinds.get(error.code(), "unavailable")  # the control plane restarting, or not answering
+            detail = error.details() or error.code().name
+            raise AdapterError(kind, detail if kind != "unavailable" else f"the control plane cannot be reached: {detail}") from None
         return reply.changes[0] if reply.changes else ""

@@ -253,3 +253,26 @@ def test_a_bad_adapter_is_refused_before_any_worker_sees_it(tmp_path: Path, case
     with pytest.raises(ConfigError, match="lora") as error:
         parse_config(data)
     assert message in str(error.value), case
+
+
+def test_every_load_gets_an_id_never_issued_before(adapters):
+    """An id reaches the engines with the first try to load it: a load that failed on one
+    engine, or an adapter unloaded before a control plane restarted, must never lend its id
+    (the engines would serve its cached weights under another name)."""
+    from duet.router.lora_adapters import AdapterRegistry
+    from duet.worker_runtime.worker_api import vllm_lora_request
+
+    data = load_config().model_dump()
+    data["model"]["lora"] = {"adapters": [{"name": "lora-one", "path": str(adapters["lora-one"])}]}
+    registry = AdapterRegistry(parse_config(data).model)
+    failed = registry.new_adapter("lora-x", str(adapters["lora-two"]))  # never added: its load failed
+    loaded = registry.new_adapter("lora-x", str(adapters["lora-two"]))
+    registry.add(loaded)
+    registry.remove("lora-x")
+    restarted = AdapterRegistry(parse_config(data).model)  # a new control plane knows only what is served
+    restarted.adopt(registry.adapters)
+    again = restarted.new_adapter("lora-x", str(adapters["lora-two"]))
+    ids = [registry.adapters[0].lora_id, failed.lora_id, loaded.lora_id, again.lora_id]
+    assert len(set(ids)) == 4
+    # The engines' name for a load carries its id: a name loaded again is a new adapter to them.
+    assert vllm_lora_request("lora-x", loaded.lora_id, loaded.path) != vllm_lora_request("lora-x", again.lora_id, again.path)

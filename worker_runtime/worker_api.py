@@ -87,13 +87,25 @@ def logprobs_of(positions: Any) -> list[PositionLogprobs | None] | None:
     ]
 
 
+def vllm_lora_request(name: str, lora_id: int, path: str) -> Any:
+    """vLLM's ``LoRARequest`` for one load of an adapter.
+
+    vLLM tells adapters apart by name (``LoRARequest`` equality, its prefix-cache keys), while
+    duet may unload a name and load it again from other weights: the engines get the name with
+    the load's id, unique to that load, so no request or cached prefix of the old weights is
+    taken for the new ones. Clients only ever see ``name``."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"{name}#{lora_id}", lora_id, path)
+
+
 @dataclass(frozen=True)
 class ServedAdapter:
     """A LoRA adapter served under a model name of its own (``model.lora.adapters``, or loaded
     at run time)."""
 
     name: str
-    lora_id: int  # vLLM's integer id for it: the same in every engine and front door, never reused
+    lora_id: int  # vLLM's integer id for this load: the same in every engine and front door, never reused
     path: str  # its directory, as every worker's host reads it
 
 
@@ -142,11 +154,7 @@ class SamplingSpec:
 
     def lora_request(self) -> Any:
         """vLLM's ``LoRARequest`` for the adapter, or None for the base model."""
-        if not self.lora_name:
-            return None
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(self.lora_name, self.lora_id, self.lora_path)
+        return vllm_lora_request(self.lora_name, self.lora_id, self.lora_path) if self.lora_name else None
 
     def for_prefill(self) -> "SamplingSpec":
         """The prefill half: the same sampling, one token (so the first token is sampled under

@@ -262,7 +262,7 @@ def test_only_admin_keys_may_load_lora_adapters(tls_pair, certs):
     for key, status, words in ((BOB, 403, "not an admin key"), (ROOT, 400, "set model.lora")):
         reply = httpx.post(
             f"https://localhost:{tls_pair.http_port}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"},
-            headers={"Authorization": f"Bearer {key}"}, verify=certs.ca, timeout=30,
+            headers={"Authorization": f"Bearer {key}"}, verify=ssl.create_default_context(cafile=certs.ca), timeout=30,
         )
         assert reply.status_code == status and words in reply.json()["error"]["message"], reply.text
 

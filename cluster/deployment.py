@@ -262,7 +262,7 @@ class Deployment:
     async def load_adapter(self, name: str, path: str) -> str:
         """Serve the LoRA adapter at ``path`` as model ``name`` (the Admin service's
         LoadLoraAdapter): checked, preloaded on every running engine (a worker started later
-        loads it with its first request), then served by every front door."""
+        loads it before it joins rotation: pool_manager.py), then served by every front door."""
         # Shielded: a caller that gives up (a timeout, a closed connection) must not leave the
         # engines, the list and the front doors half changed.
         return await asyncio.shield(self._load_adapter(name, path))

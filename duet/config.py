@@ -34,13 +34,13 @@ class _Strict(BaseModel):
 # vLLM's possible ``max_lora_rank`` values (vllm.config.lora.MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # An adapter's name is a model name clients send and a metric label: kept plain.
-_ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class LoraAdapterConfig(_Strict):
     """One LoRA adapter on the base model, served under a model name of its own."""
 
-    name: str = Field(pattern=_ADAPTER_NAME)
+    name: str = Field(pattern=ADAPTER_NAME_PATTERN)
     """The model name clients send to get the base model with this adapter applied."""
     path: str
     """A local PEFT adapter directory (``adapter_config.json`` and its weights), at the same

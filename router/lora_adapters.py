@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from duet.config import ModelConfig, adapter_rank
+from duet.config import ADAPTER_NAME_PATTERN, ModelConfig, adapter_rank
 from duet.worker_runtime.worker_api import ServedAdapter
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NAME = re.compile(ADAPTER_NAME_PATTERN)
 
 
 class AdapterError(Exception):

@@ -56,8 +56,8 @@ def router_latency(metrics_url: str) -> RouterLatency:
     for family in text_string_to_metric_families(text):
         if family.name in ("duet_ttft_seconds", "duet_tpot_seconds"):
             for sample in family.samples:
-                if sample.name.endswith(("_sum", "_count")):
-                    values[sample.name] = sample.value
+                if sample.name.endswith(("_sum", "_count")):  # summed over models and front doors
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return RouterLatency(
         values.get("duet_ttft_seconds_sum", 0.0),
         values.get("duet_ttft_seconds_count", 0.0),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from prometheus_client import CollectorRegistry
 
 from duet.cluster.autoscaler.live import LiveAutoscaler
 from duet.cluster.autoscaler.metrics import AutoscalerMetrics
@@ -100,6 +101,7 @@ class Deployment:
     _control_dir: str | None = None
     _control_server: Any = None
     _metrics_server: Any = None
+    _metrics_registry: CollectorRegistry | None = None  # the /metrics endpoint's, when it is on
 
     async def start(self, port: int | None = None, http_port: int | None = -1) -> "Deployment":
         """Start workers and both front ends; ``port`` and ``http_port`` override the config
@@ -126,10 +128,16 @@ class Deployment:
         self.cluster = ClusterView(self.config.model.name, transport, pools)
         self.cluster.lora_adapters = self.config.model.adapter_names()
         self.cluster.deployment_id = self.deployment_id or ""
+        if server_config.front_doors_apart:
+            self.front_doors = FrontDoorSet(
+                self.config, router_host(self.config), self._control_endpoint(), pools, actor_prefix=self.deployment_id,
+            )
+            self.cluster.front_doors = self.front_doors.status
         if server_config.metrics_port is not None:
             try:
-                self.cluster.metrics, metrics_port, self._metrics_server = start_metrics_server(
-                    server_config.host, server_config.metrics_port, self.cluster.pools
+                self._metrics_registry, self.cluster.metrics, metrics_port, self._metrics_server = start_metrics_server(
+                    server_config.host, server_config.metrics_port, self.cluster.pools,
+                    self.front_doors.metrics_texts if self.front_doors is not None else None,
                 )
             except OSError:
                 raise PortInUseError(
@@ -138,13 +146,8 @@ class Deployment:
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
         resolve_model_path(self.config.model)  # create the built-in model once, not per worker
         self.adapters = AdapterRegistry(self.config.model)  # each new engine loads them before serving
-        if server_config.front_doors_apart:
-            self.front_doors = FrontDoorSet(
-                self.config, router_host(self.config), self._control_endpoint(), pools, actor_prefix=self.deployment_id,
-            )
-            if not self.adopted:
-                self.front_doors.create()  # they come up (a few seconds) while the engines do
-            self.cluster.front_doors = self.front_doors.status
+        if self.front_doors is not None and not self.adopted:
+            self.front_doors.create()  # they come up (a few seconds) while the engines do
         cores = CoreAllocator() if is_cpu_only() else None
         if colocated:
             self.managers = {"colocated": self._manager("colocated", self.decode, self.config.colocated, cores)}
@@ -228,7 +231,8 @@ class Deployment:
     def _start_autoscaler(self, policy_name: str) -> None:
         assert self.cluster is not None and self.service is not None
         policy = load_policy(policy_name)
-        metrics = AutoscalerMetrics(self.cluster.metrics.registry, policy.slo_profile()) if self.cluster.metrics else None
+        registry = self._metrics_registry
+        metrics = AutoscalerMetrics(registry, policy.slo_profile()) if registry is not None else None
         pools = {"prefill": self.prefill, "decode": self.decode}
         load = self.front_doors if self.front_doors is not None else self.service.load
         self.autoscaler = LiveAutoscaler(policy, pools, load, self, metrics)

@@ -45,6 +45,8 @@ _FRONT_DOOR_CONCURRENCY = 64
 # A front door that does not answer a membership call within this is taken for dead (its
 # replacement gets the whole membership anyway).
 _CALL_TIMEOUT_S = 30.0
+# A Prometheus scrape waits at most this for each front door's metrics.
+_SCRAPE_TIMEOUT_S = 3.0
 # The Ray resource a front-door host advertises (one unit: one front door per host).
 FRONT_END_RESOURCE = "duet_front_end"
 
@@ -325,6 +327,22 @@ class FrontDoorSet:
             total.add(sample[0])
             overdue += sample[1]
         return total, overdue
+
+    def metrics_texts(self) -> list[tuple[int, str]]:
+        """Every serving front door's request metrics, in Prometheus' text format, by index:
+        the metrics endpoint's scrape, from its own thread. A door that does not answer within
+        a few seconds is left out of this scrape rather than failing it."""
+        calls = {door.actor.metrics_text.remote(): door.index for door in self.doors if door.state == "ready"}
+        if not calls:
+            return []
+        answered, _ = ray.wait(list(calls), num_returns=len(calls), timeout=_SCRAPE_TIMEOUT_S)
+        texts = []
+        for call in answered:
+            try:
+                texts.append((calls[call], ray.get(call)))
+            except Exception as error:  # it died since: its replacement is in the next scrape
+                logger.debug("no metrics from front door %d: %s", calls[call], error)
+        return sorted(texts)
 
     # ---- status and stop --------------------------------------------------------------------
 

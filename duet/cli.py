@@ -288,6 +288,12 @@ def _print_status(status: pb.ClusterStatus) -> None:
         f"requests: {status.requests_served} served, {status.requests_inflight} in flight, "
         f"{status.requests_failed} failed"
     )
+    if len(status.models) > 1 or status.lora_adapters:  # by model name: the model's and each adapter's
+        for model in status.models:
+            console.print(
+                f"  {model.model}: {model.requests_served} served, {model.requests_inflight} in flight, "
+                f"{model.requests_failed} failed"
+            )
     if status.deployment_id:
         console.print(f"deployment: {status.deployment_id}")
     if len(status.front_ends) > 1:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from duet.config import DuetConfig
 from duet.logs import configure_logging
@@ -45,6 +46,7 @@ from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
 from duet.router.front_ends import FrontEnds
 from duet.router.load_meter import LoadWindow
 from duet.router.lora_adapters import ControlPlaneAdapters
+from duet.router.metrics import RouterMetrics
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
@@ -112,6 +114,8 @@ class FrontDoor:
         ordered = [self.pools[role] for role in ("prefill", "decode") if role in self.pools]
         self.cluster = ControlledClusterView(config.model.name, transport, ordered, control)
         self.cluster.index, self.cluster.forwards_status = index, True
+        # Its requests' metrics, which the control plane's /metrics endpoint gathers (router/metrics.py).
+        self.cluster.metrics = RouterMetrics(CollectorRegistry())
         if config.server.front_end_placement == "nodes":  # hosts share names less often than addresses
             self.cluster.host = router_host(config)
         self.service: RequestService | None = None
@@ -278,6 +282,11 @@ class FrontDoor:
         if self.service is None:
             return LoadWindow(), 0
         return await self.service.load.sample(waiting_longer_than_s)
+
+    async def metrics_text(self) -> str:
+        """This front door's request metrics, in Prometheus' text format."""
+        assert self.cluster.metrics is not None
+        return self.cluster.metrics.text()
 
     async def status(self) -> pb.FrontEnd:
         """This front door for ``duet status``."""

@@ -103,6 +103,10 @@ class RequestService:
                     f"did not compile within {self.limits.structured_output_timeout_s:g} s (api.structured_output_timeout_s)",
                 ) from None
 
+    def model_name(self, request: ValidatedRequest) -> str:
+        """The model name ``request`` asked for: one of the LoRA adapters', or the model's."""
+        return request.sampling.lora_name or self.limits.name
+
     def is_ready(self) -> bool:
         """Whether every pool has a ready worker, so a request would be served now."""
         return all(any(m.state == "ready" for m in pool.members) for pool in self.cluster.pools)
@@ -113,21 +117,22 @@ class RequestService:
         Raises ModelNotAllowed, QuotaExceeded or Overloaded before any worker is touched, Unavailable when it
         cannot be served, RequestCrashesEngines when it must not be retried; a consumer that stops early (client gone) aborts it on the workers.
         """
+        model = self.model_name(request)
         try:
-            caller.check_model(request.sampling.lora_name or self.limits.name)
+            caller.check_model(model)
         except ModelNotAllowed:
-            self.cluster.reject("forbidden")
+            self.cluster.reject("forbidden", model)
             raise
         try:
             caller.acquire()
         except QuotaExceeded:
-            self.cluster.reject("quota")
+            self.cluster.reject("quota", model)
             raise
         try:
             if self.cluster.inflight >= self.max_inflight:
-                self.cluster.reject("overloaded")
+                self.cluster.reject("overloaded", model)
                 raise Overloaded(f"{self.cluster.inflight} requests in flight (limit {self.max_inflight}); retry later")
-            self.cluster.admit()
+            self.cluster.admit(model)
             handle = self.load.arrived(len(request.prompt_token_ids))
             outcome, usage, first = "failed", None, True
             try:
@@ -151,7 +156,7 @@ class RequestService:
                 logger.error("request %s failed, not retried: %s", request.request_id, error)
                 raise
             finally:
-                self.cluster.finish(outcome, usage)
+                self.cluster.finish(outcome, usage, model)
                 self.load.left(handle, usage if outcome == "served" else None)
         finally:
             caller.release()
@@ -170,7 +175,7 @@ class RequestService:
                 async for event in events:
                     yield 0, event
             return
-        self._check_room(len(requests), caller)
+        self._check_room(len(requests), caller, self.model_name(requests[0]))
         queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
         # A prompt's sequences share its token list (:func:`sequences`): the first is prefilled
         # alone, and the others start once its first token is out, when the prompt's KV blocks
@@ -212,19 +217,19 @@ class RequestService:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _check_room(self, count: int, caller: Caller) -> None:
-        """Refuse ``count`` requests together unless the caller's quota and the admission limit
+    def _check_room(self, count: int, caller: Caller, model: str) -> None:
+        """Refuse ``count`` requests together (for ``model``) unless the caller's quota and the admission limit
         hold them all (so none starts only to be failed by the next's refusal)."""
         limit = caller.max_concurrent_requests
         if limit is not None and caller.inflight + count > limit:
-            self.cluster.reject("quota")
+            self.cluster.reject("quota", model)
             raise QuotaExceeded(
                 f"API key {caller.name!r} has {caller.inflight} requests in flight and this call asks for "
                 f"{count} (limit {limit}); retry when some finish",
                 1.0,
             )
         if self.cluster.inflight + count > self.max_inflight:
-            self.cluster.reject("overloaded")
+            self.cluster.reject("overloaded", model)
             raise Overloaded(
                 f"{self.cluster.inflight} requests in flight and this call asks for {count} "
                 f"(limit {self.max_inflight}); retry later"

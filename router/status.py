@@ -31,6 +31,9 @@ class ClusterView:
         self.pools = pools
         self.inflight = 0
         self.outcomes: Counter[str] = Counter()
+        # Admitted requests by the model name they asked for: (model, outcome) and in flight.
+        self.model_outcomes: Counter[tuple[str, str]] = Counter()
+        self.model_inflight: Counter[str] = Counter()
         self.metrics: RouterMetrics | None = None
         self.metrics_endpoint = ""
         # Routing facts beyond each pool's policy (conditional disaggregation's threshold).
@@ -46,31 +49,36 @@ class ClusterView:
         # "out" or "in", method "kv" or "replay").
         self.migrations: Counter[tuple[str, str, str]] = Counter()
 
-    def admit(self) -> None:
+    def admit(self, model: str) -> None:
+        """Count a request admitted for ``model`` (the model name it asked for)."""
         self.inflight += 1
+        self.model_inflight[model] += 1
         if self.metrics:
-            self.metrics.inflight.inc()
+            self.metrics.inflight.labels(model).inc()
 
-    def reject(self, reason: str) -> None:
-        """Count a request turned away before admission ("invalid" or "overloaded")."""
+    def reject(self, reason: str, model: str = "") -> None:
+        """Count a request turned away before admission ("invalid", "overloaded", ...);
+        ``model`` is empty when it was refused before its model name was read."""
         self.outcomes[reason] += 1
         if self.metrics:
-            self.metrics.requests.labels(reason).inc()
+            self.metrics.requests.labels(reason, model).inc()
 
-    def finish(self, outcome: str, usage: Usage | None) -> None:
+    def finish(self, outcome: str, usage: Usage | None, model: str) -> None:
         """Count a request that left the router (served, failed or cancelled)."""
         self.inflight -= 1
         self.outcomes[outcome] += 1
+        self.model_inflight[model] -= 1
+        self.model_outcomes[model, outcome] += 1
         if self.metrics:
-            self.metrics.inflight.dec()
-            self.metrics.requests.labels(outcome).inc()
+            self.metrics.inflight.labels(model).dec()
+            self.metrics.requests.labels(outcome, model).inc()
             if usage is not None:
                 where = "decode_worker" if usage.prefill_worker == usage.decode_worker else "prefill_pool"
-                self.metrics.prefills.labels(where).inc()
-                self.metrics.ttft.observe(usage.ttft_s)
-                self.metrics.e2e.observe(usage.e2e_s)
+                self.metrics.prefills.labels(where, model).inc()
+                self.metrics.ttft.labels(model).observe(usage.ttft_s)
+                self.metrics.e2e.labels(model).observe(usage.e2e_s)
                 if usage.completion_tokens > 1:
-                    self.metrics.tpot.observe(usage.tpot_s)
+                    self.metrics.tpot.labels(model).observe(usage.tpot_s)
 
     def moved(self, move: Move) -> None:
         """Count a request that continued on another decode worker (the lifecycle's ``on_move``)."""
@@ -100,6 +108,7 @@ class ClusterView:
             metrics_endpoint=self.metrics_endpoint,
             routing=[f"{pool.role}: {pool.policy.describe()}" for pool in self.pools] + self.routing_notes,
             front_ends=front_ends,
+            models=_sum_models(front_ends),
             control_plane_pid=os.getpid() if not self.forwards_status else 0,
             deployment_id=self.deployment_id,
         )
@@ -122,11 +131,32 @@ class ClusterView:
                 )
                 for worker in sorted({worker for worker, _, _ in self.migrations})
             ],
+            models=[
+                pb.ModelRequests(
+                    model=model,
+                    requests_served=self.model_outcomes[model, "served"],
+                    requests_inflight=self.model_inflight[model],
+                    requests_failed=self.model_outcomes[model, "failed"],
+                )
+                for model in sorted(self.model_inflight)
+            ],
         )
 
     async def _pool_status(self, pool: WorkerPool) -> pb.Pool:
         states = await asyncio.gather(*(_worker_status(pool.role, member) for member in pool.members))
         return pb.Pool(role=pool.role, workers=states)
+
+
+def _sum_models(front_ends: list[pb.FrontEnd]) -> list[pb.ModelRequests]:
+    """Every front door's requests by model name, summed."""
+    total: dict[str, pb.ModelRequests] = {}
+    for door in front_ends:
+        for counted in door.models:
+            model = total.setdefault(counted.model, pb.ModelRequests(model=counted.model))
+            model.requests_served += counted.requests_served
+            model.requests_inflight += counted.requests_inflight
+            model.requests_failed += counted.requests_failed
+    return [total[model] for model in sorted(total)]
 
 
 def _add_migrations(pools: list[pb.Pool], front_ends: list[pb.FrontEnd]) -> None:

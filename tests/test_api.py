@@ -125,7 +125,7 @@ def test_prometheus_endpoint_has_router_and_worker_metrics(client):
     client.generate_ids(build_request(prompt_token_ids=list(range(5, 300)), max_tokens=3), timeout=60)
     text, samples = _metrics(client)
     assert samples[("duet_requests_total", None)] >= 1
-    assert 'duet_requests_total{outcome="served"}' in text
+    assert 'duet_requests_total{model_name="duet-tiny-llama",outcome="served"}' in text
     assert samples[("duet_ttft_seconds_count", None)] >= 1
     assert samples[("vllm:nixl_xfer_time_seconds_count", "decode-0")] >= 1
     assert samples[("vllm:nixl_bytes_transferred_sum", "decode-0")] > 0

@@ -268,7 +268,9 @@ def test_a_long_prefill_queue_is_relieved_by_the_decode_worker(deployment, clien
         return client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=8, ignore_eos=True), timeout=300)
 
     def prefilled_on_decode() -> float:
-        return deployment.cluster.metrics.registry.get_sample_value("duet_prefills_total", {"where": "decode_worker"}) or 0.0
+        return deployment.cluster.metrics.registry.get_sample_value(
+            "duet_prefills_total", {"where": "decode_worker", "model_name": deployment.config.model.name}
+        ) or 0.0
 
     before = prefilled_on_decode()
     # The queue condition alone: the TPOT guard (tests/test_policies.py) would hold these prompts

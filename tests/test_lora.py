@@ -221,6 +221,51 @@ def test_the_admin_api_loads_and_unloads_adapters(lora_deployment, lora_client, 
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter_config.json" in refused.value.details()
 
 
+def test_metrics_and_status_count_every_front_doors_requests_by_model(lora_deployment, lora_client, capsys):
+    """With front doors apart, the control plane's ``/metrics`` gathers each front door's
+    request metrics, labelled ``front_door`` and ``model_name`` (an adapter's requests under its
+    own name); summed, they are what ``duet status`` counts per front door and per model."""
+    base = lora_deployment.config.model.name
+    for index in range(6):  # connections of their own: the kernel spreads them over both doors
+        _completion(lora_deployment.http_port, (base, *ADAPTER_SEEDS)[index % 3], "count me", max_tokens=2)
+    status = lora_client.status()
+    samples = _scrape(status.metrics_endpoint)
+
+    def summed(name: str, by: str, **labels: str) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        for (sample, sample_labels), value in samples.items():
+            found = dict(sample_labels)
+            if sample == name and all(found.get(key) == want for key, want in labels.items()):
+                sums[found[by]] = sums.get(found[by], 0.0) + value
+        return sums
+
+    by_door = {str(door.index): door.requests_served for door in status.front_ends if door.requests_served}
+    by_model = {model.model: model.requests_served for model in status.models}
+    assert summed("duet_requests_total", "front_door", outcome="served") == by_door
+    assert summed("duet_requests_total", "model_name", outcome="served") == by_model
+    assert summed("duet_ttft_seconds_count", "model_name") == by_model
+    assert {base, *ADAPTER_SEEDS} <= set(by_model) and min(by_model[name] for name in ADAPTER_SEEDS) >= 2
+    assert sum(by_model.values()) == status.requests_served
+    assert duet_main(["status", "--target", f"127.0.0.1:{lora_deployment.port}"]) == 0
+    printed = capsys.readouterr().out
+    for model in status.models:
+        assert f"{model.model}: {model.requests_served} served" in printed
+
+
+def _scrape(endpoint: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The deployment's Prometheus samples, by name and labels."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 # ---- quick: the adapter maker and the config's checks ----------------------------------------
 
 

@@ -278,7 +278,7 @@ class Pool(_message.Message):
     def __init__(self, role: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint", "routing", "front_ends", "control_plane_pid", "deployment_id", "lora_adapters")
+    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint", "routing", "front_ends", "control_plane_pid", "deployment_id", "lora_adapters", "models")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class ClusterStatus(_message.Message):
     CONTROL_PLANE_PID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     requests_served: int
@@ -303,10 +304,23 @@ class ClusterStatus(_message.Message):
     control_plane_pid: int
     deployment_id: str
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelRequests]
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ...) -> None: ...
+
+class ModelRequests(_message.Message):
+    __slots__ = ("model", "requests_served", "requests_inflight", "requests_failed")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    requests_served: int
+    requests_inflight: int
+    requests_failed: int
+    def __init__(self, model: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ...) -> None: ...
 
 class FrontEnd(_message.Message):
-    __slots__ = ("index", "pid", "host", "state", "restarts", "requests_served", "requests_inflight", "requests_failed", "error", "migrations")
+    __slots__ = ("index", "pid", "host", "state", "restarts", "requests_served", "requests_inflight", "requests_failed", "error", "migrations", "models")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +331,7 @@ class FrontEnd(_message.Message):
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     index: int
     pid: int
     host: str
@@ -327,7 +342,8 @@ class FrontEnd(_message.Message):
     requests_failed: int
     error: str
     migrations: _containers.RepeatedCompositeFieldContainer[WorkerMigrations]
-    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., error: _Optional[str] = ..., migrations: _Optional[_Iterable[_Union[WorkerMigrations, _Mapping]]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelRequests]
+    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., error: _Optional[str] = ..., migrations: _Optional[_Iterable[_Union[WorkerMigrations, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ...) -> None: ...
 
 class WorkerMigrations(_message.Message):
     __slots__ = ("worker", "out_kv", "out_replay", "in_kv", "in_replay")

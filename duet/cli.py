@@ -259,8 +259,13 @@ def _print_status(status: pb.ClusterStatus) -> None:
         "prompt tokens transferred / computed", "KV transfers (MiB, GiB/s, failed)", "requests moved out / in (KV + replay)",
     ):
         table.add_column(column)
+    workers = [worker for pool in status.pools for worker in pool.workers]
+    lora = bool(status.lora_adapters) or any(worker.lora_adapter_reads for worker in workers)
+    if lora:
+        table.add_column("LoRA adapters read / activated")
     for pool in status.pools:
         for worker in pool.workers:
+            lora_cell = [f"{worker.lora_adapter_reads} / {worker.lora_adapter_activations}"] if lora else []
             table.add_row(
                 pool.role,
                 worker.name,
@@ -276,6 +281,7 @@ def _print_status(status: pb.ClusterStatus) -> None:
                 f"{worker.prompt_tokens_transferred} / {worker.prompt_tokens_computed}",
                 _transfer_cell(worker),
                 _migrations_cell(worker),
+                *lora_cell,
             )
     if status.metrics_endpoint:
         table.caption = f"Prometheus: http://{status.metrics_endpoint}/metrics"
@@ -525,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.fuzz import register_command as register_bench_fuzz
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
+    from duet.benchmarks.lora_affinity import register_command as register_bench_lora_affinity
     from duet.benchmarks.migration import register_command as register_bench_migrate
     from duet.benchmarks.multinode import register_command as register_bench_multinode
     from duet.benchmarks.prefix_affinity import register_command as register_bench_affinity
@@ -545,6 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_serve(benches)  # bench serve
     register_bench_vllm_client(benches)  # bench vllm-client
     register_bench_affinity(benches)  # bench affinity
+    register_bench_lora_affinity(benches)  # bench lora-affinity
     register_bench_local_prefill(benches)  # bench local-prefill
     register_bench_router(benches)  # bench router
     register_bench_autoscale(benches)  # bench autoscale

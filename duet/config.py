@@ -33,6 +33,8 @@ class _Strict(BaseModel):
 
 # vLLM's possible ``max_lora_rank`` values (vllm.config.lora.MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# PEFT writes a few hundred bytes; anything far larger is not an adapter's config.
+_ADAPTER_CONFIG_MAX_BYTES = 1 << 20
 # An adapter's name is a model name clients send and a metric label: kept plain.
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -53,23 +55,44 @@ class LoraAdapterConfig(_Strict):
         return value
 
 
+def expanded_path(path: str) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded; ValueError for a user this machine
+    does not know (pathlib raises RuntimeError, which would escape the config's validation)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{path!r} names a home directory this machine does not have") from None
+
+
 def adapter_rank(path: str) -> int:
     """The rank of the PEFT LoRA adapter at ``path``; ValueError saying what is wrong with it."""
-    directory = Path(path).expanduser()
+    directory = expanded_path(path)
     config_file = directory / "adapter_config.json"
     try:
-        if not config_file.is_file():
-            raise ValueError(f"{path!r} is not a LoRA adapter directory (no adapter_config.json)")
-        adapter = json.loads(config_file.read_text())
+        is_file = config_file.is_file()
+        size = config_file.stat().st_size if is_file else 0
+        text = config_file.read_bytes() if is_file and size <= _ADAPTER_CONFIG_MAX_BYTES else b""
         has_weights = any((directory / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin"))
     except OSError as error:
         raise ValueError(f"{path!r} cannot be read here ({error.strerror or error})") from None
+    except ValueError as error:  # a path with a NUL byte, which no file has
+        raise ValueError(f"{path!r} is not a path ({error})") from None
+    if not is_file:
+        raise ValueError(f"{path!r} is not a LoRA adapter directory (no adapter_config.json)")
+    if size > _ADAPTER_CONFIG_MAX_BYTES:
+        raise ValueError(f"{config_file}: larger than {_ADAPTER_CONFIG_MAX_BYTES // 1024} KiB, not a PEFT adapter config")
+    try:
+        adapter = json.loads(text.decode())
+    except UnicodeDecodeError:
+        raise ValueError(f"{config_file}: not UTF-8 text") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_file}: not valid JSON ({error})") from None
+    except RecursionError:
+        raise ValueError(f"{config_file}: nested too deeply to be a PEFT adapter config") from None
     if not isinstance(adapter, dict) or adapter.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{config_file}: not a LoRA adapter (peft_type must be LORA)")
     rank = adapter.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if type(rank) is not int or rank < 1:
         raise ValueError(f"{config_file}: r (the adapter's rank) must be a positive integer, got {rank!r}")
     if not has_weights:
         raise ValueError(f"{path!r} has no adapter weights (adapter_model.safetensors or adapter_model.bin)")
@@ -136,14 +159,14 @@ class ModelConfig(_Strict):
     @field_validator("path")
     @classmethod
     def _path_exists(cls, value: str) -> str:
-        if value != BUILTIN_MODEL and not (Path(value).expanduser() / "config.json").is_file():
+        if value != BUILTIN_MODEL and not (expanded_path(value) / "config.json").is_file():
             raise ValueError(f"{value!r} is not a Hugging Face model directory (no config.json)")
         return value
 
     @field_validator("chat_template")
     @classmethod
     def _template_exists(cls, value: str | None) -> str | None:
-        if value is not None and not Path(value).expanduser().is_file():
+        if value is not None and not expanded_path(value).is_file():
             raise ValueError(f"{value!r} is not a readable file (a Jinja chat template)")
         return value
 
@@ -283,7 +306,7 @@ class TlsConfig(_Strict):
     @field_validator("cert_file", "key_file", "client_ca_file")
     @classmethod
     def _readable(cls, value: str | None) -> str | None:
-        if value is not None and not Path(value).expanduser().is_file():
+        if value is not None and not expanded_path(value).is_file():
             raise ValueError(f"{value!r} is not a readable file")
         return value
 
@@ -352,7 +375,8 @@ class RouterConfig(_Strict):
 
     prefill_policy: Literal["least_requests", "least_prompt_tokens", "prefix_affinity"] = "least_prompt_tokens"
     """How a prefill worker is picked: fewest requests, fewest outstanding prompt tokens, or the
-    one that holds the prompt's longest cached prefix (with a load guard)."""
+    one holding the prompt's cached prefix where that does not put more queued work ahead of it
+    than the prefix saves (with a load guard)."""
     decode_policy: Literal["least_requests", "least_kv_load"] = "least_kv_load"
     """How a decode worker is picked: fewest requests, or the lowest KV-cache load."""
     prefix_block_size: int | None = Field(default=None, ge=1)

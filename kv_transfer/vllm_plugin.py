@@ -7,7 +7,7 @@ variables (:func:`duet.kv_transfer.config.engine_environment` for NIXL and pinni
 :func:`duet.worker_runtime.engine.cpu_engine_environment` for the shared gloo device, the engine host
 for the output interval), so plain vLLM use in the same environment is unaffected.
 
-Seven adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, docs/benchmarks/serving.md,
+Eight adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md, docs/benchmarks/serving.md,
 ../shared/ENVIRONMENT.md):
 - NIXL's UCX progress thread. NIXL's Python API always asks for a poll timeout of 0, so the
   thread busy-polls a whole core per engine even when idle (a 1,500-token request took 639 ms
@@ -27,6 +27,8 @@ Seven adjustments, the first four measured on CPU (docs/concepts/kv-transfer.md,
   continue (live migration, worker_runtime/kv_migration.py).
 - A seeded request whose prompt takes several steps no longer kills a CPU engine
   (worker_runtime/seeded_sampling.py).
+- The engine counts its LoRA adapter reads and slot activations, which vLLM does not export
+  (worker_runtime/adapter_loads.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import multiprocessing
 import os
 
 from duet.logs import configure_logging
+from duet.worker_runtime.adapter_loads import install as install_adapter_load_counts
 from duet.worker_runtime.engine_clients import ENV_CLIENT_RECONNECT
 from duet.worker_runtime.engine_clients import install as install_client_reconnect
 from duet.worker_runtime.engine_output import ENV_OUTPUT_INTERVAL_MS
@@ -125,3 +128,4 @@ def register() -> None:
         install_kv_migration()
         install_seeded_sampling()
         install_resumed_requests()
+        install_adapter_load_counts()

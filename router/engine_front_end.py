@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from duet.config import KVTransferConfig
 from duet.kv_transfer.config import move_out_params
 from duet.worker_runtime.engine_host import WATCH_HOLD_S
+from duet.worker_runtime.adapter_loads import ADAPTER_LOADS_METHOD
 from duet.worker_runtime.engine_clients import READDRESS_METHOD
 from duet.worker_runtime.kv_migration import CONNECT_KV_PEER_METHOD, KV_PEER_METHOD, MIGRATE_OUT_METHOD
 from duet.worker_runtime.worker_api import (
@@ -393,7 +394,13 @@ class EngineFrontEnd:
             requests_inflight=len(self._requests),
             engine_unfinished=self.engine.output_processor.get_num_unfinished_requests(),
             engine_metrics=read_engine_metrics(self.registry),
+            adapter_loads=await self.adapter_loads() if self.engine.vllm_config.lora_config is not None else {},
         )
+
+    async def adapter_loads(self) -> dict[str, int]:
+        """The engine's LoRA adapter reads and slot activations since it started
+        (worker_runtime/adapter_loads.py)."""
+        return await self.engine.engine_core.call_utility_async(ADAPTER_LOADS_METHOD)
 
     def metrics_text(self) -> str:
         lines = generate_latest(self.registry).decode().splitlines()

@@ -202,4 +202,6 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
         kv_transfer_bytes=transfers.bytes,
         kv_transfer_seconds=transfers.seconds,
         kv_transfer_failures=transfers.failures,
+        lora_adapter_reads=status.adapter_loads.get("read", 0),
+        lora_adapter_activations=status.adapter_loads.get("activated", 0),
     )

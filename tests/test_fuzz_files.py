@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -177,3 +178,88 @@ def test_synthetic_trace_specs(spec: str):
         load_trace(spec)
     except TraceError as refused:
         assert str(refused)
+
+
+# ---- LoRA adapters: directories, names and paths (issue 56) -------------------------------
+
+adapter_names = st.one_of(
+    st.text(max_size=80),
+    st.sampled_from(["../x", "..", ".", "a/b", "a\x00b", "-x", "x" * 65, "duet-tiny-llama", "lora one", "é", "~root", "lora-1"]),
+)
+adapter_paths = st.one_of(
+    st.text(max_size=60),
+    st.sampled_from(["VALID", "VALID/", "VALID/adapter_config.json", "/dev/null", "/proc/self", "/", "~", "\x00", "a" * 5000, "/etc"]),
+)
+
+
+@pytest.fixture(scope="module")
+def valid_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from duet.worker_runtime.tiny_lora import make_tiny_lora
+
+    return make_tiny_lora(tmp_path_factory.mktemp("adapter") / "lora")
+
+
+@FUZZ
+@given(
+    config=st.one_of(
+        raw_bytes,
+        documents.map(lambda document: json.dumps(document).encode()),
+        st.builds(lambda rank, peft: json.dumps({"r": rank, "peft_type": peft}).encode(), scalars, st.one_of(scalars, st.just("LORA"))),
+    ),
+    weights=st.booleans(),
+)
+@example(config=b"[" * 100_000, weights=True)
+@example(config=b'{"r": true}', weights=True)
+@example(config=b'{"r": 8}', weights=False)
+@example(config=b"\xff\xfe", weights=True)
+def test_adapter_directories(config: bytes, weights: bool):
+    """Whatever an adapter directory holds, its check names the adapter's rank or refuses it
+    with a plain ValueError that says what is wrong (never a decode or recursion error)."""
+    from duet.config import adapter_rank
+
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "adapter_config.json").write_bytes(config)
+        if weights:
+            (Path(directory) / "adapter_model.safetensors").write_bytes(b"\0")
+        try:
+            rank = adapter_rank(directory)
+        except ValueError as refused:
+            assert type(refused) is ValueError and str(refused)
+        else:
+            assert type(rank) is int and rank >= 1 and weights
+
+
+@FUZZ
+@given(name=adapter_names, path=adapter_paths)
+@example(name="lora-1", path="VALID")
+def test_adapter_names_and_paths(valid_adapter: Path, name: str, path: str):
+    """A runtime load's name and path (the Admin API's and ``/v1/load_lora_adapter``'s) are
+    served only when the name is a plain model name and the path an adapter directory;
+    anything else is refused as invalid, with a message."""
+    import re
+
+    from duet.config import ADAPTER_NAME_PATTERN
+    from duet.router.lora_adapters import AdapterError, AdapterRegistry
+
+    path = path.replace("VALID", str(valid_adapter))
+    document = json.loads(json.dumps(VALID_CONFIG))
+    document["model"]["lora"] = {"adapters": []}
+    registry = AdapterRegistry(parse_config(document).model)
+    try:
+        adapter = registry.new_adapter(name, path)
+    except AdapterError as refused:
+        assert refused.kind == "invalid" and str(refused)
+    else:
+        assert re.match(ADAPTER_NAME_PATTERN, name) and name != document["model"]["name"]
+        assert Path(adapter.path).resolve() == valid_adapter.resolve()
+
+
+@FUZZ
+@given(name=adapter_names, path=adapter_paths, limits=st.dictionaries(st.sampled_from(["max_loras", "max_lora_rank", "max_cpu_loras"]), scalars, max_size=3))
+def test_configs_with_hostile_adapters(valid_adapter: Path, name: str, path: str, limits: dict[str, Any]):
+    document = json.loads(json.dumps(VALID_CONFIG))
+    document["model"]["lora"] = {"adapters": [{"name": name, "path": path.replace("VALID", str(valid_adapter))}], **limits}
+    try:
+        parse_config(document)
+    except ConfigError as refused:
+        assert "lora" in str(refused)

@@ -4,14 +4,16 @@ One disaggregated deployment (prefill and decode workers, KV pulled over NIXL, l
 as in the embedded default, two front doors apart from the control plane) serves the built-in
 model with two random-weight adapters made by ``duet lora make``'s code; vLLM 0.32's own OpenAI
 server is started beside it with the same adapters (``--enable-lora --lora-modules``, runtime
-updates allowed). Every answer is compared with vLLM's: the adapters' greedy tokens through both
-prefill paths, mixed adapters in one batch, ``/v1/models``, the unknown-model error, and an
-adapter loaded and unloaded at run time.
+updates allowed), and a colocated worker with the same adapters. Every answer is compared with
+vLLM's: the adapters' greedy tokens through both prefill paths and colocated, mixed adapters in
+one batch, ``/v1/models``, the unknown-model error, and an adapter loaded and unloaded at run
+time (also fuzzed). Then the per-model metrics and status counts, and each engine's adapter loads.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -21,9 +23,11 @@ from typing import Any
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from duet.cli import main as duet_main
-from duet.config import ConfigError, DuetConfig, load_config, parse_config
+from duet.config import COLOCATED_CONFIG_PATH, ConfigError, DuetConfig, load_config, parse_config
 from duet.router.client import DuetClient, build_request
 from duet.worker_runtime.tiny_lora import make_tiny_lora
 from vllm_server import http_post, running_vllm_server
@@ -49,6 +53,17 @@ def lora_config(duet_config: DuetConfig, adapters: dict[str, Path]) -> DuetConfi
 @pytest.fixture(scope="module")
 def lora_deployment(running_deployment: Any, lora_config: DuetConfig) -> Iterator[Any]:
     with running_deployment(lora_config) as deployment:
+        yield deployment
+
+
+@pytest.fixture(scope="module")
+def colocated_lora_deployment(running_deployment: Any, lora_config: DuetConfig) -> Iterator[Any]:
+    """The same adapters on one colocated worker (``mode: colocated``), one front door."""
+    data = load_config(COLOCATED_CONFIG_PATH).model_dump()
+    data["model"]["lora"] = lora_config.model.lora.model_dump()
+    data["colocated"].update(replicas=1, cpu_cores=[1])
+    data["server"]["metrics_port"] = None
+    with running_deployment(parse_config(data)) as deployment:
         yield deployment
 
 
@@ -100,6 +115,16 @@ def test_each_adapter_generates_what_vllm_serves_with_it(lora_deployment, vllm_l
             assert ours["choices"][0]["text"] == theirs["choices"][0]["text"], name
             outputs.append(tuple(ours["choices"][0]["token_ids"]))
         assert len(set(outputs)) == len(names), "an adapter generated what the base model or another adapter did"
+
+
+def test_colocated_serving_generates_what_vllm_serves_with_each_adapter(colocated_lora_deployment, vllm_lora_server):
+    """The third side of the exactness goal: a colocated worker (prompt and decode in one
+    engine) with each adapter generates vLLM's tokens, as the disaggregated deployment does."""
+    for prompt in ("The prefill worker sends the cache", _prompts(1, 900, seed=57)[0]):
+        for name in (colocated_lora_deployment.config.model.name, *ADAPTER_SEEDS):
+            ours = _completion(colocated_lora_deployment.http_port, name, prompt)
+            theirs = _completion(vllm_lora_server, name, prompt)
+            assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"], name
 
 
 def test_adapters_mixed_in_one_batch_match_vllm(lora_deployment, vllm_lora_server, lora_client):
@@ -204,6 +229,39 @@ def test_a_bad_runtime_load_is_refused_and_changes_nothing(lora_deployment, lora
     assert list(lora_client.status().lora_adapters) == list(ADAPTER_SEEDS)
 
 
+hostile_names = st.one_of(
+    st.text(max_size=70), st.sampled_from(["../x", "a/b", "a\x00b", "-x", "x" * 65, "duet-tiny-llama", "lora-one", "~root"])
+)
+hostile_paths = st.one_of(st.text(max_size=60), st.sampled_from(["/", "/dev/null", "/proc/self", "~", "~nobody-here", "\x00", "a" * 5000]))
+any_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=20)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=10), inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+@settings(
+    max_examples=int(os.environ.get("DUET_FUZZ_EXAMPLES", "0")) or 40, derandomize=True, deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    endpoint=st.sampled_from(["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]),
+    body=st.one_of(
+        any_json,
+        st.fixed_dictionaries({"lora_name": hostile_names, "lora_path": hostile_paths}),
+        st.fixed_dictionaries({"lora_name": st.one_of(hostile_names, any_json), "lora_path": any_json}),
+    ),
+)
+def test_hostile_loads_and_unloads_are_refused_with_a_message(lora_deployment, lora_client, endpoint, body):
+    """Fuzzed: vLLM's runtime load and unload endpoints with bodies of any shape and hostile
+    names and paths answer 4xx with an OpenAI error naming the problem (never a 5xx, never a
+    hang), and the served adapters stay as they were."""
+    status, reply = http_post(lora_deployment.http_port, endpoint, body)
+    assert 400 <= status < 500, (status, reply, body)
+    assert reply["error"]["message"], reply
+    assert list(lora_client.status().lora_adapters) == list(ADAPTER_SEEDS)
+
+
 def test_the_admin_api_loads_and_unloads_adapters(lora_deployment, lora_client, tmp_path: Path):
     """The same through gRPC's Admin service (``duet lora load``/``unload``): INVALID_ARGUMENT
     and NOT_FOUND name the problem."""
@@ -250,6 +308,23 @@ def test_metrics_and_status_count_every_front_doors_requests_by_model(lora_deplo
     printed = capsys.readouterr().out
     for model in status.models:
         assert f"{model.model}: {model.requests_served} served" in printed
+
+
+def test_status_counts_each_engines_adapter_loads(lora_deployment, lora_client):
+    """Every engine read the served adapters when it started (counted: vLLM exports no such
+    count); requests for adapters already in a slot read and activate nothing more."""
+    def loads() -> dict[str, tuple[int, int]]:
+        return {
+            worker.name: (worker.lora_adapter_reads, worker.lora_adapter_activations)
+            for pool in lora_client.status().pools for worker in pool.workers
+        }
+
+    before = loads()
+    assert set(before) == {"prefill-0", "decode-0"}
+    assert all(reads >= len(ADAPTER_SEEDS) and activated >= len(ADAPTER_SEEDS) for reads, activated in before.values()), before
+    for name in (*ADAPTER_SEEDS, *ADAPTER_SEEDS):
+        _completion(lora_deployment.http_port, name, _prompts(1, 300, seed=7)[0], max_tokens=2)
+    assert loads() == before
 
 
 def _scrape(endpoint: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

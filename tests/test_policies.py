@@ -80,6 +80,19 @@ def test_prefix_affinity_load_guard_skips_an_overloaded_worker():
     assert policy.choose([hot, cold], other_prompt) is hot
 
 
+def test_prefix_affinity_weighs_a_cached_prefix_against_the_queue_before_it():
+    """A cached prefix saves its tokens' compute: it wins over a shorter queue only by less
+    than that (so a prompt never waits behind more work than its cache hit saves)."""
+    policy = PrefixAffinity(block_size=4, load_factor=100.0, slack_tokens=10**6)
+    holder, other = _members(0, 0)
+    prompt = list(range(40))  # ten blocks, all cached on the holder: 40 tokens saved
+    policy._remember(holder.name, policy.block_hashes(prompt))
+    holder.outstanding_tokens, other.outstanding_tokens = 139, 100
+    assert policy.choose([holder, other], prompt) is holder  # 99 tokens ahead against 100
+    holder.outstanding_tokens = 141
+    assert policy.choose([holder, other], prompt) is other  # 101 against 100
+
+
 def test_prefix_affinity_breaks_ties_by_load():
     policy = PrefixAffinity(block_size=4, slack_tokens=0)
     a, b = _members(300, 200)
@@ -220,9 +233,10 @@ def test_short_prompts_do_not_set_the_prefill_cost():
 
 def test_prefix_affinity_keys_prefixes_by_adapter_and_prefers_workers_holding_it():
     """An adapter's prefix is another cache entry than the base model's (vLLM keys blocks by
-    adapter); among equal prefixes, a worker that recently served the adapter (it need not
-    load it), until it falls out of the last ``adapters_held``."""
-    policy = PrefixAffinity(block_size=4, slack_tokens=0, adapters_held=2)
+    adapter); a worker that recently served the adapter (it need not load it) is credited one
+    block, which decides between workers about as busy but never outweighs a longer queue,
+    until the adapter falls out of the last ``adapters_held`` sent there."""
+    policy = PrefixAffinity(block_size=4, slack_tokens=16, adapters_held=2)
     a, b = PoolMember("a", actor=None), PoolMember("b", actor=None)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     assert policy.block_hashes(prompt, "lora-x") != policy.block_hashes(prompt)
@@ -230,8 +244,11 @@ def test_prefix_affinity_keys_prefixes_by_adapter_and_prefers_workers_holding_it
     b.outstanding_tokens = 10  # a is also the less loaded
     assert policy.choose([a, b], prompt, "lora-x") is a  # nobody holds the adapter: least loaded
     assert policy.holds_adapter("a", "lora-x") and not policy.holds_adapter("b", "lora-x")
-    a.outstanding_tokens = 20  # now a is the busier, but holds lora-x
+    a.outstanding_tokens = 12  # now a is the busier by less than a block, and holds lora-x
     assert policy.choose([a, b], [1, 2, 3], "lora-x") is a
+    a.outstanding_tokens = 40  # more than a block busier: the queue wins over the adapter
+    assert policy.choose([a, b], [1, 2, 3], "lora-x") is b
+    a.outstanding_tokens = 12
     assert policy.choose([a, b], [1, 2, 3], "lora-y") is b  # nobody holds lora-y: the less loaded
     policy.choose([a], [1, 2, 3], "lora-y")  # a holds lora-x, lora-y
     assert policy.holds_adapter("a", "lora-x")

@@ -61,7 +61,7 @@ def http_get(port: int, path: str) -> int:
         return 0
 
 
-def http_post(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+def http_post(port: int, path: str, body: Any) -> tuple[int, Any]:
     """POST ``body`` as JSON; the status and the reply (JSON, or text where it is not)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     try:

@@ -279,3 +279,5 @@ class WorkerStatus:
     channel_messages: int = 0
     channel_frames: int = 0
     engine_metrics: dict[str, float] = field(default_factory=dict)
+    # LoRA adapter loads since the engine started: "read" and "activated" (worker_runtime/adapter_loads.py).
+    adapter_loads: dict[str, int] = field(default_factory=dict)

@@ -224,7 +224,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "outstanding_prompt_tokens", "cpu_core", "migrations_out_kv", "migrations_out_replay", "migrations_in_kv", "migrations_in_replay")
+    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "outstanding_prompt_tokens", "cpu_core", "migrations_out_kv", "migrations_out_replay", "migrations_in_kv", "migrations_in_replay", "lora_adapter_reads", "lora_adapter_activations")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,8 @@ class WorkerState(_message.Message):
     MIGRATIONS_OUT_REPLAY_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_IN_KV_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_IN_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_READS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -267,7 +269,9 @@ class WorkerState(_message.Message):
     migrations_out_replay: int
     migrations_in_kv: int
     migrations_in_replay: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., outstanding_prompt_tokens: _Optional[int] = ..., cpu_core: _Optional[int] = ..., migrations_out_kv: _Optional[int] = ..., migrations_out_replay: _Optional[int] = ..., migrations_in_kv: _Optional[int] = ..., migrations_in_replay: _Optional[int] = ...) -> None: ...
+    lora_adapter_reads: int
+    lora_adapter_activations: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., outstanding_prompt_tokens: _Optional[int] = ..., cpu_core: _Optional[int] = ..., migrations_out_kv: _Optional[int] = ..., migrations_out_replay: _Optional[int] = ..., migrations_in_kv: _Optional[int] = ..., migrations_in_replay: _Optional[int] = ..., lora_adapter_reads: _Optional[int] = ..., lora_adapter_activations: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("role", "workers")

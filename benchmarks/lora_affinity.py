@@ -12,8 +12,10 @@ request's adapter (llm-d's LoRA affinity), within its load guard; the two altern
 first, round by round, on the same engines (the machine's speed moves between runs; see
 the project brief).
 
-Per run it counts the prefill engines' adapter loads (reads from the adapter's directory and
-activations into a slot: worker_runtime/adapter_loads.py), and the TTFT p90 the client saw.
+First, one request at a time, it times each adapter's first request (its engine loads it)
+and second (held) against the base model's: what a load costs beside a prefill. Per run it
+counts the prefill engines' adapter loads (reads from the adapter's directory and activations
+into a slot: worker_runtime/adapter_loads.py), and the TTFT p90 the client saw.
 The decode worker applies every adapter whatever the prefill routing, so its loads are
 reported apart.
 """
@@ -108,6 +110,47 @@ async def _run(deployment: Any, workload: Workload, models: list[str], policy: A
     }
 
 
+async def _unloaded(deployment: Any, names: list[str], block_size: int, max_loras: int) -> dict[str, Any]:
+    """Requests one at a time, each prompt fresh (no prefix cached): the base model's, then
+    each adapter's first (its engine loads it: none holds more than ``max_loras``) and second
+    (held), at 64 and 512 prompt tokens. What a load costs beside a prefill with an adapter."""
+    import time
+
+    from duet.router.client import DuetClient, build_request
+
+    deployment.prefill.policy = _policy("prefix_affinity", block_size, max_loras)  # the second goes where the first did
+    rng = np.random.default_rng(0)
+    before = await _loads(deployment.prefill.members)
+
+    def ttft(model: str, length: int) -> float:
+        prompt = rng.integers(3, 700, length).tolist()
+        with DuetClient(f"127.0.0.1:{deployment.port}") as client:
+            sent = time.perf_counter()
+            for message in client.generate(build_request(prompt_token_ids=prompt, max_tokens=2, ignore_eos=True, model=model), timeout=120):
+                if message.token_ids:
+                    return time.perf_counter() - sent
+        raise RuntimeError("no token")
+
+    def measure() -> dict[str, dict[str, float]]:
+        result: dict[str, dict[str, float]] = {}
+        for length in (64, 512):
+            base = [ttft("", length) for _ in range(3)]
+            first, second = [], []
+            for name in names:
+                first.append(ttft(name, length))
+                second.append(ttft(name, length))
+            result[str(length)] = {
+                "base_ttft_s": statistics.median(base),
+                "adapter_first_ttft_s": statistics.median(first),
+                "adapter_second_ttft_s": statistics.median(second),
+            }
+        return result
+
+    measured = await asyncio.to_thread(measure)
+    after = await _loads(deployment.prefill.members)
+    return {"ttft_by_prompt_tokens": measured, "prefill_adapter_reads": _delta(after, before, "read")}
+
+
 def _policy(name: str, block_size: int, max_loras: int) -> Any:
     from duet.router.policies import LeastPromptTokens, PrefixAffinity
 
@@ -129,6 +172,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         deployment = await Deployment(_deployment_config(args, adapters)).start(port=0, http_port=None)
         try:
             block_size = (await deployment.prefill.members[0].engine.model_limits())[2]
+            unloaded = await _unloaded(deployment, list(adapters), block_size, args.max_loras)
+            print(_unloaded_line(unloaded), flush=True)
             runs = []
             for round_index in range(args.rounds):
                 order = POLICIES if round_index % 2 == 0 else POLICIES[::-1]
@@ -138,7 +183,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append(result)
         finally:
             await deployment.stop()
-    return {"args": vars(args) | {"handler": None}, "runs": runs, "summary": summarize(runs)}
+    return {"args": vars(args) | {"handler": None}, "unloaded": unloaded, "runs": runs, "summary": summarize(runs)}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -167,6 +212,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _unloaded_line(unloaded: dict[str, Any]) -> str:
+    cells = [
+        f"{length} tokens: base {row['base_ttft_s'] * 1000:.0f} ms, an adapter's first request "
+        f"{row['adapter_first_ttft_s'] * 1000:.0f} ms, its second {row['adapter_second_ttft_s'] * 1000:.0f} ms"
+        for length, row in unloaded["ttft_by_prompt_tokens"].items()
+    ]
+    return f"unloaded, median TTFT: {'; '.join(cells)} ({unloaded['prefill_adapter_reads']} adapter reads)"
+
+
 def _line(result: dict[str, Any]) -> str:
     return (
         f"round {result['round']}, {result['policy']}: prefill adapter loads {result['prefill_adapter_reads']} read + "
@@ -186,9 +240,10 @@ def _command(args: argparse.Namespace) -> int:
         f"{summary['rounds_with_half_the_loads_or_fewer']} of {summary['rounds']} rounds; TTFT p90 no worse in "
         f"{summary['rounds_ttft_p90_no_worse']} of {summary['rounds']} (median ratio {summary['ttft_p90_ratio_median']:.2f})"
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    print(f"results: {RESULTS}", file=sys.stderr)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"results: {path}", file=sys.stderr)
     return 0
 
 
@@ -205,4 +260,5 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-blocks", type=int, default=4, help="blocks kept per prompt (the opening ones)")
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=56, help="which adapter each request asks for")
+    parser.add_argument("--out", default=str(RESULTS), help="where the results go (JSON)")
     parser.set_defaults(handler=_command)

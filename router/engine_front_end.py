@@ -58,6 +58,8 @@ _RECENT_OUTPUT_S = 1.0
 # a hang there delays no stream, and the first request sent to it brings back a round trip every
 # health interval. Idle, a round trip a second was a third of the router's CPU (2026-11-28).
 _IDLE_PING_S = 5.0
+# How long ``duet status`` waits for a busy engine's adapter-load counts (one step may be longer).
+_ADAPTER_LOADS_WAIT_S = 0.5
 
 
 def ping_needs_round_trip(now: float, output_at: float, answered_at: float, in_flight: int) -> bool:
@@ -140,6 +142,7 @@ class EngineFrontEnd:
         self._output_at = 0.0  # when the engine core last delivered a request's output (monotonic)
         self._answered_at = 0.0  # when it last answered a health ping's round trip (monotonic)
         self._migrated: dict[str, MigrationTicket] = {}  # given up by the engine, its stream not yet ended
+        self._adapter_loads: dict[str, int] = {}  # the engine's last answer (:meth:`adapter_loads`)
 
     @classmethod
     async def connect(
@@ -394,13 +397,22 @@ class EngineFrontEnd:
             requests_inflight=len(self._requests),
             engine_unfinished=self.engine.output_processor.get_num_unfinished_requests(),
             engine_metrics=read_engine_metrics(self.registry),
-            adapter_loads=await self.adapter_loads() if self.engine.vllm_config.lora_config is not None else {},
+            adapter_loads=await self._recent_adapter_loads() if self.engine.vllm_config.lora_config is not None else {},
         )
 
     async def adapter_loads(self) -> dict[str, int]:
         """The engine's LoRA adapter reads and slot activations since it started
         (worker_runtime/adapter_loads.py)."""
-        return await self.engine.engine_core.call_utility_async(ADAPTER_LOADS_METHOD)
+        self._adapter_loads = await self.engine.engine_core.call_utility_async(ADAPTER_LOADS_METHOD)
+        return self._adapter_loads
+
+    async def _recent_adapter_loads(self) -> dict[str, int]:
+        """The counts for status: the engine answers between two steps, so a busy one is
+        waited for at most ``_ADAPTER_LOADS_WAIT_S``, and its last answer shown otherwise."""
+        try:
+            return await asyncio.wait_for(self.adapter_loads(), _ADAPTER_LOADS_WAIT_S)
+        except TimeoutError:
+            return self._adapter_loads
 
     def metrics_text(self) -> str:
         lines = generate_latest(self.registry).decode().splitlines()

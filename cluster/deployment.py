@@ -28,6 +28,7 @@ from duet.cluster.cores import CoreAllocator
 from duet.worker_runtime.engine import is_cpu_only, resolve_model_path
 from duet.cluster.front_doors import ControlEndpoint, FrontDoorSet
 from duet.cluster.actor_names import named_actors
+from duet.cluster.model_serving import ModelServing
 from duet.cluster.pool_manager import PoolManager, root_cause
 from duet.cluster.ray_runtime import start_ray
 from duet.decode_worker.worker import ColocatedWorker, DecodeWorker, SimulatedColocatedWorker, SimulatedDecodeWorker
@@ -37,11 +38,12 @@ from duet.router.metrics import start_metrics_server
 from duet.cluster.health import HealthWatcher
 from duet.router.pools import ScaleError, WorkerPool
 from duet.router.admin import AdminServicer
-from duet.router.assembly import chat_template, request_service, router_host
+from duet.router.assembly import request_service, router_host
 from duet.router.auth import Gatekeeper
 from duet.router.control_channel import start_control_server
 from duet.router.front_ends import FrontEnds, check_exposure
 from duet.router.lora_adapters import AdapterError, AdapterRegistry
+from duet.router.served_models import ServedModels
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
 
@@ -77,31 +79,59 @@ class Deployment:
     # takes over the workers and front doors that run. None: actors owned by this process.
     deployment_id: str | None = None
     adopted: bool = False  # whether start() took over a running deployment
-    prefill: WorkerPool = field(default_factory=lambda: WorkerPool("prefill"))
-    # In a colocated deployment this pool holds the workers that run whole requests, and the
-    # prefill pool stays empty.
-    decode: WorkerPool = field(default_factory=lambda: WorkerPool("decode"))
+    # Each served model's pools, managers, adapters and serving path; the default model first
+    # (the one a request that names none gets). One model unless the config lists ``models``.
+    models: list[ModelServing] = field(default_factory=list)
     front_ends: FrontEnds | None = None
     port: int = 0  # the gRPC API's
     http_port: int | None = None  # the OpenAI HTTP API's (None: disabled)
     cluster: ClusterView | None = None
-    service: RequestService | None = None
     # A warning to show the operator (serving a public address without authentication).
     exposure_warning: str | None = None
-    managers: dict[str, PoolManager] = field(default_factory=dict)
     health: HealthWatcher | None = None
-    autoscaler: LiveAutoscaler | None = None
     # The front doors, each a process of its own, when there are several (server.front_ends >
     # 1; with one, this process serves), and the private socket (in a directory of its own) on
     # which they reach this control plane.
     front_doors: FrontDoorSet | None = None
-    # The LoRA adapters served (router/lora_adapters.py): changed one at a time, under the lock.
-    adapters: AdapterRegistry | None = None
-    _adapters_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _control_dir: str | None = None
     _control_server: Any = None
     _metrics_server: Any = None
     _metrics_registry: CollectorRegistry | None = None  # the /metrics endpoint's, when it is on
+
+    def __post_init__(self) -> None:
+        self.models = [
+            ModelServing(served, worker_prefix="" if index == 0 else f"{served.model.name}/")
+            for index, served in enumerate(self.config.served())
+        ]
+
+    # The default model's parts, by the names a one-model deployment has always had.
+    @property
+    def default(self) -> ModelServing:
+        return self.models[0]
+
+    @property
+    def prefill(self) -> WorkerPool:
+        return self.default.prefill
+
+    @property
+    def decode(self) -> WorkerPool:
+        return self.default.decode
+
+    @property
+    def service(self) -> RequestService | None:
+        return self.default.service
+
+    @property
+    def managers(self) -> dict[str, PoolManager]:
+        return self.default.managers
+
+    @property
+    def autoscaler(self) -> LiveAutoscaler | None:
+        return self.default.autoscaler
+
+    @property
+    def adapters(self) -> AdapterRegistry | None:
+        return self.default.adapters
 
     async def start(self, port: int | None = None, http_port: int | None = -1) -> "Deployment":
         """Start workers and both front ends; ``port`` and ``http_port`` override the config
@@ -120,18 +150,19 @@ class Deployment:
                 raise PortInUseError(_port_in_use(what, server_config.host, wanted, flag))
         gatekeeper = Gatekeeper.from_config(server_config.auth)
         self.exposure_warning = check_exposure(server_config, gatekeeper)
-        colocated = self.config.mode == "colocated"
-        if colocated:
-            self.decode.role = "colocated"
-        pools = [self.decode] if colocated else [self.prefill, self.decode]
-        transport = "none (colocated)" if colocated else self.config.kv_transfer.transport
-        self.cluster = ClusterView(self.config.model.name, transport, pools)
-        self.cluster.lora_adapters = self.config.model.adapter_names()
+        pools = [pool for served in self.models for pool in served.pools]
+        disaggregated = [served for served in self.models if not served.colocated]
+        transport = self.config.kv_transfer.transport if disaggregated else "none (colocated)"
+        self.cluster = ClusterView(self.default.name, transport, pools)
+        self.cluster.served_models = [served.name for served in self.models]
+        for served in self.models:
+            self.cluster.adapters_by_model[served.name] = served.config.model.adapter_names()
         self.cluster.deployment_id = self.deployment_id or ""
-        if server_config.front_doors_apart:
+        if server_config.front_doors_apart:  # one model (the config refuses several with front doors apart)
             self.front_doors = FrontDoorSet(
                 self.config, router_host(self.config), self._control_endpoint(), pools, actor_prefix=self.deployment_id,
             )
+            self.default.front_doors = self.front_doors
             self.cluster.front_doors = self.front_doors.status
         if server_config.metrics_port is not None:
             try:
@@ -144,28 +175,28 @@ class Deployment:
                     _port_in_use("metrics", server_config.host, server_config.metrics_port, "--metrics-port")
                 ) from None
             self.cluster.metrics_endpoint = f"{server_config.host}:{metrics_port}"
-        resolve_model_path(self.config.model)  # create the built-in model once, not per worker
-        self.adapters = AdapterRegistry(self.config.model)  # each new engine loads them before serving
+        for served in self.models:
+            resolve_model_path(served.config.model)  # create a built-in model once, not per worker
         if self.front_doors is not None and not self.adopted:
             self.front_doors.create()  # they come up (a few seconds) while the engines do
         cores = CoreAllocator() if is_cpu_only() else None
-        if colocated:
-            self.managers = {"colocated": self._manager("colocated", self.decode, self.config.colocated, cores)}
-        else:
-            self.managers = {
-                "prefill": self._manager("prefill", self.prefill, self.config.prefill, cores),
-                "decode": self._manager("decode", self.decode, self.config.decode, cores),
+        for served in self.models:
+            roles = {"colocated": served.config.colocated} if served.colocated else {
+                "prefill": served.config.prefill, "decode": served.config.decode,
+            }
+            served.managers = {
+                role: self._manager(served, role, served.decode if role == "colocated" else getattr(served, role), pool_config, cores)
+                for role, pool_config in roles.items()
             }
         if self.adopted:
-            await asyncio.gather(*(manager.adopt() for manager in self.managers.values()))
+            await asyncio.gather(*(manager.adopt() for manager in self.default.managers.values()))
         else:
-            for manager in self.managers.values():
-                manager.create(manager.pool_config.replicas)
+            for served in self.models:
+                for manager in served.managers.values():
+                    manager.create(manager.pool_config.replicas)
             await self._wait_ready()
-        first_worker = (self.prefill.members + self.decode.members)[0]
-        engine_limits = await first_worker.engine.model_limits()
         self.health = HealthWatcher(
-            [self.prefill, self.decode] if not colocated else [self.decode],
+            pools,
             self.config.router.health_interval_s,
             self.config.router.health_timeout_s,
             self.config.router.health_failures,
@@ -174,14 +205,11 @@ class Deployment:
         if self.front_doors is not None:  # they route by load they cannot measure themselves
             self.health.on_loads = lambda loads: self.front_doors.tell("report_loads", loads)
         self.health.start()
-        self.service = request_service(
-            self.config, None if colocated else self.prefill, self.decode, engine_limits, self.cluster, gatekeeper
-        )
-        self.cluster.routing_notes.extend(_conditional_disaggregation_notes(self.config))
-        self.service.adapter_admin = self
+        engine_limits = await self._start_services(gatekeeper)
         if self.front_doors is None:
             self.front_ends = await FrontEnds.start(
-                self.service, server_config, bind_port, bind_http, chat_template(self.config), AdminServicer(self.service, self)
+                ServedModels([served.service for served in self.models]), server_config, bind_port, bind_http,
+                AdminServicer(self.service, self),
             )
             self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
         else:
@@ -192,12 +220,13 @@ class Deployment:
                 self.port, self.http_port = await self.front_doors.adopt(engine_limits)
                 if self.front_doors.adopted_adapters is not None:  # loaded by the control plane before
                     self.adapters.adopt(self.front_doors.adopted_adapters)
-                await self._publish_adapters()  # every front door on the same list again
+                await self.default.publish_adapters()  # every front door on the same list again
             else:
                 self.front_doors.adapters = self.adapters.adapters
                 self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, engine_limits)
-        if self.config.autoscale is not None:
-            self._start_autoscaler(self.config.autoscale)
+        for served in self.models:
+            if served.config.autoscale is not None:
+                self._start_autoscaler(served)
         # The router holds vLLM, torch and the tokenizers: millions of long-lived objects that
         # every full garbage collection walks again, while decoding the engines' outputs
         # allocates fast enough to trigger collections all the time (a native profile under
@@ -206,6 +235,24 @@ class Deployment:
         gc.collect()
         gc.freeze()
         return self
+
+    async def _start_services(self, gatekeeper: Gatekeeper) -> tuple[int, int, int]:
+        """Each model's serving path over its ready pools, sharing the cluster view and the
+        callers' keys; returns the default model's engine limits (the front doors apart need them)."""
+        assert self.cluster is not None
+        several = len(self.models) > 1
+        limits = []
+        for served in self.models:
+            first_worker = (served.prefill.members + served.decode.members)[0]
+            engine_limits = await first_worker.engine.model_limits()
+            limits.append(engine_limits)
+            served.service = request_service(
+                served.config, None if served.colocated else served.prefill, served.decode, engine_limits, self.cluster, gatekeeper
+            )
+            served.service.adapter_admin = served
+            notes = _conditional_disaggregation_notes(served.config)
+            self.cluster.routing_notes.extend(f"{served.name}: {note}" if several else note for note in notes)
+        return limits[0]
 
     def _control_endpoint(self) -> ControlEndpoint:
         """Where front doors reach this control plane: a private Unix socket on its host, or
@@ -228,94 +275,82 @@ class Deployment:
             "adopted": self.adopted,
         }
 
-    def _start_autoscaler(self, policy_name: str) -> None:
-        assert self.cluster is not None and self.service is not None
+    def _start_autoscaler(self, served: ModelServing) -> None:
+        assert self.cluster is not None and served.service is not None and served.config.autoscale is not None
+        policy_name = served.config.autoscale
         policy = load_policy(policy_name)
         registry = self._metrics_registry
         metrics = AutoscalerMetrics(registry, policy.slo_profile()) if registry is not None else None
-        pools = {"prefill": self.prefill, "decode": self.decode}
-        load = self.front_doors if self.front_doors is not None else self.service.load
-        self.autoscaler = LiveAutoscaler(policy, pools, load, self, metrics)
-        self.autoscaler.start()
+        pools = {"prefill": served.prefill, "decode": served.decode}
+        load = self.front_doors if self.front_doors is not None else served.service.load
+        served.autoscaler = LiveAutoscaler(policy, pools, load, served, metrics)
+        served.autoscaler.start()
         slo = policy.slo_profile()
         self.cluster.routing_notes.append(
-            f"autoscaling: policy {policy_name} (SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s at {slo.attainment:.0%}; "
+            (f"{served.name}: " if len(self.models) > 1 else "")
+            + f"autoscaling: policy {policy_name} (SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s at {slo.attainment:.0%}; "
             f"prefill {policy.prefill.min}-{policy.prefill.max}, decode {policy.decode.min}-{policy.decode.max} workers)"
         )
 
-    def _manager(self, role: str, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None) -> PoolManager:
+    def _manager(
+        self, served: ModelServing, role: str, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None
+    ) -> PoolManager:
         workers = _SIMULATED_WORKERS if pool_config.engine == "simulated" else _VLLM_WORKERS
         return PoolManager(
-            pool, workers[role], pool_config, self.config, router_host(self.config), cores,
+            pool, workers[role], pool_config, served.config, router_host(self.config), cores,
             plan_nodes=_plan_node_ids(pool.role, pool_config.nodes), front_doors=self.front_doors,
-            actor_prefix=self.deployment_id, served_adapters=lambda: self.adapters.adapters if self.adapters else (),
+            actor_prefix=self.deployment_id, served_adapters=lambda: served.adapters.adapters if served.adapters else (),
+            worker_prefix=served.worker_prefix,
         )
 
-    def scale(self, role: str, replicas: int) -> list[str]:
-        """Grow or shrink pool ``role`` to ``replicas`` workers (the Admin service's ScalePool)."""
-        return self.manager(role).scale_to(replicas)
+    def served_model(self, name: str) -> ModelServing:
+        """The served model ``name`` ("": the default); ScaleError naming the models served."""
+        if not name:
+            return self.default
+        for served in self.models:
+            if served.name == name:
+                return served
+        raise ScaleError(f"model: this deployment serves no model {name!r} (it serves: {', '.join(m.name for m in self.models)})")
+
+    def scale(self, role: str, replicas: int, model: str = "") -> list[str]:
+        """Grow or shrink pool ``role`` of ``model`` (default: the default model) to
+        ``replicas`` workers (the Admin service's ScalePool)."""
+        return self.served_model(model).scale(role, replicas)
 
     def drain(self, worker: str, timeout_s: float | None = None) -> str:
         """Remove ``worker`` after its requests finish (the Admin service's DrainWorker)."""
-        for manager in self.managers.values():
+        managers = [manager for served in self.models for manager in served.managers.values()]
+        for manager in managers:
             if manager.pool.find(worker) is not None:
                 return manager.drain(worker, timeout_s)
-        known = ", ".join(m.name for manager in self.managers.values() for m in manager.pool.members)
+        known = ", ".join(m.name for manager in managers for m in manager.pool.members)
         raise ScaleError(f"worker: no worker named {worker!r} (workers: {known})")
 
     async def load_adapter(self, name: str, path: str) -> str:
-        """Serve the LoRA adapter at ``path`` as model ``name`` (the Admin service's
-        LoadLoraAdapter): checked, preloaded on every running engine (a worker started later
-        loads it before it joins rotation: pool_manager.py), then served by every front door."""
-        # Shielded: a caller that gives up (a timeout, a closed connection) must not leave the
-        # engines, the list and the front doors half changed.
-        return await asyncio.shield(self._load_adapter(name, path))
-
-    async def _load_adapter(self, name: str, path: str) -> str:
-        assert self.adapters is not None
-        async with self._adapters_lock:
-            adapter = self.adapters.new_adapter(name, path)  # its id is never issued again
-            members = [member for pool in (self.prefill, self.decode) for member in pool.members if member.engine is not None]
-            timeout = self.config.server.worker_start_timeout_s
-            results = await asyncio.gather(
-                *(asyncio.wait_for(member.engine.add_lora(adapter), timeout) for member in members), return_exceptions=True
-            )
-            for member, result in zip(members, results):
-                if isinstance(result, BaseException) and member.state == "ready":
-                    problem = "did not answer" if isinstance(result, TimeoutError) else f"could not load it: {result}"
-                    raise AdapterError("invalid", f"lora_path: {member.name} {problem}")
-            self.adapters.add(adapter)
-            await self._publish_adapters()
-        logger.info("serving LoRA adapter %s from %s", name, adapter.path)
-        return f"Success: LoRA adapter '{name}' added successfully."
+        """Serve the LoRA adapter at ``path`` as model ``name`` on the default model (the Admin
+        service's LoadLoraAdapter; see ModelServing.load_adapter). Its name must be free
+        among every model's, as vLLM's server requires among its own."""
+        for served in self.models[1:]:
+            if name == served.name:
+                raise AdapterError("invalid", f"The lora adapter '{name}' conflicts with a served base model.")
+            if served.adapters is not None and any(adapter.name == name for adapter in served.adapters.adapters):
+                raise AdapterError("invalid", f"The lora adapter '{name}' has already been loaded.")
+        return await self.default.load_adapter(name, path)
 
     async def unload_adapter(self, name: str) -> str:
-        """Stop serving LoRA adapter ``name`` (the Admin service's UnloadLoraAdapter). Requests
-        in flight carry it and finish; the engines drop it from their caches as others are used."""
-        return await asyncio.shield(self._unload_adapter(name))
-
-    async def _unload_adapter(self, name: str) -> str:
-        assert self.adapters is not None
-        async with self._adapters_lock:
-            self.adapters.remove(name)
-            await self._publish_adapters()
-        logger.info("stopped serving LoRA adapter %s", name)
-        return f"Success: LoRA adapter '{name}' removed successfully."
-
-    async def _publish_adapters(self) -> None:
-        assert self.adapters is not None and self.service is not None
-        self.service.set_adapters(self.adapters.adapters)
-        if self.front_doors is not None:
-            await self.front_doors.set_adapters(self.adapters.adapters)
+        """Stop serving LoRA adapter ``name`` (the Admin service's UnloadLoraAdapter), on
+        whichever model serves it."""
+        for served in self.models:
+            if served.adapters is not None and any(adapter.name == name for adapter in served.adapters.adapters):
+                return await served.unload_adapter(name)
+        return await self.default.unload_adapter(name)  # refuses it, naming what is served
 
     def manager(self, role: str) -> PoolManager:
-        """The manager of pool ``role``; ScaleError naming the roles this deployment has."""
-        if role not in self.managers:
-            raise ScaleError(f"role: this deployment has no {role!r} pool (it has: {', '.join(self.managers)})")
-        return self.managers[role]
+        """The manager of the default model's pool ``role``; ScaleError naming the roles it has."""
+        return self.default.manager(role)
 
     async def _wait_ready(self) -> None:
-        pairs = [(manager, member) for manager in self.managers.values() for member in manager.pool.members]
+        pairs = [(manager, member) for served in self.models for manager in served.managers.values() for member in manager.pool.members]
         members = [member for _, member in pairs]
         timeout = self.config.server.worker_start_timeout_s
         starts = [manager.start(member) for manager, member in pairs]
@@ -337,9 +372,7 @@ class Deployment:
             self._metrics_server.shutdown()
         if self.health is not None:
             self.health.stop()
-        if self.autoscaler is not None:
-            self.autoscaler.stop()
-        await asyncio.gather(*(manager.stop() for manager in self.managers.values()))
+        await asyncio.gather(*(served.stop() for served in self.models))
 
 
 def _control_dir(deployment_id: str | None) -> str:

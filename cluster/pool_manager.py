@@ -54,6 +54,9 @@ class PoolManager:
     # The LoRA adapters served now (the control plane's list): loaded on each new engine before
     # it joins rotation, so that no adapter is first loaded mid-step by a request.
     served_adapters: Callable[[], tuple[ServedAdapter, ...]] = tuple
+    # Begins its workers' names: "" for a deployment's default model, "NAME/" for another
+    # served model's (cluster/model_serving.py).
+    worker_prefix: str = ""
     _next_index: int = 0
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -72,7 +75,8 @@ class PoolManager:
             preferred = configured[index] if configured and index < len(configured) else None
             core = self.cores.take(preferred) if self.cores is not None else None
             node = self.plan_nodes[index] if self.plan_nodes and index < len(self.plan_nodes) else None
-            member = PoolMember(f"{self.pool.role}-{index}", self._actor(f"{self.pool.role}-{index}", core, node), state="starting")
+            name = f"{self.worker_prefix}{self.pool.role}-{index}"
+            member = PoolMember(name, self._actor(name, core, node), state="starting")
             member.cpu_core = core
             self.pool.members.append(member)
             members.append(member)

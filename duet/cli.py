@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import grpc
 
+from duet.config import BUILTIN_MODEL, BUILTIN_MODELS
 from duet.logs import configure_logging
 from duet.router.client import DEFAULT_TARGET, DuetClient, build_request
 from duet.router.proto import duet_api_pb2 as pb
@@ -70,6 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
         if args.plan:
             config = apply_plan(config, Plan.load(args.plan))
         data = config.model_dump()
+        if config.models and (args.model or args.autoscale is not None):
+            return _fail("--model and --autoscale set the one model's; with models: in the config, set them there, per model")
         if args.model:
             model_dir = Path(args.model).expanduser().resolve()
             data["model"].update(path=str(model_dir), name=args.model_name or model_dir.name)
@@ -108,12 +111,16 @@ async def _run_deployment(config: "DuetConfig") -> int:
     from duet.cluster.control_plane import RemoteControlPlane
     from duet.cluster.deployment import Deployment, WorkerStartError
 
-    workers = (
-        f"{config.colocated.replicas} colocated worker(s)"
-        if config.mode == "colocated"
-        else f"{config.prefill.replicas} prefill + {config.decode.replicas} decode worker(s)"
+    workers = " and ".join(
+        (
+            f"{served.colocated.replicas} colocated worker(s)"
+            if served.mode == "colocated"
+            else f"{served.prefill.replicas} prefill + {served.decode.replicas} decode worker(s)"
+        )
+        + f" for {served.model.name}"
+        for served in config.served()
     )
-    print(f"duet: starting {workers} for {config.model.name} (this takes about a minute on CPU)...", flush=True)
+    print(f"duet: starting {workers} (this takes about a minute on CPU)...", flush=True)
     # One front door: this process serves and controls. Several: each front door and the
     # control plane are processes of their own, none of which this one is.
     deployment = RemoteControlPlane(config) if config.server.front_doors_apart else Deployment(config)
@@ -139,7 +146,7 @@ async def _run_deployment(config: "DuetConfig") -> int:
     host = config.server.host
     scheme = "https" if config.server.tls else "http"
     print(
-        f"duet: serving {config.model.name} on {host}:{serving['port']} (gRPC)"
+        f"duet: serving {', '.join(served.model.name for served in config.served())} on {host}:{serving['port']} (gRPC)"
         + (f", {scheme}://{host}:{serving['http_port']}/v1 (OpenAI)" if serving["http_port"] else "")
         + (f", metrics on http://{metrics}/metrics" if metrics else "")
         + (f", {config.server.front_ends} front doors" if config.server.front_ends > 1 else "")
@@ -253,7 +260,9 @@ def _print_status(status: pb.ClusterStatus) -> None:
     from rich.table import Table
 
     adapters = f" + LoRA {', '.join(status.lora_adapters)}" if status.lora_adapters else ""
-    table = Table(title=f"duet · {status.model}{adapters} · KV transport {status.kv_transport}")
+    several = len(status.served_models) > 1
+    models = ", ".join(status.served_models) if several else status.model
+    table = Table(title=f"duet · {models}{adapters} · KV transport {status.kv_transport}")
     for column in (
         "pool", "worker", "state", "core", "KV channel", "served", "in flight", "prompt tokens queued", "KV used",
         "prompt tokens transferred / computed", "KV transfers (MiB, GiB/s, failed)", "requests moved out / in (KV + replay)",
@@ -267,7 +276,7 @@ def _print_status(status: pb.ClusterStatus) -> None:
         for worker in pool.workers:
             lora_cell = [f"{worker.lora_adapter_reads} / {worker.lora_adapter_activations}"] if lora else []
             table.add_row(
-                pool.role,
+                f"{pool.model} {pool.role}" if several else pool.role,
                 worker.name,
                 worker.state
                 + (f", restarted {worker.restarts}x" if worker.restarts else "")
@@ -351,7 +360,7 @@ def _scale(args: argparse.Namespace) -> int:
     with _client(args) as client:
         try:
             for role, replicas in targets.items():
-                for change in client.scale(role, replicas):
+                for change in client.scale(role, replicas, model=args.model):
                     print(change)
             if args.wait:
                 return _wait_settled(client, args.wait_timeout)
@@ -393,8 +402,8 @@ def _lora_make(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         print(f"duet: {out} exists and is not a directory; name a directory for the adapter", file=sys.stderr)
         return 2
-    make_tiny_lora(out, seed=args.seed, rank=args.rank)
-    print(f"duet: wrote a rank-{args.rank} LoRA adapter for the built-in model to {out}")
+    make_tiny_lora(out, seed=args.seed, rank=args.rank, base_model=args.base)
+    print(f"duet: wrote a rank-{args.rank} LoRA adapter for the built-in model {args.base} to {out}")
     return 0
 
 
@@ -487,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     scale = commands.add_parser("scale", help="grow or shrink pools while serving: duet scale prefill=2 decode=2")
     scale.add_argument("targets", nargs="+", metavar="ROLE=COUNT")
+    scale.add_argument("--model", default="", help="the served model whose pools to scale (default: the deployment's default model)")
     scale.add_argument("--wait", action="store_true", help="wait until new workers are ready and removed ones gone")
     scale.add_argument("--wait-timeout", type=float, default=900.0)
     _add_client_arguments(scale)
@@ -498,17 +508,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_arguments(drain)
     drain.set_defaults(handler=_drain)
 
-    lora = commands.add_parser("lora", help="LoRA adapters for the built-in model")
+    lora = commands.add_parser("lora", help="LoRA adapters: make one for a built-in model, load and unload them while serving")
     lora_commands = lora.add_subparsers(dest="lora", required=True, metavar="ACTION")
     make = lora_commands.add_parser(
-        "make", help="write a random-weight LoRA adapter for the built-in model (to try, test or benchmark adapters)",
-        description="Write a PEFT LoRA adapter for the built-in tiny model into DIR, with random weights drawn "
+        "make", help="write a random-weight LoRA adapter for a built-in model (to try, test or benchmark adapters)",
+        description="Write a PEFT LoRA adapter for a built-in model (--base) into DIR, with random weights drawn "
         "from --seed: the same seed gives the same adapter, different seeds adapters that generate differently. "
         "Serve it by listing it under model.lora.adapters in the config.",
     )
     make.add_argument("out", metavar="DIR", help="directory to write (created if missing)")
     make.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     make.add_argument("--rank", type=int, default=8, choices=(1, 8, 16, 32, 64), help="the adapter's rank (default 8)")
+    make.add_argument(
+        "--base", default=BUILTIN_MODEL, choices=BUILTIN_MODELS,
+        help="the built-in model it adapts, as model.path names it (default: builtin)",
+    )
     make.set_defaults(handler=_lora_make)
     load = lora_commands.add_parser(
         "load", help="serve a LoRA adapter on a running duet, under a model name of its own",

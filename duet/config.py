@@ -11,11 +11,14 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from duet.yaml_config import read_yaml, validate_mapping
 
 BUILTIN_MODEL = "builtin"
+# The built-in models, by their model.path (worker_runtime/tiny_model.py makes them): the tiny
+# default, and one of another shape for deployments that serve two.
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin-wide")
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 # The same deployment, colocated: the baseline disaggregation is measured against.
 COLOCATED_CONFIG_PATH = DEFAULT_CONFIG_PATH.parent / "colocated.yaml"
@@ -140,7 +143,7 @@ class ModelConfig(_Strict):
     name: str = Field(default="duet-tiny-llama", min_length=1)
     """The name clients use for this model (the OpenAI API's `model`); checked against each
     request's."""
-    path: str = Field(default=BUILTIN_MODEL, description="'builtin' or a local HF model directory")
+    path: str = Field(default=BUILTIN_MODEL, description="'builtin', 'builtin-wide' or a local HF model directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights' and activations' type. float32 makes disaggregated generation equal colocated
     generation token for token."""
@@ -159,7 +162,7 @@ class ModelConfig(_Strict):
     @field_validator("path")
     @classmethod
     def _path_exists(cls, value: str) -> str:
-        if value != BUILTIN_MODEL and not (expanded_path(value) / "config.json").is_file():
+        if value not in BUILTIN_MODELS and not (expanded_path(value) / "config.json").is_file():
             raise ValueError(f"{value!r} is not a Hugging Face model directory (no config.json)")
         return value
 
@@ -462,6 +465,28 @@ class ApiConfig(_Strict):
     choices need none (they constrain the output to the tools' JSON schema)."""
 
 
+# The sections that describe one served model; ``models:`` lists them once per model.
+MODEL_SECTIONS = ("model", "mode", "prefill", "decode", "colocated", "autoscale")
+
+
+class ServedModelConfig(_Strict):
+    """One of several models a deployment serves: the model, its pools and its SLO's autoscaling
+    policy, as the top-level sections of the same names describe a one-model deployment."""
+
+    model: ModelConfig
+    """The model, served under its ``name`` (and its LoRA adapters' names)."""
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    """This model's pools: prefill and decode, or one colocated pool."""
+    prefill: PoolConfig = PoolConfig(cpu_cores=[0])
+    """Its prefill pool (mode: disaggregated)."""
+    decode: PoolConfig = PoolConfig(cpu_cores=[1])
+    """Its decode pool (mode: disaggregated)."""
+    colocated: PoolConfig = PoolConfig(replicas=2, cpu_cores=[0, 1])
+    """Its pool of whole-request workers (mode: colocated)."""
+    autoscale: str | None = None
+    """An autoscaling policy sizing this model's pools to its SLO (null: the sizes above)."""
+
+
 class DuetConfig(_Strict):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: prefill and decode pools with KV transfer between them. colocated: one pool
@@ -488,6 +513,12 @@ class DuetConfig(_Strict):
     autoscale: str | None = None
     """An autoscaling policy (a name under configs/autoscale, or a YAML path) that sizes the
     prefill and decode pools to its SLO while serving; None keeps the sizes above."""
+    models: list[ServedModelConfig] = []
+    """Several models served by one deployment, each with its own pools, engine settings and
+    autoscaling policy, behind the same front door: a request goes to the pools of the model it
+    names. When set, the top-level model, mode, prefill, decode, colocated and autoscale
+    sections are not used and must be left out; the first model listed is the default (a
+    request that names none)."""
 
     @field_validator("autoscale")
     @classmethod
@@ -541,6 +572,47 @@ class DuetConfig(_Strict):
         if simulated and self.kv_transfer.transport != "nixl":
             raise ValueError("kv_transfer.transport: simulated engines model the nixl (pull) hand-off; use nixl")
         return self
+
+
+    @model_validator(mode="after")
+    def _models_apart(self) -> "DuetConfig":
+        if not self.models:
+            return self
+        doubled = [name for name in MODEL_SECTIONS if getattr(self, name) != type(self).model_fields[name].default]
+        if doubled:
+            raise ValueError(f"models: lists each model's own {', '.join(doubled)}; leave the top-level one(s) out")
+        if self.server.front_doors_apart:
+            raise ValueError(
+                "models: several models are served by one front door in the control plane's process for now; "
+                "set server.front_ends: 1 and front_end_placement: local"
+            )
+        if sum(served.autoscale is not None for served in self.models) > 1:
+            raise ValueError("models: one model at a time may autoscale for now (its metrics are not yet labelled by model)")
+        names = [name for served in self.models for name in (served.model.name, *served.model.adapter_names())]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"models: each model and adapter name once; repeated: {', '.join(repeated)}")
+        for index, served in enumerate(self.models):
+            try:
+                _one_model(self, served)
+            except ValidationError as error:
+                problems = "; ".join(str(problem["msg"]).removeprefix("Value error, ") for problem in error.errors())
+                raise ValueError(f"models.{index} ({served.model.name}): {problems}") from None
+        return self
+
+    def served(self) -> list["DuetConfig"]:
+        """One config per served model: the deployment's shared sections (router, server, ...)
+        with that model's own; the default model first."""
+        if not self.models:
+            return [self]
+        return [_one_model(self, served) for served in self.models]
+
+
+def _one_model(config: DuetConfig, served: ServedModelConfig) -> DuetConfig:
+    """``config``'s shared sections with ``served``'s model sections, validated as a one-model
+    config (so every rule that ties a model's pools to the shared sections holds per model)."""
+    shared = config.model_dump(exclude={"models", *MODEL_SECTIONS}, exclude_unset=True)
+    return DuetConfig.model_validate({**shared, **served.model_dump(exclude_unset=True)})
 
 
 def parse_config(data: object, source: str = "config") -> DuetConfig:

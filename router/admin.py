@@ -24,7 +24,7 @@ from duet.router.serving import RequestService
 class PoolOperator(Protocol):
     """What the Admin service needs from a deployment."""
 
-    def scale(self, role: str, replicas: int) -> list[str]: ...
+    def scale(self, role: str, replicas: int, model: str = "") -> list[str]: ...
 
     def drain(self, worker: str, timeout_s: float | None) -> str: ...
 
@@ -51,7 +51,7 @@ class AdminServicer:
 
     async def ScalePool(self, request: pb.ScalePoolRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
         await self._authorize(request, context)
-        return await self._change(context, lambda: self.operator.scale(request.role, request.replicas))
+        return await self._change(context, lambda: self.operator.scale(request.role, request.replicas, request.model))
 
     async def DrainWorker(self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
         await self._authorize(request, context)

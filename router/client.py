@@ -176,9 +176,11 @@ class DuetClient:
                 self._reconnect(channel)
         raise AssertionError("unreachable")  # every attempt returns or raises
 
-    def scale(self, role: str, replicas: int, timeout: float = 30.0) -> list[str]:
-        """Admin: grow or shrink pool ``role`` to ``replicas`` workers; what changed, a line each."""
-        reply = self._admin.ScalePool(pb.ScalePoolRequest(role=role, replicas=replicas), timeout=timeout, metadata=self._metadata)
+    def scale(self, role: str, replicas: int, timeout: float = 30.0, model: str = "") -> list[str]:
+        """Admin: grow or shrink pool ``role`` (of served ``model``; default: the default
+        model) to ``replicas`` workers; what changed, a line each."""
+        request = pb.ScalePoolRequest(role=role, replicas=replicas, model=model)
+        reply = self._admin.ScalePool(request, timeout=timeout, metadata=self._metadata)
         return list(reply.changes)
 
     def drain(self, worker: str, timeout_s: float | None = None, timeout: float = 30.0) -> list[str]:

@@ -39,7 +39,7 @@ from duet.logs import configure_logging
 from duet.worker_runtime.worker_api import EngineAddresses, ServedAdapter
 from duet.router.actor_channel import ActorChannel
 from duet.router.admin import ForwardingAdmin
-from duet.router.assembly import chat_template, request_service, router_host
+from duet.router.assembly import request_service, router_host
 from duet.router.auth import Gatekeeper
 from duet.router.control_channel import control_stub
 from duet.router.engine_front_end import EngineFrontEnd, FrontEndListeners
@@ -250,9 +250,7 @@ class FrontDoor:
         self.service.set_adapters(adapters)
         self.service.adapter_admin = ControlPlaneAdapters(lambda: self.cluster.control)
         admin = ForwardingAdmin(self.service, lambda: self.cluster.control)
-        self.front_ends = await FrontEnds.start(
-            self.service, self.config.server, grpc_port, http_port, chat_template(self.config), admin
-        )
+        self.front_ends = await FrontEnds.start(self.service, self.config.server, grpc_port, http_port, admin)
         gc.collect()
         gc.freeze()  # as in the control plane's process (cluster/deployment.py says why)
         return os.getpid(), self.front_ends.grpc_port, self.front_ends.http_port

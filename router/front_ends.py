@@ -1,4 +1,4 @@
-"""Both front ends of one deployment, started and stopped together over one RequestService.
+"""Both front ends of one deployment, started and stopped together over its served models.
 
 The gRPC API and the OpenAI HTTP API share the host, the TLS settings and the callers' keys and
 quotas (held by the service's Gatekeeper). A deployment can open more than one pair, for
@@ -18,6 +18,7 @@ from duet.router.admin import AdminServicer
 from duet.router.auth import Gatekeeper
 from duet.router.http_server import OpenAIFrontEnd, start_http_server
 from duet.router.server import DuetServicer, report_readiness, start_server
+from duet.router.served_models import ServedModels
 from duet.router.serving import RequestService
 from duet.router.tls import http_ssl_context
 
@@ -67,27 +68,27 @@ class FrontEnds:
     @classmethod
     async def start(
         cls,
-        service: RequestService,
+        served: ServedModels | RequestService,
         server: ServerConfig,
         grpc_port: int,
         http_port: int | None,
-        chat_template: str | None,
         admin: AdminServicer | None = None,
     ) -> "FrontEnds":
-        """Start gRPC on ``grpc_port`` and HTTP on ``http_port`` (None: no HTTP; 0: any port);
-        with ``admin`` the gRPC server also serves the Admin service. With several front doors
-        (``server.front_ends``) every one listens on the same ports."""
+        """Start gRPC on ``grpc_port`` and HTTP on ``http_port`` (None: no HTTP; 0: any port)
+        over ``served`` (one model's service, or several models'); with ``admin`` the gRPC
+        server also serves the Admin service. With several front doors (``server.front_ends``)
+        every one listens on the same ports."""
+        models = served if isinstance(served, ServedModels) else ServedModels([served])
         reuse_port = server.front_ends > 1 and server.front_end_placement == "local"
         grpc_server, bound_grpc, health_service = await start_server(
-            DuetServicer(service), server.host, grpc_port, server.tls, admin, reuse_port
+            DuetServicer(models), server.host, grpc_port, server.tls, admin, reuse_port
         )
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(report_readiness(health_service, service.is_ready))]
-        if service.rebalancer is not None:
-            tasks.append(loop.create_task(service.rebalancer.run()))
+        tasks = [loop.create_task(report_readiness(health_service, models.default.is_ready))]
+        tasks += [loop.create_task(service.rebalancer.run()) for service in models.services if service.rebalancer is not None]
         http_runner, bound_http = None, None
         if http_port is not None:
-            front_end = OpenAIFrontEnd(service, server.http_max_body_bytes, chat_template)
+            front_end = OpenAIFrontEnd(models, server.http_max_body_bytes)
             ssl_context = http_ssl_context(server.tls) if server.tls else None
             try:
                 http_runner, bound_http = await start_http_server(

@@ -42,6 +42,7 @@ from duet.router.openai_protocol import (
     parse,
     tokenize,
 )
+from duet.router.served_models import ServedModels
 from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
 from duet.router.openai_replies import Reply, Sequence
 from duet.router.tool_calls import ToolCalling
@@ -105,10 +106,12 @@ def _api_error(error: Exception) -> ApiError:
 
 
 class OpenAIFrontEnd:
-    def __init__(self, service: RequestService, max_body_bytes: int, chat_template: str | None = None) -> None:
-        self.service = service
+    def __init__(self, served: ServedModels | RequestService, max_body_bytes: int) -> None:
+        self.served = served if isinstance(served, ServedModels) else ServedModels([served])
+        # What every model shares (keys, admission, accounting, readiness, adapter admin) is
+        # reached through the default model's service; the rest through the requested model's.
+        self.service = self.served.default
         self.max_body_bytes = max_body_bytes
-        self.chat_template = chat_template
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_errors_as_json])
@@ -131,8 +134,9 @@ class OpenAIFrontEnd:
         """vLLM's ``/tokenize``: a prompt's or chat's token ids, as the engines would get them."""
         self.service.authenticate(request.headers.get("Authorization"))
         parsed = parse(TokenizeRequest, await _json_body(request, self.max_body_bytes))
-        limits, tokenizer = self.service.limits, self.service.tokenizer
-        tokens = tokenize(parsed, limits, tokenizer, self.chat_template)  # type: ignore[arg-type]
+        service = self.served.for_model(parsed.model)
+        limits, tokenizer = service.limits, service.tokenizer
+        tokens = tokenize(parsed, limits, tokenizer, service.chat_template)  # type: ignore[arg-type]
         strings = tokenizer.convert_ids_to_tokens(tokens) if parsed.return_token_strs else None  # type: ignore[attr-defined]
         return web.json_response(
             {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens, "token_strs": strings}
@@ -142,7 +146,8 @@ class OpenAIFrontEnd:
         """vLLM's ``/detokenize``: the text of token ids."""
         self.service.authenticate(request.headers.get("Authorization"))
         parsed = parse(DetokenizeRequest, await _json_body(request, self.max_body_bytes))
-        return web.json_response({"prompt": detokenize(parsed, self.service.limits, self.service.tokenizer)})
+        service = self.served.for_model(parsed.model)
+        return web.json_response({"prompt": detokenize(parsed, service.limits, service.tokenizer)})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         """vLLM's ``/v1/load_lora_adapter``: serve an adapter from every front door (an admin
@@ -182,17 +187,18 @@ class OpenAIFrontEnd:
 
     async def models(self, request: web.Request) -> web.Response:
         caller = self.service.authenticate(request.headers.get("Authorization"))
-        limits = self.service.limits
-        base = {
-            "id": limits.name, "object": "model", "created": 0, "owned_by": "duet",
-            "root": limits.name, "parent": None, "max_model_len": limits.max_model_len,
-        }
-        # As vLLM lists its LoRA modules: the adapter's directory as root, the base as parent.
-        adapters = [
-            {**base, "id": adapter.name, "root": adapter.path, "parent": limits.name} for adapter in limits.adapters
-        ]
-        listed = [model for model in (base, *adapters) if caller.may_use(model["id"])]  # a key sees what it may use
-        return web.json_response({"object": "list", "data": listed})
+        served = []
+        for limits in (service.limits for service in self.served.services):
+            base = {
+                "id": limits.name, "object": "model", "created": 0, "owned_by": "duet",
+                "root": limits.name, "parent": None, "max_model_len": limits.max_model_len,
+            }
+            # As vLLM lists its LoRA modules: the adapter's directory as root, the base as parent.
+            adapters = [
+                {**base, "id": adapter.name, "root": adapter.path, "parent": limits.name} for adapter in limits.adapters
+            ]
+            served += [model for model in (base, *adapters) if caller.may_use(model["id"])]  # a key sees what it may use
+        return web.json_response({"object": "list", "data": served})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -200,11 +206,12 @@ class OpenAIFrontEnd:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
-    def _tools(self, body: Any, parsed: ChatCompletionRequest) -> ToolCalling | None:
+    @staticmethod
+    def _tools(body: Any, parsed: ChatCompletionRequest, service: RequestService) -> ToolCalling | None:
         """The request's tools, read by vLLM's protocol and parsers (None without any)."""
         if not parsed.tools and parsed.tool_choice in (None, "none"):
             return None
-        return ToolCalling(body, self.service.tokenizer, self.service.tool_parser)
+        return ToolCalling(body, service.tokenizer, service.tool_parser)
 
     async def _serve(self, http: web.Request, chat: bool) -> web.StreamResponse:
         caller = self.service.authenticate(http.headers.get("Authorization"))
@@ -224,20 +231,21 @@ class OpenAIFrontEnd:
         """Serve a completions (or, ``chat``, chat completions) request ``body``. Another API
         built on this one (router/anthropic_api.py) reshapes the whole answer (``whole_as``) or
         the stream's lines (``stream_as``)."""
-        limits, tokenizer, verify = self.service.limits, self.service.tokenizer, self.service.verify_sampling
         try:
+            service = self.served.for_model(body.get("model") if isinstance(body, dict) else None)
+            limits, tokenizer, verify = service.limits, service.tokenizer, service.verify_sampling
             if chat:
                 parsed: Any = parse(ChatCompletionRequest, body)
                 request_id = parsed.request_id or request_id
-                tools = self._tools(body, parsed)
-                prompts = [chat_to_validated(parsed, limits, tokenizer, request_id, self.chat_template, verify, tools)]  # type: ignore[arg-type]
+                tools = self._tools(body, parsed, service)
+                prompts = [chat_to_validated(parsed, limits, tokenizer, request_id, service.chat_template, verify, tools)]  # type: ignore[arg-type]
                 top_logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
             else:
                 parsed = parse(CompletionRequest, body)
                 request_id = parsed.request_id or request_id
                 prompts = completion_to_validated(parsed, limits, tokenizer, request_id, verify)
                 top_logprobs, tools = parsed.logprobs, None
-            await self.service.check_constraints(prompts)
+            await service.check_constraints(prompts)
         except UnknownModel:
             self.service.cluster.reject("invalid")
             raise
@@ -252,7 +260,7 @@ class OpenAIFrontEnd:
         requests = [sequence for prompt in prompts for sequence in sequences(prompt)]
         # aclosing: however the handler ends (a write to a closed connection, too), the request
         # is aborted on its workers at once.
-        async with aclosing(self.service.generate_sequences(requests, caller)) as events:
+        async with aclosing(service.generate_sequences(requests, caller)) as events:
             if parsed.stream:
                 include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
                 return await _stream(http, reply, events, include_usage, stream_as)

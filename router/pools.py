@@ -108,6 +108,8 @@ class PoolMember:
 @dataclass
 class WorkerPool:
     role: str
+    # The model its workers serve (a deployment may serve several; status shows it).
+    model: str = ""
     members: list[PoolMember] = field(default_factory=list)
     policy: RoutingPolicy = field(default_factory=LeastRequests)
     # Replaces a failed member's actor in place; supplied by the deployment.

@@ -27,6 +27,7 @@ from duet.config import TlsConfig
 from duet.router.auth import Caller, ModelNotAllowed, QuotaExceeded, Unauthenticated
 from duet.router.lifecycle import RequestCrashesEngines, StreamEvent
 from duet.router.proto import duet_api_pb2 as pb
+from duet.router.served_models import ServedModels
 from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
 from duet.router.tls import grpc_server_credentials
 from duet.router.validation import InvalidRequest, validate
@@ -116,8 +117,10 @@ class DuetServicer:
     """The gRPC front end: credentials from the ``authorization`` metadata, the rest through
     the shared :class:`RequestService`."""
 
-    def __init__(self, service: RequestService) -> None:
-        self.service = service
+    def __init__(self, served: ServedModels) -> None:
+        self.models = served
+        # Keys, admission, accounting and status are shared by every model: the default's.
+        self.service = served.default
 
     async def Generate(
         self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
@@ -127,13 +130,14 @@ class DuetServicer:
             self.service.cluster.reject("invalid")
             await refuse_malformed(request, context)
         try:
-            validated = validate(request, self.service.limits, self.service.tokenizer, self.service.verify_sampling)
-            await self.service.check_constraints([validated])
+            service = self.models.for_model(request.model)
+            validated = validate(request, service.limits, service.tokenizer, service.verify_sampling)
+            await service.check_constraints([validated])
         except InvalidRequest as error:
             self.service.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
-            async for index, event in self.service.generate_sequences(sequences(validated), caller):
+            async for index, event in service.generate_sequences(sequences(validated), caller):
                 yield _response(validated.request_id, index, event)
         except (QuotaExceeded, Overloaded) as error:
             # The retry hint travels as trailing metadata, in whole seconds (at least 1).

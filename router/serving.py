@@ -55,11 +55,13 @@ class RequestService:
     # Loads and unloads LoRA adapters for the whole deployment: the control plane itself, or
     # this front door's channel to it (router/lora_adapters.py).
     adapter_admin: AdapterAdmin | None = None
+    # The model's chat template for /v1/chat/completions (model.chat_template; None: the tokenizer's).
+    chat_template: str | None = None
 
     def set_adapters(self, adapters: tuple[ServedAdapter, ...]) -> None:
         """Serve exactly these LoRA adapters from now on (the control plane's list)."""
         self.limits = replace(self.limits, adapters=adapters)
-        self.cluster.lora_adapters = tuple(adapter.name for adapter in adapters)
+        self.cluster.adapters_by_model[self.limits.name] = tuple(adapter.name for adapter in adapters)
 
     def authenticate(self, authorization: str | None) -> Caller:
         """The caller an ``Authorization`` header (or gRPC metadata) value names; raises

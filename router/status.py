@@ -25,8 +25,10 @@ _KV_USAGE = "vllm:kv_cache_usage_perc"
 
 class ClusterView:
     def __init__(self, model: str, transport: str, pools: list[WorkerPool]) -> None:
-        self.model = model
-        self.lora_adapters: tuple[str, ...] = ()  # the model names of its LoRA adapters
+        self.model = model  # the default model's name (a request that names none gets it)
+        self.served_models = [model]  # every model served, the default first
+        # The model names of each served model's LoRA adapters.
+        self.adapters_by_model: dict[str, tuple[str, ...]] = {}
         self.transport = transport
         self.pools = pools
         self.inflight = 0
@@ -48,6 +50,11 @@ class ClusterView:
         # This front door's requests that moved between decode workers, by (worker, direction
         # "out" or "in", method "kv" or "replay").
         self.migrations: Counter[tuple[str, str, str]] = Counter()
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """Every served model's LoRA adapters' names, model by model."""
+        return tuple(name for model in self.served_models for name in self.adapters_by_model.get(model, ()))
 
     def admit(self, model: str) -> None:
         """Count a request admitted for ``model`` (the model name it asked for)."""
@@ -99,6 +106,7 @@ class ClusterView:
         _add_migrations(pools, front_ends)
         return pb.ClusterStatus(
             model=self.model,
+            served_models=self.served_models,
             lora_adapters=self.lora_adapters,
             pools=pools,
             requests_served=sum(front_end.requests_served for front_end in front_ends),
@@ -106,7 +114,7 @@ class ClusterView:
             requests_failed=sum(front_end.requests_failed for front_end in front_ends),
             kv_transport=self.transport,
             metrics_endpoint=self.metrics_endpoint,
-            routing=[f"{pool.role}: {pool.policy.describe()}" for pool in self.pools] + self.routing_notes,
+            routing=[self._routing_line(pool) for pool in self.pools] + self.routing_notes,
             front_ends=front_ends,
             models=_sum_models(front_ends),
             control_plane_pid=os.getpid() if not self.forwards_status else 0,
@@ -142,9 +150,14 @@ class ClusterView:
             ],
         )
 
+    def _routing_line(self, pool: WorkerPool) -> str:
+        """``pool``'s routing policy, named by its model when several are served."""
+        model = f"{pool.model} " if len(self.served_models) > 1 else ""
+        return f"{model}{pool.role}: {pool.policy.describe()}"
+
     async def _pool_status(self, pool: WorkerPool) -> pb.Pool:
         states = await asyncio.gather(*(_worker_status(pool.role, member) for member in pool.members))
-        return pb.Pool(role=pool.role, workers=states)
+        return pb.Pool(role=pool.role, workers=states, model=pool.model or self.model)
 
 
 def _sum_models(front_ends: list[pb.FrontEnd]) -> list[pb.ModelRequests]:

@@ -56,7 +56,7 @@ def _front_ends(deployment, server: ServerConfig):
     """Start a gRPC + HTTP pair (and the Admin service) on ``deployment``'s serving path with
     ``server``'s security."""
     service = dataclasses.replace(deployment.service, gatekeeper=Gatekeeper.from_config(server.auth, environ={}))
-    return deployment.background.run(FrontEnds.start(service, server, 0, 0, None, admin=AdminServicer(service, deployment)), timeout=30)
+    return deployment.background.run(FrontEnds.start(service, server, 0, 0, admin=AdminServicer(service, deployment)), timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from duet.config import BUILTIN_MODEL, ModelConfig
+from duet.config import BUILTIN_MODELS, ModelConfig
 from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE
 
 _GIB = 1 << 30
 
 
 def resolve_model_path(model: ModelConfig) -> Path:
-    """The model directory on this machine, creating the built-in tiny model on first use."""
-    if model.path == BUILTIN_MODEL:
+    """The model directory on this machine, creating a built-in model on first use."""
+    if model.path in BUILTIN_MODELS:
         from duet.worker_runtime.tiny_model import ensure_tiny_model
 
-        return ensure_tiny_model()
+        return ensure_tiny_model(shape=model.path)
     return Path(model.path).expanduser().resolve()
 
 

@@ -1,4 +1,4 @@
-"""Random-weight LoRA adapters for the built-in tiny model (``duet lora make``).
+"""Random-weight LoRA adapters for the built-in models (``duet lora make``).
 
 LoRA serving needs adapters to serve, and a fresh machine has no model hub: like the built-in
 model itself, an adapter is made here, deterministically from its seed, in the PEFT format that
@@ -20,8 +20,9 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 _WEIGHT_STD = 0.05
 
 
-def make_tiny_lora(out: Path, seed: int = 0, rank: int = 8) -> Path:
-    """Write a LoRA adapter of ``rank`` for the built-in model into ``out`` and return it.
+def make_tiny_lora(out: Path, seed: int = 0, rank: int = 8, base_model: str = "builtin") -> Path:
+    """Write a LoRA adapter of ``rank`` for the built-in model ``base_model`` (``builtin`` or
+    ``builtin-wide``) into ``out`` and return it.
 
     Both LoRA matrices are random (PEFT starts B at zero, which would make the adapter a no-op).
     The same seed and rank always give the same adapter.
@@ -30,7 +31,7 @@ def make_tiny_lora(out: Path, seed: int = 0, rank: int = 8) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    base = ensure_tiny_model()
+    base = ensure_tiny_model(shape=base_model)
     config = AutoConfig.from_pretrained(base)
     hidden = config.hidden_size
     kv_width = config.num_key_value_heads * (hidden // config.num_attention_heads)

@@ -1,10 +1,14 @@
-"""The built-in tiny model: a Llama-architecture model and a byte-level BPE tokenizer made locally.
+"""The built-in tiny models: Llama-architecture models and a byte-level BPE tokenizer made locally.
 
 duet must start on a fresh machine with no model hub, so its default model is created here,
 deterministically (fixed corpus, fixed seed), and cached under ``~/.cache/duet`` (or
 ``$DUET_CACHE_DIR``). Its weights are random: the text it prints is not meaningful, but it is a
 real Hugging Face checkpoint that vLLM and transformers both load, which is what the serving path
 and the exactness tests need (greedy float32 output is a deterministic function of the weights).
+
+A second built-in model of another shape (``builtin-wide``: wider, shallower, a KV head per
+attention head, so its KV blocks are laid out differently) lets one deployment serve two models
+on a laptop (configs/multi-model.yaml).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 TINY_MODEL_NAME = "duet-tiny-llama"
+WIDE_MODEL_NAME = "duet-tiny-llama-wide"
 # Bumped whenever the recipe below changes, so that a stale cache is never served.
 _RECIPE_VERSION = 2
 _SEED = 1234
@@ -33,6 +38,16 @@ _LLAMA_CONFIG = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
+_WIDE_LLAMA_CONFIG = {
+    **_LLAMA_CONFIG,
+    "hidden_size": 384,
+    "intermediate_size": 768,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 6,
+}
+# Each built-in model by its config path (model.path), with its served name and shape.
+BUILTIN_SHAPES = {"builtin": (TINY_MODEL_NAME, _LLAMA_CONFIG), "builtin-wide": (WIDE_MODEL_NAME, _WIDE_LLAMA_CONFIG)}
 _TARGET_VOCAB_SIZE = 4096
 # A plain role-tagged chat format, so /v1/chat/completions works on the built-in model.
 CHAT_TEMPLATE = (
@@ -58,38 +73,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DUET_CACHE_DIR", Path.home() / ".cache" / "duet"))
 
 
-def _llama_config(context: int | None) -> dict:
+def _llama_config(context: int | None, shape: str) -> dict:
+    config = BUILTIN_SHAPES[shape][1]
     if context is None:
-        return _LLAMA_CONFIG
-    return {**_LLAMA_CONFIG, "max_position_embeddings": context}
+        return config
+    return {**config, "max_position_embeddings": context}
 
 
-def tiny_model_dir(context: int | None = None) -> Path:
+def tiny_model_dir(context: int | None = None, shape: str = "builtin") -> Path:
     """The cache path of the current recipe (the recipe is part of the name)."""
     recipe = json.dumps(
-        {"v": _RECIPE_VERSION, "seed": _SEED, "cfg": _llama_config(context), "vocab": _TARGET_VOCAB_SIZE},
+        {"v": _RECIPE_VERSION, "seed": _SEED, "cfg": _llama_config(context, shape), "vocab": _TARGET_VOCAB_SIZE},
         sort_keys=True,
     )
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    return cache_dir() / f"{TINY_MODEL_NAME}-{digest}"
+    return cache_dir() / f"{BUILTIN_SHAPES[shape][0]}-{digest}"
 
 
-def ensure_tiny_model(context: int | None = None) -> Path:
-    """Return the tiny model's directory, creating it on first use.
+def ensure_tiny_model(context: int | None = None, shape: str = "builtin") -> Path:
+    """Return the directory of the built-in model ``shape`` (a key of BUILTIN_SHAPES), creating
+    it on first use.
 
     ``context`` overrides the maximum sequence length (4,096) for a long-context variant with
     otherwise identical weights, used by the KV-transfer benchmark's 32k-token prompts.
     Creation writes to a temporary sibling directory and renames it into place, so concurrent
     callers (several Ray actors starting at once) never see a half-written model.
     """
-    target = tiny_model_dir(context)
+    target = tiny_model_dir(context, shape)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_tokenizer(staging, _llama_config(context))
-        _write_model(staging, _llama_config(context))
+        _write_tokenizer(staging, _llama_config(context, shape))
+        _write_model(staging, _llama_config(context, shape))
         try:
             staging.rename(target)
         except OSError:

@@ -35,12 +35,14 @@ class UnloadLoraAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
-    __slots__ = ("role", "replicas")
+    __slots__ = ("role", "replicas", "model")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     role: str
     replicas: int
-    def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker", "timeout_s")
@@ -274,15 +276,17 @@ class WorkerState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., outstanding_prompt_tokens: _Optional[int] = ..., cpu_core: _Optional[int] = ..., migrations_out_kv: _Optional[int] = ..., migrations_out_replay: _Optional[int] = ..., migrations_in_kv: _Optional[int] = ..., migrations_in_replay: _Optional[int] = ..., lora_adapter_reads: _Optional[int] = ..., lora_adapter_activations: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("role", "workers")
+    __slots__ = ("role", "workers", "model")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     role: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
-    def __init__(self, role: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ...) -> None: ...
+    model: str
+    def __init__(self, role: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint", "routing", "front_ends", "control_plane_pid", "deployment_id", "lora_adapters", "models")
+    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint", "routing", "front_ends", "control_plane_pid", "deployment_id", "lora_adapters", "models", "served_models")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +300,7 @@ class ClusterStatus(_message.Message):
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     requests_served: int
@@ -309,7 +314,8 @@ class ClusterStatus(_message.Message):
     deployment_id: str
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     models: _containers.RepeatedCompositeFieldContainer[ModelRequests]
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ...) -> None: ...
+    served_models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ..., served_models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelRequests(_message.Message):
     __slots__ = ("model", "requests_served", "requests_inflight", "requests_failed")

@@ -1,0 +1,195 @@
+"""Several models from one deployment (issue 56, ``models:``).
+
+One deployment from configs/multi-model.yaml serves the built-in tiny model and the built-in
+wide model (another shape: wider, shallower, a KV head per attention head), each disaggregated
+with its own prefill and decode workers and KV pulled over NIXL, behind one front door. Each
+model's greedy tokens are compared with vLLM's: the tiny model's with the suite's colocated
+reference engine, the wide model's with vLLM's own OpenAI server. Then what the front door says
+of both (``/v1/models``, status, the unknown-model 404) and that each model's pools are its own
+(requests land on them, the Admin API scales one model's pool by name). The config's rules for
+``models:`` are checked without engines.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from duet.cli import main as duet_main
+from duet.config import ConfigError, DuetConfig, load_config, parse_config
+from duet.router.client import DuetClient, build_request
+from vllm_server import http_post, running_vllm_server
+
+MULTI_MODEL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "multi-model.yaml"
+TINY, WIDE = "duet-tiny-llama", "duet-tiny-llama-wide"
+
+
+@pytest.fixture(scope="module")
+def multi_config() -> DuetConfig:
+    """The shipped config, with smaller KV caches (it runs beside the suite's other engines)."""
+    data = load_config(MULTI_MODEL_CONFIG).model_dump()
+    for served in data["models"]:
+        for role in ("prefill", "decode"):
+            served[role]["kv_cache_gib"] = 0.25
+    data["server"]["metrics_port"] = None
+    return parse_config(data)
+
+
+@pytest.fixture(scope="module")
+def multi_deployment(running_deployment: Any, multi_config: DuetConfig) -> Iterator[Any]:
+    with running_deployment(multi_config) as deployment:
+        yield deployment
+
+
+@pytest.fixture(scope="module")
+def multi_client(multi_deployment: Any) -> Iterator[DuetClient]:
+    with DuetClient(f"127.0.0.1:{multi_deployment.port}") as client:
+        yield client
+
+
+def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 700) for _ in range(length)] for _ in range(count)]
+
+
+def _greedy(client: DuetClient, model: str, prompt: list[int], max_tokens: int = 16) -> list[int]:
+    ids, _ = client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, model=model))
+    return ids
+
+
+def test_each_model_generates_what_vllm_does(multi_deployment, multi_client, multi_config, reference):
+    """Both models served, both exact: the tiny model's tokens equal the colocated reference
+    engine's, the wide model's equal vLLM's own server's, each through its own disaggregated
+    pools (short and long prompts: one prefilled on the decode worker under the default's
+    local-prefill rule, one prefilled remotely with its KV pulled). The two models' answers
+    differ, so a request sent to the wrong model's pools would fail this."""
+    prompts = [_prompts(1, 24, seed=1)[0], _prompts(1, 1400, seed=2)[0]]
+    tiny = [_greedy(multi_client, TINY, prompt) for prompt in prompts]
+    assert tiny == reference.greedy(prompts, 16, ignore_eos=True)
+    assert [_greedy(multi_client, "", prompt) for prompt in prompts] == tiny  # no name: the default model
+    wide = [_greedy(multi_client, WIDE, prompt) for prompt in prompts]
+    with running_vllm_server(multi_config.models[1].model) as port:
+        for prompt, ours in zip(prompts, wide):
+            body = {"model": WIDE, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True}
+            status, reply = http_post(port, "/v1/completions", body)
+            assert status == 200, reply
+            assert ours == reply["choices"][0]["token_ids"]
+    assert wide != tiny
+
+
+def test_each_models_requests_run_on_its_own_workers(multi_deployment, multi_client):
+    """Status lists every model and each pool's model; a model's requests are served by its
+    own workers only (the second model's named after it)."""
+    before = _served_by_worker(multi_client.status())
+    for prompt in _prompts(3, 40, seed=3):
+        _greedy(multi_client, WIDE, prompt, max_tokens=4)
+    status = multi_client.status()
+    assert list(status.served_models) == [TINY, WIDE] and status.model == TINY
+    assert {(pool.model, pool.role) for pool in status.pools} == {
+        (TINY, "prefill"), (TINY, "decode"), (WIDE, "prefill"), (WIDE, "decode"),
+    }
+    after = _served_by_worker(status)
+    grew = {name for name, served in after.items() if served > before.get(name, 0)}
+    assert grew and all(name.startswith(f"{WIDE}/") for name in grew), grew
+    assert {model.model for model in status.models} >= {WIDE}
+
+
+def _served_by_worker(status: Any) -> dict[str, int]:
+    return {worker.name: worker.requests_served for pool in status.pools for worker in pool.workers}
+
+
+def test_models_and_the_unknown_model_error_name_both_models(multi_deployment):
+    """``/v1/models`` lists both models (OpenAI SDK); a request naming neither gets vLLM's 404
+    over HTTP and INVALID_ARGUMENT over gRPC, naming what is served."""
+    import openai
+
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{multi_deployment.http_port}/v1", api_key="unused", max_retries=0)
+    assert [model.id for model in sdk.models.list().data] == [TINY, WIDE]
+    reply = sdk.completions.create(model=WIDE, prompt="the cache moves", max_tokens=4, temperature=0.0)
+    assert reply.model == WIDE and reply.usage.completion_tokens == 4
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        sdk.completions.create(model="no-such-model", prompt="hello", max_tokens=2)
+    status, reply = http_post(multi_deployment.http_port, "/tokenize", {"model": WIDE, "prompt": "the cache"})
+    assert status == 200 and reply["count"] > 0
+    with DuetClient(f"127.0.0.1:{multi_deployment.port}") as client:
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate_ids(build_request(prompt="hello", max_tokens=2, model="no-such-model"))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert TINY in error.value.details() and WIDE in error.value.details()
+
+
+def test_the_admin_api_scales_one_models_pool_by_name(multi_deployment, multi_client, capsys):
+    """ScalePool names the model: an unknown one is refused naming the served models; the wide
+    model's decode pool grows by a worker named after it while the tiny model's stays, then
+    shrinks back (`duet scale --model`). `duet status` prints each pool under its model."""
+    with pytest.raises(grpc.RpcError) as error:
+        multi_client.scale("decode", 2, model="no-such-model")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and WIDE in error.value.details()
+    changes = multi_client.scale("decode", 2, model=WIDE)
+    assert changes == [f"{WIDE}/decode-1: starting"], changes
+    tiny_decode = len(multi_deployment.decode.members)
+    assert len(multi_deployment.models[1].decode.members) == 2 and tiny_decode == 1
+    target = f"127.0.0.1:{multi_deployment.port}"
+    assert duet_main(["scale", "decode=1", "--model", WIDE, "--target", target]) == 0
+    removed = capsys.readouterr().out.strip().splitlines()
+    assert len(removed) == 1 and removed[0].startswith(f"{WIDE}/decode-"), removed
+    assert duet_main(["status", "--target", target]) == 0
+    printed = capsys.readouterr().out
+    assert f"{WIDE} decode" in printed and f"{TINY} prefill" in printed, printed
+
+
+@pytest.mark.quick
+def test_models_config_gives_each_model_its_sections():
+    """``served()`` gives each listed model the shared sections with its own; the default
+    first. A one-model config is its own only entry."""
+    config = load_config(MULTI_MODEL_CONFIG)
+    tiny, wide = config.served()
+    assert (tiny.model.name, wide.model.name) == (TINY, WIDE) and wide.model.path == "builtin-wide"
+    assert tiny.server == wide.server == config.server and wide.kv_transfer == config.kv_transfer
+    assert wide.prefill.num_cpus == 0 and tiny.prefill.num_cpus == 1
+    assert load_config().served() == [load_config()]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.update(model={"name": "x"}), "leave the top-level one"),
+        (lambda d: d["models"][1]["model"].update(name=TINY), "repeated: duet-tiny-llama"),
+        (lambda d: d["server"].update(front_ends=2), "server.front_ends: 1"),
+        (lambda d: d["models"][1].update(mode="colocated", autoscale="local"), "models.1 (duet-tiny-llama-wide)"),
+        (lambda d: [served.update(autoscale="local") for served in d["models"]], "one model at a time may autoscale"),
+        (lambda d: d["models"][0]["prefill"].update(replicas=0), "models.0.prefill.replicas"),
+    ],
+    ids=["top-level-model-too", "repeated-name", "front-doors-apart", "per-model-rule", "two-autoscalers", "bad-pool"],
+)
+def test_a_bad_models_list_is_refused_naming_the_field(change, message):
+    data = load_config(MULTI_MODEL_CONFIG).model_dump(exclude_unset=True)
+    change(data)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(data)
+
+
+@pytest.mark.quick
+def test_lora_make_adapts_either_built_in_model(tmp_path: Path, capsys):
+    """`duet lora make --base builtin-wide` writes an adapter of the wide model's shape: one the
+    wide model's config takes and whose weights differ in width from the tiny model's."""
+    from safetensors import safe_open
+
+    assert duet_main(["lora", "make", str(tmp_path / "wide"), "--seed", "3", "--base", "builtin-wide"]) == 0
+    assert duet_main(["lora", "make", str(tmp_path / "tiny"), "--seed", "3"]) == 0
+    assert "builtin-wide" in capsys.readouterr().out
+    widths = {}
+    for name in ("wide", "tiny"):
+        with safe_open(str(tmp_path / name / "adapter_model.safetensors"), "pt") as weights:
+            widths[name] = weights.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight").shape[1]
+    assert widths == {"wide": 384, "tiny": 256}
+    data = load_config(MULTI_MODEL_CONFIG).model_dump(exclude_unset=True)
+    data["models"][1]["model"]["lora"] = {"adapters": [{"name": "wide-lora", "path": str(tmp_path / "wide")}]}
+    assert parse_config(data).served()[1].model.adapter_names() == ("wide-lora",)

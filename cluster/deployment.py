@@ -15,15 +15,18 @@ import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import ray
+import yaml
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from duet.cluster.autoscaler.live import LiveAutoscaler
 from duet.cluster.autoscaler.metrics import AutoscalerMetrics
 from duet.cluster.autoscaler.policy import load_policy
-from duet.config import DuetConfig
+from duet.config import ConfigError, DuetConfig, ServedModelConfig, one_model
 from duet.cluster.cores import CoreAllocator
 from duet.worker_runtime.engine import is_cpu_only, resolve_model_path
 from duet.cluster.front_doors import ControlEndpoint, FrontDoorSet
@@ -43,9 +46,10 @@ from duet.router.auth import Gatekeeper
 from duet.router.control_channel import start_control_server
 from duet.router.front_ends import FrontEnds, check_exposure
 from duet.router.lora_adapters import AdapterError, AdapterRegistry
-from duet.router.served_models import ServedModels
+from duet.router.served_models import ModelChangeError, ServedModels
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
+from duet.yaml_config import validate_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +101,13 @@ class Deployment:
     _control_server: Any = None
     _metrics_server: Any = None
     _metrics_registry: CollectorRegistry | None = None  # the /metrics endpoint's, when it is on
+    # What models added while serving share with the others (add_model), and the front door's
+    # list of every model's serving path.
+    _served: ServedModels | None = None
+    _gatekeeper: Gatekeeper | None = None
+    _cores: CoreAllocator | None = None
+    _models_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _autoscaler_metrics: AutoscalerMetrics | None = None  # one set of families, a label per model
 
     def __post_init__(self) -> None:
         self.models = [
@@ -148,7 +159,7 @@ class Deployment:
         for what, wanted, flag in (("gRPC", bind_port, "--port"), ("HTTP", bind_http, "--http-port")):
             if wanted and not self.adopted and not is_bindable(server_config.host, wanted):
                 raise PortInUseError(_port_in_use(what, server_config.host, wanted, flag))
-        gatekeeper = Gatekeeper.from_config(server_config.auth)
+        gatekeeper = self._gatekeeper = Gatekeeper.from_config(server_config.auth)
         self.exposure_warning = check_exposure(server_config, gatekeeper)
         pools = [pool for served in self.models for pool in served.pools]
         disaggregated = [served for served in self.models if not served.colocated]
@@ -179,15 +190,9 @@ class Deployment:
             resolve_model_path(served.config.model)  # create a built-in model once, not per worker
         if self.front_doors is not None and not self.adopted:
             self.front_doors.create()  # they come up (a few seconds) while the engines do
-        cores = CoreAllocator() if is_cpu_only() else None
+        self._cores = CoreAllocator() if is_cpu_only() else None
         for served in self.models:
-            roles = {"colocated": served.config.colocated} if served.colocated else {
-                "prefill": served.config.prefill, "decode": served.config.decode,
-            }
-            served.managers = {
-                role: self._manager(served, role, served.decode if role == "colocated" else getattr(served, role), pool_config, cores)
-                for role, pool_config in roles.items()
-            }
+            self._add_managers(served)
         if self.adopted:
             await asyncio.gather(*(manager.adopt() for manager in self.default.managers.values()))
         else:
@@ -205,11 +210,11 @@ class Deployment:
         if self.front_doors is not None:  # they route by load they cannot measure themselves
             self.health.on_loads = lambda loads: self.front_doors.tell("report_loads", loads)
         self.health.start()
-        engine_limits = await self._start_services(gatekeeper)
+        limits = [await self._start_service(served) for served in self.models]
+        self._served = ServedModels([served.service for served in self.models])
         if self.front_doors is None:
             self.front_ends = await FrontEnds.start(
-                ServedModels([served.service for served in self.models]), server_config, bind_port, bind_http,
-                AdminServicer(self.service, self),
+                self._served, server_config, bind_port, bind_http, AdminServicer(self.service, self),
             )
             self.port, self.http_port = self.front_ends.grpc_port, self.front_ends.http_port
         else:
@@ -217,13 +222,13 @@ class Deployment:
                 self.front_doors.control.address, AdminServicer(self.service, self, trusted=True), self.front_doors.control.token
             )
             if self.adopted:
-                self.port, self.http_port = await self.front_doors.adopt(engine_limits)
+                self.port, self.http_port = await self.front_doors.adopt(limits[0])
                 if self.front_doors.adopted_adapters is not None:  # loaded by the control plane before
                     self.adapters.adopt(self.front_doors.adopted_adapters)
                 await self.default.publish_adapters()  # every front door on the same list again
             else:
                 self.front_doors.adapters = self.adapters.adapters
-                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, engine_limits)
+                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, limits[0])
         for served in self.models:
             if served.config.autoscale is not None:
                 self._start_autoscaler(served)
@@ -236,23 +241,29 @@ class Deployment:
         gc.freeze()
         return self
 
-    async def _start_services(self, gatekeeper: Gatekeeper) -> tuple[int, int, int]:
-        """Each model's serving path over its ready pools, sharing the cluster view and the
-        callers' keys; returns the default model's engine limits (the front doors apart need them)."""
-        assert self.cluster is not None
+    def _add_managers(self, served: ModelServing) -> None:
+        roles = {"colocated": served.config.colocated} if served.colocated else {
+            "prefill": served.config.prefill, "decode": served.config.decode,
+        }
+        served.managers = {
+            role: self._manager(served, role, served.decode if role == "colocated" else getattr(served, role), pool_config)
+            for role, pool_config in roles.items()
+        }
+
+    async def _start_service(self, served: ModelServing) -> tuple[int, int, int]:
+        """``served``'s serving path over its ready pools, sharing the cluster view and the
+        callers' keys; returns its engine's limits (the front doors apart need the default's)."""
+        assert self.cluster is not None and self._gatekeeper is not None
+        first_worker = (served.prefill.members + served.decode.members)[0]
+        engine_limits = await first_worker.engine.model_limits()
+        served.service = request_service(
+            served.config, None if served.colocated else served.prefill, served.decode, engine_limits, self.cluster, self._gatekeeper
+        )
+        served.service.adapter_admin = served
         several = len(self.models) > 1
-        limits = []
-        for served in self.models:
-            first_worker = (served.prefill.members + served.decode.members)[0]
-            engine_limits = await first_worker.engine.model_limits()
-            limits.append(engine_limits)
-            served.service = request_service(
-                served.config, None if served.colocated else served.prefill, served.decode, engine_limits, self.cluster, gatekeeper
-            )
-            served.service.adapter_admin = served
-            notes = _conditional_disaggregation_notes(served.config)
-            self.cluster.routing_notes.extend(f"{served.name}: {note}" if several else note for note in notes)
-        return limits[0]
+        notes = _conditional_disaggregation_notes(served.config)
+        self.cluster.routing_notes.extend(f"{served.name}: {note}" if several else note for note in notes)
+        return engine_limits
 
     def _control_endpoint(self) -> ControlEndpoint:
         """Where front doors reach this control plane: a private Unix socket on its host, or
@@ -279,11 +290,12 @@ class Deployment:
         assert self.cluster is not None and served.service is not None and served.config.autoscale is not None
         policy_name = served.config.autoscale
         policy = load_policy(policy_name)
-        registry = self._metrics_registry
-        metrics = AutoscalerMetrics(registry, policy.slo_profile()) if registry is not None else None
+        if self._metrics_registry is not None and self._autoscaler_metrics is None:
+            self._autoscaler_metrics = AutoscalerMetrics(self._metrics_registry)
+        metrics = self._autoscaler_metrics.for_model(served.name, policy.slo_profile()) if self._autoscaler_metrics else None
         pools = {"prefill": served.prefill, "decode": served.decode}
         load = self.front_doors if self.front_doors is not None else served.service.load
-        served.autoscaler = LiveAutoscaler(policy, pools, load, served, metrics)
+        served.autoscaler = LiveAutoscaler(policy, pools, load, served, metrics, budget_left=self._budget_left(served))
         served.autoscaler.start()
         slo = policy.slo_profile()
         self.cluster.routing_notes.append(
@@ -292,12 +304,18 @@ class Deployment:
             f"prefill {policy.prefill.min}-{policy.prefill.max}, decode {policy.decode.min}-{policy.decode.max} workers)"
         )
 
-    def _manager(
-        self, served: ModelServing, role: str, pool: WorkerPool, pool_config: Any, cores: CoreAllocator | None
-    ) -> PoolManager:
+    def _budget_left(self, served: ModelServing) -> Callable[[], int | None] | None:
+        """What ``served``'s autoscaler may hold of the deployment's autoscale_budget: the
+        budget less what every other model holds now (None without a shared budget)."""
+        budget = self.config.autoscale_budget
+        if budget is None:
+            return None
+        return lambda: max(0, budget - sum(other.units_held() for other in self.models if other is not served))
+
+    def _manager(self, served: ModelServing, role: str, pool: WorkerPool, pool_config: Any) -> PoolManager:
         workers = _SIMULATED_WORKERS if pool_config.engine == "simulated" else _VLLM_WORKERS
         return PoolManager(
-            pool, workers[role], pool_config, served.config, router_host(self.config), cores,
+            pool, workers[role], pool_config, served.config, router_host(self.config), self._cores,
             plan_nodes=_plan_node_ids(pool.role, pool_config.nodes), front_doors=self.front_doors,
             actor_prefix=self.deployment_id, served_adapters=lambda: served.adapters.adapters if served.adapters else (),
             worker_prefix=served.worker_prefix,
@@ -349,8 +367,114 @@ class Deployment:
         """The manager of the default model's pool ``role``; ScaleError naming the roles it has."""
         return self.default.manager(role)
 
-    async def _wait_ready(self) -> None:
-        pairs = [(manager, member) for served in self.models for manager in served.managers.values() for member in manager.pool.members]
+    async def add_model(self, model_config: str) -> list[str]:
+        """Serve another model (the Admin service's AddModel): ``model_config`` is one entry of
+        the config's ``models:`` in YAML or JSON. Its workers start beside the others' (which
+        are not touched); once all are ready, the front door serves its name. Raises
+        ModelChangeError: "invalid" for a config that cannot be served, "unavailable" if its
+        workers cannot start (they are removed), "unsupported" with front doors apart."""
+        return await asyncio.shield(self._add_model(model_config))
+
+    async def _add_model(self, model_config: str) -> list[str]:
+        assert self.cluster is not None and self._served is not None
+        if self.front_doors is not None:
+            raise ModelChangeError(
+                "unsupported",
+                "models are added only to a deployment whose one front door runs in the control plane's process "
+                "(server.front_ends: 1, front_end_placement: local)"
+            )
+        async with self._models_lock:
+            try:
+                config = self._model_config(model_config)
+            except ConfigError as error:
+                raise ModelChangeError("invalid", str(error)) from None
+            served = ModelServing(config, worker_prefix=f"{config.model.name}/")
+            await asyncio.to_thread(resolve_model_path, served.config.model)  # a built-in model is made once
+            self._add_managers(served)
+            for manager in served.managers.values():
+                manager.create(manager.pool_config.replicas)
+            self.models.append(served)
+            self.cluster.pools.extend(served.pools)  # status, health watching and metrics see them
+            try:
+                await self._wait_ready(served)
+                await self._start_service(served)
+            except (WorkerStartError, TimeoutError) as error:
+                await self._forget(served)
+                raise ModelChangeError("unavailable", f"{served.name} not added: {error or 'its workers did not start in time'}") from None
+            except BaseException:
+                await self._forget(served)
+                raise
+            assert served.service is not None
+            if served.service.rebalancer is not None:
+                served.rebalancing = asyncio.get_running_loop().create_task(served.service.rebalancer.run())
+            self._served.services.append(served.service)
+            self.cluster.served_models.append(served.name)
+            self.cluster.adapters_by_model[served.name] = served.config.model.adapter_names()
+            if served.config.autoscale is not None:
+                self._start_autoscaler(served)
+        workers = [member.name for pool in served.pools for member in pool.members]
+        logger.info("serving model %s (%s)", served.name, ", ".join(workers))
+        return [f"{served.name}: serving ({', '.join(workers)})"]
+
+    def _model_config(self, model_config: str) -> DuetConfig:
+        """The added model's view of the deployment's config; ConfigError saying what is wrong."""
+        try:
+            entry = yaml.safe_load(model_config)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"model_config: not YAML or JSON ({error})") from None
+        served = validate_mapping(ServedModelConfig, entry, "model_config", ConfigError)
+        taken = self._served.names() if self._served is not None else []
+        clashes = [name for name in (served.model.name, *served.model.adapter_names()) if name in taken]
+        if clashes:
+            raise ConfigError(f"model_config: {', '.join(clashes)} already served; give the model and its adapters names of their own")
+        try:
+            return one_model(self.config, served)
+        except ValidationError as error:
+            raise ConfigError("model_config: " + "; ".join(str(p["msg"]).removeprefix("Value error, ") for p in error.errors())) from None
+
+    async def remove_model(self, name: str, timeout_s: float | None = None) -> list[str]:
+        """Stop serving model ``name`` (the Admin service's RemoveModel): its names are refused
+        from now on, its requests in flight get up to ``timeout_s`` (router.drain_timeout_s) to
+        finish, then its workers are removed. ModelChangeError ("invalid") for the default
+        model or one not served."""
+        return await asyncio.shield(self._remove_model(name, timeout_s))
+
+    async def _remove_model(self, name: str, timeout_s: float | None) -> list[str]:
+        assert self.cluster is not None and self._served is not None
+        async with self._models_lock:
+            try:
+                served = self.served_model(name)
+            except ScaleError as error:
+                raise ModelChangeError("invalid", str(error)) from None
+            if served is self.default or not name:
+                raise ModelChangeError("invalid", f"model: {self.default.name} is the default model (requests that name none get it); it stays")
+            self._served.services.remove(served.service)  # new requests for it are refused from here
+            self.cluster.served_models.remove(served.name)
+            names = self.cluster.adapters_by_model.pop(served.name, ()) + (served.name,)
+            timeout = self.config.router.drain_timeout_s if timeout_s is None else timeout_s
+            deadline = asyncio.get_running_loop().time() + timeout
+            while any(self.cluster.model_inflight[model] for model in names) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+            cut = sum(self.cluster.model_inflight[model] for model in names)
+            workers = [member.name for pool in served.pools for member in pool.members]
+            await self._forget(served)
+        logger.info("stopped serving model %s (%d requests cut off)", name, cut)
+        return [f"{name}: removed ({', '.join(workers)})" + (f"; {cut} requests in flight were cut off" if cut else "")]
+
+    async def _forget(self, served: ModelServing) -> None:
+        """Remove ``served``'s workers and every trace of its pools."""
+        assert self.cluster is not None
+        for pool in served.pools:
+            self.cluster.pools.remove(pool)
+        notes = self.cluster.routing_notes
+        notes[:] = [note for note in notes if not note.startswith(f"{served.name}: ")]
+        self.models.remove(served)
+        await served.stop()
+
+    async def _wait_ready(self, only: ModelServing | None = None) -> None:
+        """Start every worker created (of ``only``'s pools, if given); WorkerStartError naming each that failed."""
+        models = [only] if only is not None else self.models
+        pairs = [(manager, member) for served in models for manager in served.managers.values() for member in manager.pool.members]
         members = [member for _, member in pairs]
         timeout = self.config.server.worker_start_timeout_s
         starts = [manager.start(member) for manager, member in pairs]

@@ -42,6 +42,8 @@ class ModelServing:
     # The LoRA adapters served on this model: changed one at a time, under the lock.
     adapters: AdapterRegistry | None = None
     _adapters_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Its rebalancer's task, for a model added while serving (the front ends run the others').
+    rebalancing: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         if self.colocated:
@@ -62,6 +64,13 @@ class ModelServing:
     def pools(self) -> list[WorkerPool]:
         """The pools that serve it: the colocated one, or prefill and decode."""
         return [self.decode] if self.colocated else [self.prefill, self.decode]
+
+    def units_held(self) -> int:
+        """Units (GPUs, or cores on CPU) its workers hold or are starting to hold."""
+        return sum(
+            len(manager.active()) * manager.pool_config.tensor_parallel * manager.pool_config.pipeline_parallel
+            for manager in self.managers.values()
+        )
 
     def manager(self, role: str) -> PoolManager:
         """The manager of pool ``role``; ScaleError naming the roles this model has."""
@@ -121,6 +130,8 @@ class ModelServing:
             await self.front_doors.set_adapters(self.adapters.adapters)
 
     async def stop(self) -> None:
+        if self.rebalancing is not None:
+            self.rebalancing.cancel()
         if self.autoscaler is not None:
             self.autoscaler.stop()
         await asyncio.gather(*(manager.stop() for manager in self.managers.values()))

@@ -1,4 +1,5 @@
-"""Turn a placement plan (``duet plan``'s output) into the deployment config ``duet serve`` runs.
+"""Turn a placement plan (``duet plan``'s output, or ``duet plan-models``' for several models)
+into the deployment config ``duet serve`` runs.
 
 The plan is deployed as written: its mode (disaggregated, conditional or colocated), pool sizes,
 parallelism, and each replica's node. On a CPU node the plan's "GPU" indices are core indices,
@@ -9,6 +10,7 @@ assigns the devices inside the node.
 from __future__ import annotations
 
 from duet.config import ConfigError, DuetConfig, parse_config
+from duet.cluster.placement.multi_model import MultiPlan
 from duet.cluster.placement.plan import Plan, Pool
 
 CPU_GPU_TYPES = ("cpu", "cpu-core")
@@ -33,6 +35,28 @@ def _pool_overrides(pool: Pool) -> dict[str, object]:
         overrides["cpu_cores"] = None
         overrides["num_gpus"] = pool.tensor_parallel * pool.pipeline_parallel
     return overrides
+
+
+def apply_plans(config: DuetConfig, plans: MultiPlan) -> DuetConfig:
+    """``config``'s ``models:`` with each model's mode, pools and routing replaced by the plan of
+    the same name (``duet plan-models``' output); every plan must name a served model."""
+    if not config.models:
+        raise PlanDeployError("the plans are for several models; deploy them with a config that lists models:")
+    served = {one.model.name: one for one in config.served()}
+    unknown = [named.name for named in plans.plans if named.name not in served]
+    if unknown:
+        raise PlanDeployError(
+            f"the plans name {', '.join(map(repr, unknown))}, which the config does not serve (it serves: {', '.join(served)})"
+        )
+    data = config.model_dump(exclude_unset=True)
+    for named in plans.plans:
+        planned = apply_plan(served[named.name], named.plan.model_copy(update={"model": named.name}))
+        entry = next(entry for entry in data["models"] if entry["model"]["name"] == named.name)
+        entry.update(planned.model_dump(include={"mode", "prefill", "decode", "colocated", "router"}))
+    try:
+        return parse_config(data, source="plans")
+    except ConfigError as error:
+        raise PlanDeployError(str(error)) from None
 
 
 def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:

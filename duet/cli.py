@@ -63,13 +63,12 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from duet.config import ConfigError, load_config, parse_config
-    from duet.cluster.placement.plan import Plan, PlanError
-    from duet.cluster.plan_deploy import apply_plan
+    from duet.cluster.placement.plan import PlanError
 
     try:
         config = load_config(args.config)
         if args.plan:
-            config = apply_plan(config, Plan.load(args.plan))
+            config = _with_plan(config, Path(args.plan))
         data = config.model_dump()
         if config.models and (args.model or args.autoscale is not None):
             return _fail("--model and --autoscale set the one model's; with models: in the config, set them there, per model")
@@ -104,6 +103,19 @@ def _serve(args: argparse.Namespace) -> int:
     from duet.cluster.process_reaper import run_reaped
 
     return run_reaped(lambda: uvloop.run(_run_deployment(config)))
+
+
+def _with_plan(config: "DuetConfig", path: Path) -> "DuetConfig":
+    """``config`` with the plan at ``path`` applied: one model's (``duet plan``) or several
+    models' (``duet plan-models``, a file with ``plans:``)."""
+    from duet.cluster.placement.multi_model import MultiPlan
+    from duet.cluster.placement.plan import Plan, PlanError
+    from duet.cluster.plan_deploy import apply_plan, apply_plans
+    from duet.yaml_config import read_yaml
+
+    data = read_yaml(path, "plan", PlanError)
+    several = isinstance(data, dict) and "plans" in data
+    return apply_plans(config, MultiPlan.load(path)) if several else apply_plan(config, Plan.load(path))
 
 
 async def _run_deployment(config: "DuetConfig") -> int:
@@ -416,9 +428,27 @@ def _lora_unload(args: argparse.Namespace) -> int:
 
 
 def _lora_change(args: argparse.Namespace, change: Callable[[DuetClient], str]) -> int:
+    return _admin_change(args, lambda client: [change(client)])
+
+
+def _model_add(args: argparse.Namespace) -> int:
+    try:
+        model_config = Path(args.file).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        return _fail(f"cannot read {args.file}: {getattr(error, 'strerror', None) or error}")
+    return _admin_change(args, lambda client: client.add_model(model_config, timeout=args.wait_timeout))
+
+
+def _model_remove(args: argparse.Namespace) -> int:
+    return _admin_change(args, lambda client: client.remove_model(args.name, args.timeout))
+
+
+def _admin_change(args: argparse.Namespace, change: Callable[[DuetClient], list[str]]) -> int:
+    """Make an Admin change and print what changed, a line each."""
     with _client(args) as client:
         try:
-            print(change(client))
+            for line in change(client):
+                print(line)
         except grpc.RpcError as error:
             return _rpc_failure(error, args.target)
     return 0
@@ -539,6 +569,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_arguments(unload)
     unload.set_defaults(handler=_lora_unload)
 
+    model = commands.add_parser("model", help="add a model to a running duet, or remove one")
+    model_commands = model.add_subparsers(dest="model_action", required=True, metavar="ACTION")
+    add = model_commands.add_parser(
+        "add", help="serve another model from a running duet (returns once it serves)",
+        description="Start the pools of the model FILE describes (one entry of a config's models: list, in YAML: "
+        "model, mode, prefill, decode, colocated, autoscale) beside the running models, which are not touched; "
+        "once its workers are ready, every API serves its name. With API keys, an admin key.",
+    )
+    add.add_argument("file", metavar="FILE", help="the model's config (YAML or JSON)")
+    add.add_argument("--wait-timeout", type=float, default=900.0, help="seconds to wait for its workers (default 900)")
+    _add_client_arguments(add)
+    add.set_defaults(handler=_model_add)
+    remove = model_commands.add_parser(
+        "remove", help="stop serving a model: its names are refused at once, its requests finish, its workers go",
+    )
+    remove.add_argument("name", help="the model's name (not the default model's)")
+    remove.add_argument("--timeout", type=float, help="seconds to wait for its requests (default: router.drain_timeout_s)")
+    _add_client_arguments(remove)
+    remove.set_defaults(handler=_model_remove)
+
     from duet.benchmarks.chaos import register_command as register_bench_chaos
     from duet.benchmarks.front_door_cost import register_command as register_bench_front_door
     from duet.benchmarks.front_end_cost import register_command as register_bench_front_end
@@ -547,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
     from duet.benchmarks.lora_affinity import register_command as register_bench_lora_affinity
     from duet.benchmarks.migration import register_command as register_bench_migrate
+    from duet.benchmarks.multi_model import register_command as register_bench_multi_model
     from duet.benchmarks.multinode import register_command as register_bench_multinode
     from duet.benchmarks.prefix_affinity import register_command as register_bench_affinity
     from duet.benchmarks.rebalance import register_command as register_bench_rebalance
@@ -558,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.cluster.placement.commands import register_commands as register_planning
     from duet.deploy.commands import register_commands as register_deploy
 
-    register_planning(commands)  # plan, simulate, profile
+    register_planning(commands)  # plan, plan-models, simulate, profile
     register_deploy(commands)  # deploy render
     bench = commands.add_parser("bench", help="benchmarks against a real deployment")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -567,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_vllm_client(benches)  # bench vllm-client
     register_bench_affinity(benches)  # bench affinity
     register_bench_lora_affinity(benches)  # bench lora-affinity
+    register_bench_multi_model(benches)  # bench multi-model
     register_bench_local_prefill(benches)  # bench local-prefill
     register_bench_router(benches)  # bench router
     register_bench_autoscale(benches)  # bench autoscale

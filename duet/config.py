@@ -485,6 +485,8 @@ class ServedModelConfig(_Strict):
     """Its pool of whole-request workers (mode: colocated)."""
     autoscale: str | None = None
     """An autoscaling policy sizing this model's pools to its SLO (null: the sizes above)."""
+    router: RouterConfig | None = None
+    """This model's routing (policies, local prefill, health); null: the deployment's ``router``."""
 
 
 class DuetConfig(_Strict):
@@ -513,6 +515,10 @@ class DuetConfig(_Strict):
     autoscale: str | None = None
     """An autoscaling policy (a name under configs/autoscale, or a YAML path) that sizes the
     prefill and decode pools to its SLO while serving; None keeps the sizes above."""
+    autoscale_budget: int | None = Field(default=None, ge=1)
+    """Units (GPUs, or cores on CPU) the pools of every served model may hold together while
+    autoscaling: each model's autoscaler grows its pools only into what the other models leave
+    (null: each model is bounded by its own policy alone)."""
     models: list[ServedModelConfig] = []
     """Several models served by one deployment, each with its own pools, engine settings and
     autoscaling policy, behind the same front door: a request goes to the pools of the model it
@@ -586,15 +592,13 @@ class DuetConfig(_Strict):
                 "models: several models are served by one front door in the control plane's process for now; "
                 "set server.front_ends: 1 and front_end_placement: local"
             )
-        if sum(served.autoscale is not None for served in self.models) > 1:
-            raise ValueError("models: one model at a time may autoscale for now (its metrics are not yet labelled by model)")
         names = [name for served in self.models for name in (served.model.name, *served.model.adapter_names())]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f"models: each model and adapter name once; repeated: {', '.join(repeated)}")
         for index, served in enumerate(self.models):
             try:
-                _one_model(self, served)
+                one_model(self, served)
             except ValidationError as error:
                 problems = "; ".join(str(problem["msg"]).removeprefix("Value error, ") for problem in error.errors())
                 raise ValueError(f"models.{index} ({served.model.name}): {problems}") from None
@@ -605,14 +609,14 @@ class DuetConfig(_Strict):
         with that model's own; the default model first."""
         if not self.models:
             return [self]
-        return [_one_model(self, served) for served in self.models]
+        return [one_model(self, served) for served in self.models]
 
 
-def _one_model(config: DuetConfig, served: ServedModelConfig) -> DuetConfig:
+def one_model(config: DuetConfig, served: ServedModelConfig) -> DuetConfig:
     """``config``'s shared sections with ``served``'s model sections, validated as a one-model
     config (so every rule that ties a model's pools to the shared sections holds per model)."""
     shared = config.model_dump(exclude={"models", *MODEL_SECTIONS}, exclude_unset=True)
-    return DuetConfig.model_validate({**shared, **served.model_dump(exclude_unset=True)})
+    return DuetConfig.model_validate({**shared, **served.model_dump(exclude_unset=True, exclude_none=True)})
 
 
 def parse_config(data: object, source: str = "config") -> DuetConfig:

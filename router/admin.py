@@ -1,5 +1,5 @@
 """The ``duet.v1.Admin`` gRPC service: scale pools, drain workers, list them with their states,
-load and unload LoRA adapters.
+load and unload LoRA adapters, add and remove models.
 
 It only translates: the pools are changed by the deployment's pool managers
 (cluster/pool_manager.py), reached through :class:`PoolOperator`. When API keys are configured
@@ -18,6 +18,7 @@ from duet.router.pools import ScaleError
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
 from duet.router.server import authenticated_caller, refuse_malformed
+from duet.router.served_models import ModelChangeError
 from duet.router.serving import RequestService
 
 
@@ -31,6 +32,10 @@ class PoolOperator(Protocol):
     async def load_adapter(self, name: str, path: str) -> str: ...
 
     async def unload_adapter(self, name: str) -> str: ...
+
+    async def add_model(self, model_config: str) -> list[str]: ...
+
+    async def remove_model(self, name: str, timeout_s: float | None) -> list[str]: ...
 
 
 class AdminServicer:
@@ -74,6 +79,17 @@ class AdminServicer:
         await self._authorize(request, context)
         return await _adapter_change(context, self.operator.unload_adapter(request.lora_name))
 
+    async def AddModel(self, request: pb.AddModelRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(request, context)
+        return await _model_change(context, self.operator.add_model(request.model_config))
+
+    async def RemoveModel(self, request: pb.RemoveModelRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(request, context)
+        timeout = request.timeout_s if request.HasField("timeout_s") else None
+        if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be a finite number >= 0, got {timeout}")
+        return await _model_change(context, self.operator.remove_model(request.model, timeout))
+
     @staticmethod
     async def _change(context: grpc.aio.ServicerContext, change: Callable[[], list[str]]) -> pb.AdminReply:
         try:
@@ -115,6 +131,14 @@ class ForwardingAdmin(AdminServicer):
         await self._authorize(request, context)
         return await _forward(context, self.control().UnloadLoraAdapter(request))
 
+    async def AddModel(self, request: pb.AddModelRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(request, context)
+        return await _forward(context, self.control().AddModel(request))
+
+    async def RemoveModel(self, request: pb.RemoveModelRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
+        await self._authorize(request, context)
+        return await _forward(context, self.control().RemoveModel(request))
+
 
 async def _adapter_change(context: grpc.aio.ServicerContext, change: Awaitable[str]) -> pb.AdminReply:
     try:
@@ -124,6 +148,19 @@ async def _adapter_change(context: grpc.aio.ServicerContext, change: Awaitable[s
         raise  # unreachable: abort raises
 
 
+async def _model_change(context: grpc.aio.ServicerContext, change: Awaitable[list[str]]) -> pb.AdminReply:
+    try:
+        return pb.AdminReply(changes=await change)
+    except ModelChangeError as error:
+        await context.abort(_MODEL_ERROR_CODES[error.kind], str(error))
+        raise  # unreachable: abort raises
+
+
+_MODEL_ERROR_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "unsupported": grpc.StatusCode.FAILED_PRECONDITION,
+}
 _ADAPTER_ERROR_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,

@@ -198,6 +198,18 @@ class DuetClient:
         request = pb.UnloadLoraAdapterRequest(lora_name=name)
         return self._admin.UnloadLoraAdapter(request, timeout=timeout, metadata=self._metadata).changes[0]
 
+    def add_model(self, model_config: str, timeout: float = 900.0) -> list[str]:
+        """Admin: serve another model (``model_config``: one entry of ``models:``, YAML or
+        JSON); returns once it serves, or after ``timeout`` seconds."""
+        request = pb.AddModelRequest(model_config=model_config)
+        return list(self._admin.AddModel(request, timeout=timeout, metadata=self._metadata).changes)
+
+    def remove_model(self, name: str, timeout_s: float | None = None, timeout: float | None = None) -> list[str]:
+        """Admin: stop serving model ``name`` once its requests finish (or after ``timeout_s``)."""
+        request = pb.RemoveModelRequest(model=name, timeout_s=timeout_s)
+        wait = timeout if timeout is not None else 30.0 + (timeout_s if timeout_s is not None else 120.0)
+        return list(self._admin.RemoveModel(request, timeout=wait, metadata=self._metadata).changes)
+
     def list_workers(self, timeout: float = 10.0) -> pb.ClusterStatus:
         return self._read(lambda: self._admin.ListWorkers(pb.GetStatusRequest(), timeout=timeout, metadata=self._metadata))
 

@@ -84,7 +84,7 @@ class FrontEnds:
             DuetServicer(models), server.host, grpc_port, server.tls, admin, reuse_port
         )
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(report_readiness(health_service, models.default.is_ready))]
+        tasks = [loop.create_task(report_readiness(health_service, models.is_ready))]
         tasks += [loop.create_task(service.rebalancer.run()) for service in models.services if service.rebalancer is not None]
         http_runner, bound_http = None, None
         if http_port is not None:

@@ -181,7 +181,7 @@ class OpenAIFrontEnd:
             raise ApiError(status, str(error), kind, code=status) from None
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.service.is_ready():
+        if self.served.is_ready():
             return web.Response(status=200)
         raise ApiError(503, "no ready worker in every pool", "service_unavailable_error")
 

@@ -12,6 +12,16 @@ from duet.router.serving import RequestService
 from duet.router.validation import UnknownModel
 
 
+class ModelChangeError(Exception):
+    """A model could not be added or removed. ``kind``: "invalid" (what was asked: a bad config,
+    a name taken or not served), "unavailable" (its workers could not start), "unsupported"
+    (this deployment cannot change its models)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class ServedModels:
     def __init__(self, services: list[RequestService]) -> None:
         self.services = services
@@ -28,6 +38,11 @@ class ServedModels:
                 return service
         bases = ", ".join(service.limits.name for service in self.services)
         raise UnknownModel(str(name), bases, self.names())
+
+    def is_ready(self) -> bool:
+        """Whether every served model would be served now (a model being added is not yet
+        among them, so its starting workers do not make the front door unready)."""
+        return all(service.is_ready() for service in self.services)
 
     def names(self) -> list[str]:
         """Every model name served: each model's, then its adapters'."""

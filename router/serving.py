@@ -110,8 +110,9 @@ class RequestService:
         return request.sampling.lora_name or self.limits.name
 
     def is_ready(self) -> bool:
-        """Whether every pool has a ready worker, so a request would be served now."""
-        return all(any(m.state == "ready" for m in pool.members) for pool in self.cluster.pools)
+        """Whether each of this model's pools has a ready worker, so a request would be served now."""
+        pools = [pool for pool in (self.lifecycle.prefill_pool, self.lifecycle.decode_pool) if pool is not None]
+        return all(any(m.state == "ready" for m in pool.members) for pool in pools)
 
     async def generate(self, request: ValidatedRequest, caller: Caller) -> AsyncIterator[StreamEvent]:
         """Serve ``request`` for ``caller``, streaming its events.

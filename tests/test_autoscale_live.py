@@ -22,6 +22,9 @@ from duet.router.client import DuetClient, build_request
 from waiting import wait_for
 
 
+MULTI_MODEL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "multi-model.yaml"
+
+
 def _policy(tmp_path: Path, **fields: Any) -> str:
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(fields))
@@ -29,11 +32,13 @@ def _policy(tmp_path: Path, **fields: Any) -> str:
 
 
 class SizeRecorder:
-    """Samples the pools' active sizes in the background (the deployment runs in its own loop)."""
+    """Samples the pools' active sizes in the background (the deployment runs in its own loop):
+    the default model's by role, and every served model's units."""
 
     def __init__(self, deployment: Any) -> None:
         self.deployment = deployment
         self.samples: list[dict[str, int]] = []
+        self.units: list[dict[str, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -41,6 +46,7 @@ class SizeRecorder:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.samples.append({role: len(m.active()) for role, m in self.deployment.managers.items()})
+            self.units.append({served.name: served.units_held() for served in self.deployment.models})
             time.sleep(0.2)
 
     def peak(self, role: str) -> int:
@@ -85,16 +91,58 @@ def test_simulated_cluster_follows_a_load_step(running_deployment, tmp_path: Pat
             recorder.stop()
             assert deployment.autoscaler is not None
             metrics = deployment.cluster.metrics.registry
-            grew = metrics.get_sample_value("duet_autoscaler_decisions_total", {"role": "prefill", "direction": "up", "reason": "forecast"})
+            grew = metrics.get_sample_value("duet_autoscaler_decisions_total", {"model": "duet-tiny-llama", "role": "prefill", "direction": "up", "reason": "forecast"})
             grew_reactively = sum(
-                metrics.get_sample_value("duet_autoscaler_decisions_total", {"role": "prefill", "direction": "up", "reason": reason}) or 0
+                metrics.get_sample_value("duet_autoscaler_decisions_total", {"model": "duet-tiny-llama", "role": "prefill", "direction": "up", "reason": reason}) or 0
                 for reason in ("slo_missed", "queue")
             )
             assert (grew or 0) + grew_reactively >= 1
-            assert metrics.get_sample_value("duet_autoscaler_decisions_total", {"role": "prefill", "direction": "down", "reason": "forecast"}) >= 1
-            assert metrics.get_sample_value("duet_slo_target_seconds", {"metric": "ttft"}) == 0.25
+            assert metrics.get_sample_value("duet_autoscaler_decisions_total", {"model": "duet-tiny-llama", "role": "prefill", "direction": "down", "reason": "forecast"}) >= 1
+            assert metrics.get_sample_value("duet_slo_target_seconds", {"model": "duet-tiny-llama", "metric": "ttft"}) == 0.25
             status = client.status()
             assert any("autoscaling: policy" in note for note in status.routing)
+
+
+def test_two_models_autoscale_within_a_shared_budget(running_deployment, tmp_path: Path) -> None:
+    """Two models (SIMULATED engines: a control-plane test), each with its own autoscaling
+    policy allowing 6 workers a pool, share an autoscale_budget of 5 units. A load step on the
+    first grows its prefill pool only into what the idle second leaves (its pools hold at most
+    3 workers together), the second keeps its 2, and each model's decisions and SLO are
+    exported under its own label."""
+    simulated = {"engine": "simulated", "replicas": 1, "num_cpus": 0.01, "cpu_cores": None}
+    policy = _policy(
+        tmp_path, slo="chat", latency_model="distserve:opt-13b", interval_s=0.5, startup_s=1, settle_s=1,
+        forecast_window_s=2, prefill={"min": 1, "max": 6}, decode={"min": 1, "max": 6},
+        scale_down={"delay_s": 60, "step": 1},
+    )
+    data = load_config(MULTI_MODEL_CONFIG).model_dump(exclude_unset=True)
+    for served in data["models"]:
+        served.update(prefill=simulated, decode=simulated, autoscale=policy)
+    data["autoscale_budget"] = 5
+    data["server"].update(metrics_port=0, http_port=None)
+    with running_deployment(parse_config(data, "shared budget test")) as deployment:
+        recorder = SizeRecorder(deployment)
+        tiny, wide = (served.name for served in deployment.models)
+        prompts = [[(i * 13) % 600 + 3] * 1500 for i in range(240)]
+        with DuetClient(f"127.0.0.1:{deployment.port}") as client:
+
+            def send(index: int) -> None:
+                time.sleep(index / 24)  # as in the one-model load step above, all for the first model
+                client.generate_ids(build_request(prompt_token_ids=prompts[index], max_tokens=8, model=tiny), timeout=120)
+
+            with ThreadPoolExecutor(96) as pool:
+                list(pool.map(send, range(len(prompts))))
+        recorder.stop()
+        assert recorder.peak("prefill") >= 2, f"the first model never grew: {recorder.units[-5:]}"
+        assert max(sample[tiny] for sample in recorder.units) == 3
+        assert all(sample[wide] == 2 and sum(sample.values()) <= 5 for sample in recorder.units), recorder.units[-5:]
+        metrics = deployment.cluster.metrics.registry
+        trimmed = metrics.get_sample_value(
+            "duet_autoscaler_target_workers", {"model": tiny, "role": "prefill"}
+        )
+        assert trimmed is not None and trimmed <= 2
+        for model in (tiny, wide):
+            assert metrics.get_sample_value("duet_slo_target_seconds", {"model": model, "metric": "ttft"}) == 0.25
 
 
 def test_real_vllm_decode_pool_grows_under_load_and_drains_after(deployment, tmp_path: Path) -> None:

@@ -94,6 +94,10 @@ class Observation:
     # ``stale_after_s`` it counts as missing too. The autoscaler then holds every pool.
     fresh: bool = True
     metrics_age_s: float = 0.0
+    # Units (GPUs, or cores on CPU) this model's pools may hold now when several models share
+    # the deployment's autoscale_budget: that budget less what the other models hold. None:
+    # only the policy's own budget bounds them.
+    budget_units: int | None = None
 
 
 @dataclass(frozen=True)
@@ -285,9 +289,10 @@ class Autoscaler:
             if clamped != size:
                 why += f" (clamped to {'max' if size > limits.max else 'min'} {clamped})"
             sized[role] = [clamped, why, pressure]
-        budget = self.policy.budget
-        if budget is None:
+        budgets = [b for b in (self.policy.budget, obs.budget_units) if b is not None]
+        if not budgets:
             return {role: tuple(v) for role, v in sized.items()}  # type: ignore[misc]
+        budget = min(budgets)
 
         def used() -> int:
             return sum(sized[role][0] * self.policy.limits(role).units for role in ROLES)
@@ -299,7 +304,8 @@ class Autoscaler:
                 break
             role = max(candidates, key=lambda r: (not sized[r][2], sized[r][0] - floors[r]))
             sized[role][0] -= 1
-            sized[role][1] = f"{sized[role][1]} (trimmed to fit the budget of {budget})"
+            shared = " the other models leave" if budget != self.policy.budget else ""
+            sized[role][1] = f"{sized[role][1]} (trimmed to fit the budget of {budget}{shared})"
         return {role: tuple(v) for role, v in sized.items()}  # type: ignore[misc]
 
     def _remember_load(self, obs: Observation) -> None:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from duet.cluster.autoscaler.capacity import CapacityModel
 from duet.cluster.autoscaler.core import Autoscaler, Decision, Observation, PoolObservation
-from duet.cluster.autoscaler.metrics import AutoscalerMetrics
+from duet.cluster.autoscaler.metrics import ModelAutoscalerMetrics
 from duet.cluster.autoscaler.policy import ROLES, AutoscalePolicy
 from duet.router.load_meter import LoadWindow
 from duet.router.pools import ScaleError, WorkerPool
@@ -56,14 +57,18 @@ class LiveAutoscaler:
         pools: dict[str, WorkerPool],
         load: LoadSource,
         operator: PoolOperator,
-        metrics: AutoscalerMetrics | None = None,
+        metrics: ModelAutoscalerMetrics | None = None,
+        budget_left: Callable[[], int | None] | None = None,
     ) -> None:
+        """``budget_left``: the units this model's pools may hold now, when several models
+        share a budget (cluster/deployment.py); None: the policy's budget alone."""
         self.autoscaler = Autoscaler(policy, capacity_model(policy))
         self.policy = policy
         self.pools = pools
         self.load = load
         self.operator = operator
         self.metrics = metrics
+        self.budget_left = budget_left
         self.last: list[Decision] = []
         self._task: asyncio.Task[None] | None = None
         self._started = time.monotonic()
@@ -122,6 +127,7 @@ class LiveAutoscaler:
             ttft_overdue=ttft_overdue,
             pools={role: _pool_observation(self.pools[role]) for role in ROLES},
             metrics_age_s=self._metrics_age(now),
+            budget_units=self.budget_left() if self.budget_left is not None else None,
         )
 
     def _metrics_age(self, now: float) -> float:

@@ -1,4 +1,5 @@
-"""``duet plan``, ``duet simulate`` and ``duet profile``: thin argparse shells over the pure core.
+"""``duet plan``, ``duet plan-models``, ``duet simulate`` and ``duet profile``: thin argparse
+shells over the pure core.
 
 Each handler returns an exit code. Bad input (a config, trace, SLO or plan that cannot be used)
 prints one clear message to stderr and returns 2; it never shows a traceback.
@@ -16,6 +17,7 @@ from duet.cluster.placement.cluster_spec import ClusterSpec, ClusterSpecError
 from duet.cluster.placement.goodput import Deployment, max_rate, plan_context, simulate
 from duet.cluster.placement.latency_model import LatencyModelError
 from duet.cluster.placement.models import UnknownModelError
+from duet.cluster.placement.multi_model import Workloads, fit_models
 from duet.cluster.placement.optimizer import MODES, InfeasibleError, optimize
 from duet.cluster.placement.plan import Plan, PlanError, validate_against
 from duet.cluster.placement.simulator import SimResult, Slo
@@ -34,7 +36,7 @@ _BAD_INPUT = (
 
 
 def register_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``plan``, ``simulate`` and ``profile`` to duet's CLI."""
+    """Add ``plan``, ``plan-models``, ``simulate`` and ``profile`` to duet's CLI."""
     plan = subparsers.add_parser(
         "plan", help="choose disaggregated, conditional or colocated serving and size and place it for an SLO"
     )
@@ -51,6 +53,20 @@ def register_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--out", type=Path, default=Path("plan.yaml"))
     plan.set_defaults(handler=_guarded("plan", _plan))
+
+    fit = subparsers.add_parser(
+        "plan-models", help="fit several models onto one cluster: a plan per model, and which GPUs each gets",
+        description="Plan each model of --workloads (its architecture, trace, rate and SLO) with `duet plan`'s "
+        "optimizer, in the order listed, each on the GPUs the models before it left; write every plan to --out "
+        "and print which model goes where.",
+    )
+    fit.add_argument("--config", type=Path, required=True, help="cluster.yaml (its model is each workload's)")
+    fit.add_argument("--workloads", type=Path, required=True, help="YAML: models: [{model, trace, ttft_s, tpot_s, ...}]")
+    fit.add_argument("--objective", choices=["gpus", "cost", "power"], default="gpus")
+    fit.add_argument("--workers", type=int, help="search processes (default: CPU count)")
+    fit.add_argument("--search-requests", type=int, default=1000, help="trace prefix per probe")
+    fit.add_argument("--out", type=Path, default=Path("plans.yaml"))
+    fit.set_defaults(handler=_guarded("plan-models", _plan_models))
 
     sim = subparsers.add_parser("simulate", help="simulate a plan (and a colocated baseline) on a trace")
     _workload_args(sim)
@@ -153,6 +169,21 @@ def _plan(args: argparse.Namespace) -> int:
     for line in plan.explanation:
         print(f"  {line}")
     print(f"wrote {args.out}")
+    return 0
+
+
+def _plan_models(args: argparse.Namespace) -> int:
+    cluster = ClusterSpec.load(args.config)
+    workloads = Workloads.load(args.workloads)
+    plans = fit_models(
+        cluster, workloads, objective=args.objective, workers=args.workers, search_requests=args.search_requests
+    )
+    plans.save(args.out)
+    for named, line in zip(plans.plans, plans.where()):
+        print(line)
+        print(f"  {named.plan.summary()}")
+    used = sum(named.plan.gpus for named in plans.plans)
+    print(f"{used} of the cluster's {cluster.gpu_count()} GPUs used; wrote {args.out}")
     return 0
 
 

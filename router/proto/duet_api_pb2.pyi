@@ -20,6 +20,20 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
+class AddModelRequest(_message.Message):
+    __slots__ = ("model_config",)
+    MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    model_config: str
+    def __init__(self, model_config: _Optional[str] = ...) -> None: ...
+
+class RemoveModelRequest(_message.Message):
+    __slots__ = ("model", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]

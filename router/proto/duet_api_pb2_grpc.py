@@ -160,8 +160,9 @@ class Duet:
 class AdminStub:
     """Operating the pools while they serve. Errors: INVALID_ARGUMENT (a bad count, an unknown role
     or worker, naming the field), RESOURCE_EXHAUSTED (the cluster cannot fit more workers, naming
-    the resource). Calls return at once; workers start and drain in the background, and
-    ListWorkers shows their states (starting, ready, draining, restarting, failed).
+    the resource). Scaling and draining return at once; workers start and drain in the
+    background, and ListWorkers shows their states (starting, ready, draining, restarting,
+    failed). Adding and removing a model return when it is done.
     """
 
     def __init__(self, channel):
@@ -195,13 +196,24 @@ class AdminStub:
                 request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
                 _registered_method=True)
+        self.AddModel = channel.unary_unary(
+                '/duet.v1.Admin/AddModel',
+                request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AddModelRequest.SerializeToString,
+                response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+                _registered_method=True)
+        self.RemoveModel = channel.unary_unary(
+                '/duet.v1.Admin/RemoveModel',
+                request_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.RemoveModelRequest.SerializeToString,
+                response_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
     """Operating the pools while they serve. Errors: INVALID_ARGUMENT (a bad count, an unknown role
     or worker, naming the field), RESOURCE_EXHAUSTED (the cluster cannot fit more workers, naming
-    the resource). Calls return at once; workers start and drain in the background, and
-    ListWorkers shows their states (starting, ready, draining, restarting, failed).
+    the resource). Scaling and draining return at once; workers start and drain in the
+    background, and ListWorkers shows their states (starting, ready, draining, restarting,
+    failed). Adding and removing a model return when it is done.
     """
 
     def ScalePool(self, request, context):
@@ -242,6 +254,26 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddModel(self, request, context):
+        """Serves another model from the running deployment (`duet model add`): its workers start,
+        and once every one is ready its name is served by the front door; the models already
+        served are not touched. Returns when it serves. INVALID_ARGUMENT names what is wrong with
+        the model's config; UNAVAILABLE if its workers could not start (nothing is left of them);
+        FAILED_PRECONDITION with front doors apart from the control plane.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveModel(self, request, context):
+        """Stops serving a model (`duet model remove`): new requests naming it (or its adapters) get
+        the unknown-model error at once; its requests in flight finish (up to the drain timeout),
+        then its workers are removed. INVALID_ARGUMENT for a model not served or the default one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -270,6 +302,16 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.SerializeToString,
             ),
+            'AddModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddModel,
+                    request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AddModelRequest.FromString,
+                    response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.SerializeToString,
+            ),
+            'RemoveModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveModel,
+                    request_deserializer=duet_dot_router_dot_proto_dot_duet__api__pb2.RemoveModelRequest.FromString,
+                    response_serializer=duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'duet.v1.Admin', rpc_method_handlers)
@@ -281,8 +323,9 @@ def add_AdminServicer_to_server(servicer, server):
 class Admin:
     """Operating the pools while they serve. Errors: INVALID_ARGUMENT (a bad count, an unknown role
     or worker, naming the field), RESOURCE_EXHAUSTED (the cluster cannot fit more workers, naming
-    the resource). Calls return at once; workers start and drain in the background, and
-    ListWorkers shows their states (starting, ready, draining, restarting, failed).
+    the resource). Scaling and draining return at once; workers start and drain in the
+    background, and ListWorkers shows their states (starting, ready, draining, restarting,
+    failed). Adding and removing a model return when it is done.
     """
 
     @staticmethod
@@ -409,6 +452,60 @@ class Admin:
             target,
             '/duet.v1.Admin/UnloadLoraAdapter',
             duet_dot_router_dot_proto_dot_duet__api__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Admin/AddModel',
+            duet_dot_router_dot_proto_dot_duet__api__pb2.AddModelRequest.SerializeToString,
+            duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Admin/RemoveModel',
+            duet_dot_router_dot_proto_dot_duet__api__pb2.RemoveModelRequest.SerializeToString,
             duet_dot_router_dot_proto_dot_duet__api__pb2.AdminReply.FromString,
             options,
             channel_credentials,

@@ -135,6 +135,22 @@ def test_bounds_and_budget(opt13b_capacity: CapacityModel) -> None:
     assert any("budget" in d.reason or "clamped to max" in d.reason for d in decisions)
 
 
+def test_a_shared_budget_holds_a_model_to_what_the_others_leave(opt13b_capacity: CapacityModel) -> None:
+    """With several models sharing the deployment's autoscale_budget, a model's pools grow
+    only into the units the others leave (``budget_units``), and say so; its own policy may
+    allow far more."""
+    scaler = Autoscaler(policy(), opt13b_capacity)
+    sizes = {"prefill": 1, "decode": 1}
+    for k in range(4):
+        obs = observe(10 + 10 * k, 200, sizes)
+        decisions = scaler.decide(Observation(**{**obs.__dict__, "budget_units": 5}))
+        sizes = {d.role: d.target for d in decisions}
+    assert sum(sizes.values()) == 5, sizes
+    assert any("the other models leave" in d.reason for d in decisions)
+    unbounded = run(Autoscaler(policy(), opt13b_capacity), [200] * 4, {"prefill": 1, "decode": 1})
+    assert sum(unbounded[-1].values()) > 5
+
+
 def test_noise_around_a_steady_load_moves_nothing(opt13b_capacity: CapacityModel) -> None:
     # Arrivals that wander +-10% about 40 req/s: once grown, neither pool reverses direction.
     scaler = Autoscaler(policy(), opt13b_capacity)

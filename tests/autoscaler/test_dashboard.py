@@ -18,7 +18,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "duet.j
 def exported_samples() -> set[str]:
     registry = CollectorRegistry()
     RouterMetrics(registry)
-    AutoscalerMetrics(registry, load_slo("chat"))
+    AutoscalerMetrics(registry).for_model("duet-tiny-llama", load_slo("chat"))
     registry.register(WorkerMetricsCollector([]))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     # Families with labels have no samples until a label set is used: name them by type.

@@ -259,7 +259,7 @@ class Deployment:
         served.service = request_service(
             served.config, None if served.colocated else served.prefill, served.decode, engine_limits, self.cluster, self._gatekeeper
         )
-        served.service.adapter_admin = served
+        served.service.adapter_admin = self  # loads and unloads across every model's names
         several = len(self.models) > 1
         notes = _conditional_disaggregation_notes(served.config)
         self.cluster.routing_notes.extend(f"{served.name}: {note}" if several else note for note in notes)
@@ -389,24 +389,24 @@ class Deployment:
             except ConfigError as error:
                 raise ModelChangeError("invalid", str(error)) from None
             served = ModelServing(config, worker_prefix=f"{config.model.name}/")
-            await asyncio.to_thread(resolve_model_path, served.config.model)  # a built-in model is made once
-            self._add_managers(served)
-            for manager in served.managers.values():
-                manager.create(manager.pool_config.replicas)
             self.models.append(served)
             self.cluster.pools.extend(served.pools)  # status, health watching and metrics see them
             try:
+                await asyncio.to_thread(resolve_model_path, served.config.model)  # a built-in model is made once
+                self._add_managers(served)
+                for manager in served.managers.values():
+                    manager.create(manager.pool_config.replicas)
                 await self._wait_ready(served)
                 await self._start_service(served)
-            except (WorkerStartError, TimeoutError) as error:
+            except Exception as error:  # whatever failed, nothing of the model is left
                 await self._forget(served)
-                raise ModelChangeError("unavailable", f"{served.name} not added: {error or 'its workers did not start in time'}") from None
+                problem = str(error) or f"{type(error).__name__} (its workers did not start in time?)"
+                raise ModelChangeError("unavailable", f"{served.name} not added: {problem}") from None
             except BaseException:
                 await self._forget(served)
                 raise
-            assert served.service is not None
-            if served.service.rebalancer is not None:
-                served.rebalancing = asyncio.get_running_loop().create_task(served.service.rebalancer.run())
+            assert served.service is not None and self.front_ends is not None
+            self.front_ends.start_rebalancing(served.service)
             self._served.services.append(served.service)
             self.cluster.served_models.append(served.name)
             self.cluster.adapters_by_model[served.name] = served.config.model.adapter_names()
@@ -448,10 +448,12 @@ class Deployment:
                 raise ModelChangeError("invalid", str(error)) from None
             if served is self.default or not name:
                 raise ModelChangeError("invalid", f"model: {self.default.name} is the default model (requests that name none get it); it stays")
-            self._served.services.remove(served.service)  # new requests for it are refused from here
+            assert served.service is not None
+            self._served.services.remove(served.service)  # new requests for it are refused from here,
+            served.service.retired = True  # and those that chose it a moment before
             self.cluster.served_models.remove(served.name)
             names = self.cluster.adapters_by_model.pop(served.name, ()) + (served.name,)
-            timeout = self.config.router.drain_timeout_s if timeout_s is None else timeout_s
+            timeout = served.config.router.drain_timeout_s if timeout_s is None else timeout_s
             deadline = asyncio.get_running_loop().time() + timeout
             while any(self.cluster.model_inflight[model] for model in names) and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.1)
@@ -463,9 +465,13 @@ class Deployment:
 
     async def _forget(self, served: ModelServing) -> None:
         """Remove ``served``'s workers and every trace of its pools."""
-        assert self.cluster is not None
+        assert self.cluster is not None and self.health is not None
+        if self.front_ends is not None and served.service is not None:
+            self.front_ends.stop_rebalancing(served.service)
         for pool in served.pools:
             self.cluster.pools.remove(pool)
+            for member in pool.members:
+                self.health.forget_misses(member.name)
         notes = self.cluster.routing_notes
         notes[:] = [note for note in notes if not note.startswith(f"{served.name}: ")]
         self.models.remove(served)

@@ -93,7 +93,7 @@ class HealthWatcher:
                     watched = self._watches.get(member.name)
                     if watched is None or watched[0] is not engine:
                         self._watches[member.name] = (engine, loop.create_task(self._watch(pool, member, engine)))
-                        self._forget_misses(member.name)  # a replacement owes nothing for its predecessor
+                        self.forget_misses(member.name)  # a replacement owes nothing for its predecessor
                     # One ping in flight per worker: a slow one is judged by its own timeout.
                     if member.name not in self._checking:
                         self._checking.add(member.name)
@@ -115,7 +115,7 @@ class HealthWatcher:
         try:
             member.kv_usage, member.running = await asyncio.wait_for(engine.ping(), self.timeout_s)
             member.reported_at = time.monotonic()
-            self._forget_misses(member.name)
+            self.forget_misses(member.name)
         except TimeoutError:
             await self._missed_ping(pool, member, engine, sent_at)
         except Exception as error:
@@ -139,7 +139,7 @@ class HealthWatcher:
             return
         missed = self._missed[name] = self._missed.get(name, 0) + 1
         if missed >= self.failures or unanswered_s >= self.starved_limit_s:
-            self._forget_misses(name)
+            self.forget_misses(name)
             reason = (
                 f"no answer to {missed} health ping(s) in a row, {self.timeout_s:g} s each" if missed >= self.failures
                 else f"no answer to a health ping for {unanswered_s:.0f} s, starved of CPU or not"
@@ -148,8 +148,9 @@ class HealthWatcher:
         else:
             logger.warning("%s did not answer a health ping in %g s (%d of %d)", name, self.timeout_s, missed, self.failures)
 
-    def _forget_misses(self, name: str) -> None:
-        """Start ``name``'s count of missed pings afresh: it answered, was failed, or has a new engine."""
+    def forget_misses(self, name: str) -> None:
+        """Start ``name``'s count of missed pings afresh: it answered, was failed, has a new
+        engine, or was removed (a worker of a model added again later may take its name)."""
         for unanswered in (self._missed, self._unanswered_since, self._cpu_waits):
             unanswered.pop(name, None)
 

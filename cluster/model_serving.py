@@ -42,8 +42,6 @@ class ModelServing:
     # The LoRA adapters served on this model: changed one at a time, under the lock.
     adapters: AdapterRegistry | None = None
     _adapters_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Its rebalancer's task, for a model added while serving (the front ends run the others').
-    rebalancing: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         if self.colocated:
@@ -130,8 +128,6 @@ class ModelServing:
             await self.front_doors.set_adapters(self.adapters.adapters)
 
     async def stop(self) -> None:
-        if self.rebalancing is not None:
-            self.rebalancing.cancel()
         if self.autoscaler is not None:
             self.autoscaler.stop()
         await asyncio.gather(*(manager.stop() for manager in self.managers.values()))

@@ -49,10 +49,10 @@ def apply_plans(config: DuetConfig, plans: MultiPlan) -> DuetConfig:
             f"the plans name {', '.join(map(repr, unknown))}, which the config does not serve (it serves: {', '.join(served)})"
         )
     data = config.model_dump(exclude_unset=True)
+    order = list(served)  # config.served() is in the order of models:
     for named in plans.plans:
         planned = apply_plan(served[named.name], named.plan.model_copy(update={"model": named.name}))
-        entry = next(entry for entry in data["models"] if entry["model"]["name"] == named.name)
-        entry.update(planned.model_dump(include={"mode", "prefill", "decode", "colocated", "router"}))
+        data["models"][order.index(named.name)].update(planned.model_dump(include={"mode", "prefill", "decode", "colocated", "router"}))
     try:
         return parse_config(data, source="plans")
     except ConfigError as error:
@@ -67,6 +67,10 @@ def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
     disaggregated one with it off, since the plan was sized for exactly that split. Local
     prefill on a decode worker is held to the plan's TPOT target (router.local_prefill_tpot_s).
     """
+    if config.models:
+        raise PlanDeployError(
+            "this config serves several models (models:); plan them with `duet plan-models` and deploy its plans"
+        )
     if plan.model != config.model.name:
         raise PlanDeployError(
             f"the plan is for model {plan.model!r} but the config serves {config.model.name!r}; "

@@ -486,7 +486,9 @@ class ServedModelConfig(_Strict):
     autoscale: str | None = None
     """An autoscaling policy sizing this model's pools to its SLO (null: the sizes above)."""
     router: RouterConfig | None = None
-    """This model's routing (policies, local prefill, health); null: the deployment's ``router``."""
+    """This model's routing (policies, local prefill, rebalancing, draining); null: the
+    deployment's ``router``. Health watching is the deployment's: the top-level router's
+    ``health_*`` settings apply to every model."""
 
 
 class DuetConfig(_Strict):
@@ -616,7 +618,10 @@ def one_model(config: DuetConfig, served: ServedModelConfig) -> DuetConfig:
     """``config``'s shared sections with ``served``'s model sections, validated as a one-model
     config (so every rule that ties a model's pools to the shared sections holds per model)."""
     shared = config.model_dump(exclude={"models", *MODEL_SECTIONS}, exclude_unset=True)
-    return DuetConfig.model_validate({**shared, **served.model_dump(exclude_unset=True, exclude_none=True)})
+    own = served.model_dump(exclude_unset=True)
+    if own.get("router", "unset") is None:
+        del own["router"]  # null: the deployment's router
+    return DuetConfig.model_validate({**shared, **own})
 
 
 def parse_config(data: object, source: str = "config") -> DuetConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from duet.config import ConfigError, ServerConfig
@@ -62,8 +62,10 @@ class FrontEnds:
     grpc_port: int
     http_runner: Any
     http_port: int | None
-    # Keeping grpc.health.v1 in step with the pools, and rebalancing the decode pool (if on).
+    # Keeping grpc.health.v1 in step with the pools.
     tasks: list[asyncio.Task[None]]
+    # Each served model's decode-pool rebalancing (router.rebalance_kv_gap), by its service.
+    rebalancing: dict[int, asyncio.Task[None]] = field(default_factory=dict)
 
     @classmethod
     async def start(
@@ -85,7 +87,6 @@ class FrontEnds:
         )
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(report_readiness(health_service, models.is_ready))]
-        tasks += [loop.create_task(service.rebalancer.run()) for service in models.services if service.rebalancer is not None]
         http_runner, bound_http = None, None
         if http_port is not None:
             front_end = OpenAIFrontEnd(models, server.http_max_body_bytes)
@@ -99,10 +100,24 @@ class FrontEnds:
                     task.cancel()
                 await grpc_server.stop(grace=None)
                 raise
-        return cls(grpc_server, bound_grpc, http_runner, bound_http, tasks)
+        front_ends = cls(grpc_server, bound_grpc, http_runner, bound_http, tasks)
+        for service in models.services:
+            front_ends.start_rebalancing(service)
+        return front_ends
+
+    def start_rebalancing(self, service: RequestService) -> None:
+        """Rebalance ``service``'s decode pool while serving, if its router asks for it."""
+        if service.rebalancer is not None:
+            self.rebalancing[id(service)] = asyncio.get_running_loop().create_task(service.rebalancer.run())
+
+    def stop_rebalancing(self, service: RequestService) -> None:
+        """Stop rebalancing ``service``'s decode pool (its model is no longer served)."""
+        task = self.rebalancing.pop(id(service), None)
+        if task is not None:
+            task.cancel()
 
     async def stop(self) -> None:
-        for task in self.tasks:
+        for task in [*self.tasks, *self.rebalancing.values()]:
             task.cancel()
         await self.grpc_server.stop(grace=2)
         if self.http_runner is not None:

@@ -57,6 +57,9 @@ class RequestService:
     adapter_admin: AdapterAdmin | None = None
     # The model's chat template for /v1/chat/completions (model.chat_template; None: the tokenizer's).
     chat_template: str | None = None
+    # Set when its model is removed from a running deployment: a request that chose this
+    # service a moment before is refused rather than started on workers about to go.
+    retired: bool = False
 
     def set_adapters(self, adapters: tuple[ServedAdapter, ...]) -> None:
         """Serve exactly these LoRA adapters from now on (the control plane's list)."""
@@ -121,6 +124,8 @@ class RequestService:
         cannot be served, RequestCrashesEngines when it must not be retried; a consumer that stops early (client gone) aborts it on the workers.
         """
         model = self.model_name(request)
+        if self.retired:
+            raise Unavailable(f"model {self.limits.name!r} was removed from this deployment")
         try:
             caller.check_model(model)
         except ModelNotAllowed:

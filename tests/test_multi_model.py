@@ -106,6 +106,15 @@ def _served_by_worker(status: Any) -> dict[str, int]:
     return {worker.name: worker.requests_served for pool in status.pools for worker in pool.workers}
 
 
+def test_an_adapter_may_not_take_another_models_name(multi_deployment):
+    """vLLM's /v1/load_lora_adapter on the front door checks the name against every served
+    model, not only the default one's (whose requests would otherwise take the other's name)."""
+    status, reply = http_post(
+        multi_deployment.http_port, "/v1/load_lora_adapter", {"lora_name": WIDE, "lora_path": "/nonexistent"}
+    )
+    assert status == 400 and "conflicts with a served base model" in str(reply), reply
+
+
 def test_models_and_the_unknown_model_error_name_both_models(multi_deployment):
     """``/v1/models`` lists both models (OpenAI SDK); a request naming neither gets vLLM's 404
     over HTTP and INVALID_ARGUMENT over gRPC, naming what is served."""
@@ -244,6 +253,17 @@ def test_a_bad_models_list_is_refused_naming_the_field(change, message):
     change(data)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_config(data)
+
+
+@pytest.mark.quick
+def test_a_models_own_router_keeps_its_explicit_nulls():
+    """A model's ``router`` replaces the deployment's as written: a null in it stays null (the
+    default would be 0.04 s), and the other model keeps the deployment's."""
+    data = load_config(MULTI_MODEL_CONFIG).model_dump(exclude_unset=True)
+    data["models"][1]["router"] = {"local_prefill_tpot_s": None, "prefill_policy": "least_requests"}
+    tiny, wide = parse_config(data).served()
+    assert wide.router.local_prefill_tpot_s is None and wide.router.prefill_policy == "least_requests"
+    assert tiny.router.local_prefill_tpot_s == 0.04
 
 
 @pytest.mark.quick

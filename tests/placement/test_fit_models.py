@@ -18,7 +18,7 @@ from duet.cluster.placement.multi_model import MultiPlan, NamedPlan, Workloads, 
 from duet.cluster.placement.optimizer import InfeasibleError
 from duet.cluster.placement.plan import validate_against
 from duet.cluster.plan_deploy import PlanDeployError, apply_plan, apply_plans
-from duet.config import load_config
+from duet.config import load_config, parse_config
 
 pytestmark = pytest.mark.quick
 
@@ -101,3 +101,15 @@ def test_plans_deploy_onto_the_models_they_name():
         apply_plans(config, MultiPlan(plans=[NamedPlan(name="other", plan=_plan())]))
     with pytest.raises(PlanDeployError, match="models:"):
         apply_plans(load_config(), plans)
+    with pytest.raises(PlanDeployError, match="duet plan-models"):
+        apply_plan(config, plans.plans[0].plan)
+
+
+def test_plans_deploy_onto_a_model_named_by_default():
+    """A models: entry that leaves model.name at its default is found by that name."""
+    from test_plan_deploy import _plan
+
+    data = {"models": [{"model": {"path": "builtin"}}, {"model": {"name": "wide", "path": "builtin-wide"}}]}
+    config = parse_config(data)
+    planned = apply_plans(config, MultiPlan(plans=[NamedPlan(name="duet-tiny-llama", plan=_plan(mode="colocated"))]))
+    assert [served.mode for served in planned.served()] == ["colocated", "disaggregated"]

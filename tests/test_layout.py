@@ -39,6 +39,7 @@ SERVING_PATH_INTERFACE = {
     "metrics",
     "pools",
     "proto",
+    "served_models",
     "serving",
     "status",
     "worker_engines",

@@ -49,7 +49,7 @@ from duet.router.lora_adapters import AdapterError, AdapterRegistry
 from duet.router.served_models import ModelChangeError, ServedModels
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
-from duet.yaml_config import validate_mapping
+from duet.yaml_config import field_errors, validate_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -430,7 +430,7 @@ class Deployment:
         try:
             return one_model(self.config, served)
         except ValidationError as error:
-            raise ConfigError("model_config: " + "; ".join(str(p["msg"]).removeprefix("Value error, ") for p in error.errors())) from None
+            raise ConfigError("model_config: " + "; ".join(field_errors(error))) from None
 
     async def remove_model(self, name: str, timeout_s: float | None = None) -> list[str]:
         """Stop serving model ``name`` (the Admin service's RemoveModel): its names are refused
@@ -446,7 +446,7 @@ class Deployment:
                 served = self.served_model(name)
             except ScaleError as error:
                 raise ModelChangeError("invalid", str(error)) from None
-            if served is self.default or not name:
+            if served is self.default:
                 raise ModelChangeError("invalid", f"model: {self.default.name} is the default model (requests that name none get it); it stays")
             assert served.service is not None
             self._served.services.remove(served.service)  # new requests for it are refused from here,

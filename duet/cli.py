@@ -111,11 +111,12 @@ def _with_plan(config: "DuetConfig", path: Path) -> "DuetConfig":
     from duet.cluster.placement.multi_model import MultiPlan
     from duet.cluster.placement.plan import Plan, PlanError
     from duet.cluster.plan_deploy import apply_plan, apply_plans
-    from duet.yaml_config import read_yaml
+    from duet.yaml_config import read_yaml, validate_mapping
 
-    data = read_yaml(path, "plan", PlanError)
-    several = isinstance(data, dict) and "plans" in data
-    return apply_plans(config, MultiPlan.load(path)) if several else apply_plan(config, Plan.load(path))
+    data = read_yaml(path, "plan", PlanError)  # read once: which kind it is, then the plan itself
+    if isinstance(data, dict) and "plans" in data:
+        return apply_plans(config, validate_mapping(MultiPlan, data, str(path), PlanError))
+    return apply_plan(config, validate_mapping(Plan, data, str(path), PlanError))
 
 
 async def _run_deployment(config: "DuetConfig") -> int:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from duet.yaml_config import read_yaml, validate_mapping
+from duet.yaml_config import field_errors, read_yaml, validate_mapping
 
 BUILTIN_MODEL = "builtin"
 # The built-in models, by their model.path (worker_runtime/tiny_model.py makes them): the tiny
@@ -602,7 +602,7 @@ class DuetConfig(_Strict):
             try:
                 one_model(self, served)
             except ValidationError as error:
-                problems = "; ".join(str(problem["msg"]).removeprefix("Value error, ") for problem in error.errors())
+                problems = "; ".join(field_errors(error))
                 raise ValueError(f"models.{index} ({served.model.name}): {problems}") from None
         return self
 

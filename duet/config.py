@@ -320,7 +320,7 @@ class AuthConfig(_Strict):
     unless ``server.allow_unauthenticated``)."""
 
     api_keys_file: str | None = None
-    """YAML list of {name, key, requests_per_minute?, max_concurrent_requests?}; see
+    """YAML list of {name, key, requests_per_minute?, max_concurrent_requests?, admin?, models?, model_quotas?}; see
     docs/guides/security.md."""
     api_keys_env: str = "DUET_API_KEYS"
     """Environment variable holding comma-separated keys (optionally NAME:KEY), default quotas."""
@@ -519,8 +519,9 @@ class DuetConfig(_Strict):
     prefill and decode pools to its SLO while serving; None keeps the sizes above."""
     autoscale_budget: int | None = Field(default=None, ge=1)
     """Units (GPUs, or cores on CPU) the pools of every served model may hold together while
-    autoscaling: each model's autoscaler grows its pools only into what the other models leave
-    (null: each model is bounded by its own policy alone)."""
+    autoscaling: each model's autoscaler grows its pools only into what the other models leave,
+    arbitrated by SLO shortfall (docs/concepts/autoscaling.md; null: each model is bounded by its
+    own policy alone)."""
     models: list[ServedModelConfig] = []
     """Several models served by one deployment, each with its own pools, engine settings and
     autoscaling policy, behind the same front door: a request goes to the pools of the model it

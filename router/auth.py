@@ -7,7 +7,10 @@ gRPC and over HTTP draw on the same budget:
 - ``requests_per_minute``: a token bucket holding up to a minute's worth of requests, refilled
   continuously; an empty bucket answers with the seconds until the next request is allowed;
 - ``max_concurrent_requests``: requests of that key in flight at once;
-- ``models``: the model names (the served model's, its LoRA adapters') the key may request.
+- ``models``: the model names (the served model's, its LoRA adapters') the key may request;
+- ``model_quotas``: a rate and an in-flight limit of the key's own for one model name, on top
+  of its overall ones (a tenant may send 600 requests a minute, at most 60 of them to the large
+  model).
 
 Keys come from a YAML file (one entry per key, each with optional quotas of its own) and from an
 environment variable (comma-separated, default quotas), so that secrets can come from a
@@ -45,6 +48,16 @@ class ModelNotAllowed(Exception):
     """A key asked for a model it is not allowed (gRPC PERMISSION_DENIED, HTTP 403)."""
 
 
+class _ModelQuota(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    """The key's request rate limit for this model name; null is the key's overall limit only."""
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+    """The key's limit on requests in flight for this model name; null is the key's overall
+    limit only."""
+
+
 class _KeyEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -62,6 +75,9 @@ class _KeyEntry(BaseModel):
     models: list[str] | None = None
     """The model names this key may request: the served model's and its LoRA adapters' (an
     adapter loaded later included, by its name); null: every one."""
+    model_quotas: dict[str, _ModelQuota] = {}
+    """Quotas of this key for single model names (a served model's or an adapter's), on top of
+    its overall ones: a request counts against both."""
 
 
 class _KeysFile(BaseModel):
@@ -69,6 +85,56 @@ class _KeysFile(BaseModel):
 
     keys: list[_KeyEntry] = Field(min_length=1)
     """One entry per API key."""
+
+
+@dataclass
+class Quota:
+    """One budget of requests: a rate (a token bucket holding a minute's worth, refilled
+    continuously) and a number in flight. ``owner`` says whose in refusals."""
+
+    owner: str
+    requests_per_minute: float | None
+    max_concurrent_requests: int | None
+    inflight: int = 0
+    _tokens: float = field(default=0.0, repr=False)
+    _refilled_at: float = field(default_factory=time.monotonic, repr=False)
+
+    def __post_init__(self) -> None:
+        self._tokens = self.requests_per_minute or 0.0
+
+    def check_room(self, count: int = 1) -> None:
+        """Raise QuotaExceeded unless ``count`` more requests fit in flight."""
+        limit = self.max_concurrent_requests
+        if limit is None or self.inflight + count <= limit:
+            return
+        asked = "a request" if count == 1 else f"{count} requests together"
+        raise QuotaExceeded(
+            f"{self.owner} has {self.inflight} requests in flight and this call asks for {asked} "
+            f"(limit {limit}); retry when one finishes",
+            1.0,
+        )
+
+    def take_rate_token(self) -> None:
+        """Take one request from the rate budget, or raise QuotaExceeded with the wait."""
+        if self.requests_per_minute is None:
+            return
+        now = time.monotonic()
+        per_second = self.requests_per_minute / 60.0
+        self._tokens = min(self.requests_per_minute, self._tokens + (now - self._refilled_at) * per_second)
+        self._refilled_at = now
+        if self._tokens < 1.0:
+            wait = (1.0 - self._tokens) / per_second
+            raise QuotaExceeded(
+                f"{self.owner} is over its rate limit of {self.requests_per_minute:g} requests per minute; "
+                f"retry in {math.ceil(wait)} s",
+                wait,
+            )
+        self._tokens -= 1.0
+
+    def refund_rate_token(self) -> None:
+        """Give back a token taken for a request that another quota then refused."""
+        if self.requests_per_minute is not None:
+            self._tokens = min(self.requests_per_minute, self._tokens + 1.0)
 
 
 @dataclass
@@ -80,28 +146,19 @@ class Caller:
     max_concurrent_requests: int | None
     admin: bool = False
     models: frozenset[str] | None = None  # the model names it may request (None: every one)
-    inflight: int = 0
-    _tokens: float = field(default=0.0, repr=False)
-    _refilled_at: float = field(default_factory=time.monotonic, repr=False)
+    # Quotas for single model names, on top of the key's overall one.
+    model_limits: dict[str, tuple[float | None, int | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._tokens = self.requests_per_minute or 0.0
+        self.quota = Quota(f"API key {self.name!r}", self.requests_per_minute, self.max_concurrent_requests)
+        self.model_quotas = {
+            model: Quota(f"API key {self.name!r} for model {model!r}", rate, concurrent)
+            for model, (rate, concurrent) in self.model_limits.items()
+        }
 
-    def _take_rate_token(self) -> None:
-        if self.requests_per_minute is None:
-            return
-        now = time.monotonic()
-        per_second = self.requests_per_minute / 60.0
-        self._tokens = min(self.requests_per_minute, self._tokens + (now - self._refilled_at) * per_second)
-        self._refilled_at = now
-        if self._tokens < 1.0:
-            wait = (1.0 - self._tokens) / per_second
-            raise QuotaExceeded(
-                f"API key {self.name!r} is over its rate limit of {self.requests_per_minute:g} requests per minute; "
-                f"retry in {math.ceil(wait)} s",
-                wait,
-            )
-        self._tokens -= 1.0
+    @property
+    def inflight(self) -> int:
+        return self.quota.inflight
 
     def may_use(self, model: str) -> bool:
         """Whether this key may request model (or adapter) ``model``."""
@@ -113,22 +170,38 @@ class Caller:
             allowed = ", ".join(sorted(self.models or ())) or "none"
             raise ModelNotAllowed(f"API key {self.name!r} may not use model {model!r} (it may use: {allowed})")
 
-    def acquire(self) -> None:
-        """Take one request slot of this key; raise QuotaExceeded if it has none left.
+    def _quotas(self, model: str) -> list[Quota]:
+        model_quota = self.model_quotas.get(model)
+        return [self.quota] if model_quota is None else [self.quota, model_quota]
 
-        Every successful ``acquire`` must be paired with a ``release`` when the request ends.
+    def check_room(self, model: str, count: int) -> None:
+        """Raise QuotaExceeded unless ``count`` more requests for ``model`` fit in flight."""
+        for quota in self._quotas(model):
+            quota.check_room(count)
+
+    def acquire(self, model: str) -> None:
+        """Take one request slot of this key for ``model``; raise QuotaExceeded if the key, or
+        its quota for that model, has none left (then nothing is taken).
+
+        Every successful ``acquire`` must be paired with a ``release`` of the same model.
         """
-        if self.max_concurrent_requests is not None and self.inflight >= self.max_concurrent_requests:
-            raise QuotaExceeded(
-                f"API key {self.name!r} has {self.inflight} requests in flight "
-                f"(limit {self.max_concurrent_requests}); retry when one finishes",
-                1.0,
-            )
-        self._take_rate_token()
-        self.inflight += 1
+        quotas = self._quotas(model)
+        self.check_room(model, 1)
+        taken: list[Quota] = []
+        try:
+            for quota in quotas:
+                quota.take_rate_token()
+                taken.append(quota)
+        except QuotaExceeded:
+            for quota in taken:
+                quota.refund_rate_token()
+            raise
+        for quota in quotas:
+            quota.inflight += 1
 
-    def release(self) -> None:
-        self.inflight -= 1
+    def release(self, model: str) -> None:
+        for quota in self._quotas(model):
+            quota.inflight -= 1
 
 
 # The caller of a deployment without keys (loopback, or explicitly unauthenticated): no quotas,
@@ -186,6 +259,10 @@ class Gatekeeper:
                     entry.max_concurrent_requests or auth.max_concurrent_requests,
                     admin=entry.admin,
                     models=frozenset(entry.models) if entry.models is not None else None,
+                    model_limits={
+                        model: (quota.requests_per_minute, quota.max_concurrent_requests)
+                        for model, quota in entry.model_quotas.items()
+                    },
                 )))
         for index, item in enumerate(filter(None, (part.strip() for part in environ.get(auth.api_keys_env, "").split(",")))):
             name, _, secret = item.rpartition(":")

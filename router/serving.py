@@ -132,7 +132,7 @@ class RequestService:
             self.cluster.reject("forbidden", model)
             raise
         try:
-            caller.acquire()
+            caller.acquire(model)
         except QuotaExceeded:
             self.cluster.reject("quota", model)
             raise
@@ -167,7 +167,7 @@ class RequestService:
                 self.cluster.finish(outcome, usage, model)
                 self.load.left(handle, usage if outcome == "served" else None)
         finally:
-            caller.release()
+            caller.release(model)
 
     async def generate_sequences(
         self, requests: list[ValidatedRequest], caller: Caller
@@ -228,14 +228,11 @@ class RequestService:
     def _check_room(self, count: int, caller: Caller, model: str) -> None:
         """Refuse ``count`` requests together (for ``model``) unless the caller's quota and the admission limit
         hold them all (so none starts only to be failed by the next's refusal)."""
-        limit = caller.max_concurrent_requests
-        if limit is not None and caller.inflight + count > limit:
+        try:
+            caller.check_room(model, count)
+        except QuotaExceeded:
             self.cluster.reject("quota", model)
-            raise QuotaExceeded(
-                f"API key {caller.name!r} has {caller.inflight} requests in flight and this call asks for "
-                f"{count} (limit {limit}); retry when some finish",
-                1.0,
-            )
+            raise
         if self.cluster.inflight + count > self.max_inflight:
             self.cluster.reject("overloaded", model)
             raise Overloaded(

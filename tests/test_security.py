@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from duet.config import AuthConfig, ConfigError, ServerConfig, TlsConfig
-from duet.router.auth import Gatekeeper
+from duet.router.auth import Gatekeeper, QuotaExceeded
 from duet.router.client import DuetClient, build_request
 from duet.router.admin import AdminServicer
 from duet.router.front_ends import FrontEnds, check_exposure
@@ -32,6 +32,7 @@ ALICE = "alice-key-7f3a9c2e"  # two requests per minute
 BOB = "bob-key-d41b66f0"  # one request at a time
 ROOT = "root-key-5c0ffee1"  # may call the Admin service
 CAROL = "carol-key-0a11ce55"  # may use one LoRA adapter only, not the base model
+DAVE = "dave-key-9e1d77a4"  # one request a minute to the base model, unlimited overall
 PROMPT = "The router sends the prompt to a prefill worker"
 
 
@@ -48,6 +49,7 @@ def keys_file(tmp_path_factory) -> str:
         {"name": "bob", "key": BOB, "max_concurrent_requests": 1},
         {"name": "root", "key": ROOT, "admin": True},
         {"name": "carol", "key": CAROL, "models": ["support-lora"]},
+        {"name": "dave", "key": DAVE, "model_quotas": {"duet-tiny-llama": {"requests_per_minute": 1}}},
     ]}))
     return str(path)
 
@@ -256,6 +258,20 @@ def test_a_key_limited_to_some_models_is_refused_the_others_and_sees_only_its_ow
     assert [model.id for model in _sdk(tls_pair, certs, key=ROOT).models.list()] == ["duet-tiny-llama"]
 
 
+def test_a_quota_for_one_model_refuses_that_model_over_both_apis(tls_pair, certs):
+    """dave may send one request a minute to ``duet-tiny-llama``: the second, over either API,
+    is refused naming the model's quota."""
+    sdk = _sdk(tls_pair, certs, key=DAVE)
+    sdk.completions.create(model="duet-tiny-llama", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as http_refusal:
+        sdk.completions.create(model="duet-tiny-llama", prompt=PROMPT, max_tokens=2)
+    assert "for model 'duet-tiny-llama'" in http_refusal.value.message
+    with _grpc_client(tls_pair, certs, key=DAVE, client_cert=False) as client:
+        with pytest.raises(grpc.RpcError) as grpc_refusal:
+            _generate(client)
+    assert grpc_refusal.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_only_admin_keys_may_load_lora_adapters(tls_pair, certs):
     """vLLM's adapter endpoints are admin calls: bob's key is refused (403) before the body is
     read; root's reaches the deployment, whose config has no LoRA (400 saying how to turn it on)."""
@@ -285,6 +301,31 @@ def test_keys_from_the_environment():
     )
     assert gatekeeper.authenticate("ci-secret-1234").name == "ci"
     assert gatekeeper.authenticate("plain-secret-5678").max_concurrent_requests == 3
+
+
+def test_a_model_quota_counts_on_top_of_the_keys_own(tmp_path):
+    """A request counts against the key's quota and its model's; a refusal by either takes
+    nothing from the other, and other models draw on the key's quota alone."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({"keys": [{
+        "name": "tenant", "key": "tenant-secret-1", "requests_per_minute": 3, "max_concurrent_requests": 3,
+        "model_quotas": {"big": {"max_concurrent_requests": 1}, "rare": {"requests_per_minute": 1}},
+    }]}))
+    caller = Gatekeeper.from_config(AuthConfig(api_keys_file=str(path)), environ={}).authenticate("tenant-secret-1")
+    caller.acquire("big")
+    with pytest.raises(QuotaExceeded, match="for model 'big' has 1 requests in flight"):
+        caller.acquire("big")
+    assert caller.inflight == 1  # the refused request took no slot of the key's
+    caller.acquire("rare")
+    with pytest.raises(QuotaExceeded, match="for model 'rare' is over its rate limit"):
+        caller.acquire("rare")
+    caller.acquire("small")  # the key's third request a minute: the refusal above refunded its token
+    with pytest.raises(QuotaExceeded, match="API key 'tenant' (has 3|is over)"):
+        caller.acquire("small")
+    caller.release("big")
+    with pytest.raises(QuotaExceeded, match="API key 'tenant' is over its rate limit"):
+        caller.acquire("big")  # a slot for big again, but the key's rate is spent
+    assert caller.model_quotas["big"].inflight == 0 and caller.inflight == 2
 
 
 def test_public_address_without_keys_needs_the_explicit_flag(certs):

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from duet.cluster.autoscaler.live import LiveAutoscaler
 from duet.cluster.autoscaler.metrics import AutoscalerMetrics
 from duet.cluster.autoscaler.policy import load_policy
+from duet.cluster.autoscaler.shared_budget import BudgetShare, Holder, share_of
 from duet.config import ConfigError, DuetConfig, ServedModelConfig, one_model
 from duet.cluster.cores import CoreAllocator
 from duet.worker_runtime.engine import is_cpu_only, resolve_model_path
@@ -304,13 +305,21 @@ class Deployment:
             f"prefill {policy.prefill.min}-{policy.prefill.max}, decode {policy.decode.min}-{policy.decode.max} workers)"
         )
 
-    def _budget_left(self, served: ModelServing) -> Callable[[], int | None] | None:
+    def _budget_left(self, served: ModelServing) -> Callable[[], BudgetShare] | None:
         """What ``served``'s autoscaler may hold of the deployment's autoscale_budget: the
-        budget less what every other model holds now (None without a shared budget)."""
+        budget less what every other model holds now, arbitrated by SLO shortfall
+        (cluster/autoscaler/shared_budget.py; None without a shared budget)."""
         budget = self.config.autoscale_budget
         if budget is None:
             return None
-        return lambda: max(0, budget - sum(other.units_held() for other in self.models if other is not served))
+
+        def holder(model: ModelServing) -> Holder:
+            scaler = model.autoscaler.autoscaler if model.autoscaler is not None else None
+            if scaler is None:
+                return Holder(model.name, model.units_held())
+            return Holder(model.name, model.units_held(), scaler.asked, scaler.shortfall)
+
+        return lambda: share_of(budget, holder(served), [holder(other) for other in self.models if other is not served])
 
     def _manager(self, served: ModelServing, role: str, pool: WorkerPool, pool_config: Any) -> PoolManager:
         workers = _SIMULATED_WORKERS if pool_config.engine == "simulated" else _VLLM_WORKERS
@@ -344,22 +353,28 @@ class Deployment:
         known = ", ".join(m.name for manager in managers for m in manager.pool.members)
         raise ScaleError(f"worker: no worker named {worker!r} (workers: {known})")
 
-    async def load_adapter(self, name: str, path: str) -> str:
-        """Serve the LoRA adapter at ``path`` as model ``name`` on the default model (the Admin
-        service's LoadLoraAdapter; see ModelServing.load_adapter). Its name must be free
-        among every model's, as vLLM's server requires among its own."""
-        for served in self.models[1:]:
+    async def load_adapter(self, name: str, path: str, model: str = "") -> str:
+        """Serve the LoRA adapter at ``path`` as model ``name`` on the served model ``model``
+        ("": the default; the Admin service's LoadLoraAdapter; see ModelServing.load_adapter).
+        Its name must be free among every model's, as vLLM's server requires among its own."""
+        try:
+            target = self.served_model(model)
+        except ScaleError as error:
+            raise AdapterError("not_found", str(error)) from None
+        for served in self.models:
+            if served is target:
+                continue  # its own names: its registry checks them
             if name == served.name:
                 raise AdapterError("invalid", f"The lora adapter '{name}' conflicts with a served base model.")
-            if served.adapters is not None and any(adapter.name == name for adapter in served.adapters.adapters):
+            if served.serves_adapter(name):
                 raise AdapterError("invalid", f"The lora adapter '{name}' has already been loaded.")
-        return await self.default.load_adapter(name, path)
+        return await target.load_adapter(name, path)
 
     async def unload_adapter(self, name: str) -> str:
         """Stop serving LoRA adapter ``name`` (the Admin service's UnloadLoraAdapter), on
         whichever model serves it."""
         for served in self.models:
-            if served.adapters is not None and any(adapter.name == name for adapter in served.adapters.adapters):
+            if served.serves_adapter(name):
                 return await served.unload_adapter(name)
         return await self.default.unload_adapter(name)  # refuses it, naming what is served
 

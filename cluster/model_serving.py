@@ -54,6 +54,10 @@ class ModelServing:
     def name(self) -> str:
         return self.config.model.name
 
+    def serves_adapter(self, name: str) -> bool:
+        """Whether LoRA adapter ``name`` is served on this model."""
+        return self.adapters is not None and self.adapters.serves(name)
+
     @property
     def colocated(self) -> bool:
         return self.config.mode == "colocated"
@@ -64,9 +68,11 @@ class ModelServing:
         return [self.decode] if self.colocated else [self.prefill, self.decode]
 
     def units_held(self) -> int:
-        """Units (GPUs, or cores on CPU) its workers hold or are starting to hold."""
+        """Units (GPUs, or cores on CPU) its workers hold or are starting to hold; a draining
+        worker holds its units until it is gone."""
         return sum(
-            len(manager.active()) * manager.pool_config.tensor_parallel * manager.pool_config.pipeline_parallel
+            sum(member.state != "failed" for member in manager.pool.members)
+            * manager.pool_config.tensor_parallel * manager.pool_config.pipeline_parallel
             for manager in self.managers.values()
         )
 

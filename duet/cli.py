@@ -421,7 +421,7 @@ def _lora_make(args: argparse.Namespace) -> int:
 
 
 def _lora_load(args: argparse.Namespace) -> int:
-    return _lora_change(args, lambda client: client.load_lora_adapter(args.name, args.path))
+    return _lora_change(args, lambda client: client.load_lora_adapter(args.name, args.path, model=args.model))
 
 
 def _lora_unload(args: argparse.Namespace) -> int:
@@ -563,6 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     load.add_argument("name", help="the model name requests will send")
     load.add_argument("path", help="the adapter's directory, as the workers' hosts see it")
+    load.add_argument("--model", default="", help="the served model it adapts (default: the first in the config)")
     _add_client_arguments(load)
     load.set_defaults(handler=_lora_load)
     unload = lora_commands.add_parser("unload", help="stop serving a LoRA adapter (requests in flight finish with it)")

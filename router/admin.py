@@ -29,7 +29,7 @@ class PoolOperator(Protocol):
 
     def drain(self, worker: str, timeout_s: float | None) -> str: ...
 
-    async def load_adapter(self, name: str, path: str) -> str: ...
+    async def load_adapter(self, name: str, path: str, model: str = "") -> str: ...
 
     async def unload_adapter(self, name: str) -> str: ...
 
@@ -73,7 +73,7 @@ class AdminServicer:
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
         await self._authorize(request, context)
-        return await _adapter_change(context, self.operator.load_adapter(request.lora_name, request.lora_path))
+        return await _adapter_change(context, self.operator.load_adapter(request.lora_name, request.lora_path, request.model))
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdminReply:
         await self._authorize(request, context)

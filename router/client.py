@@ -188,9 +188,10 @@ class DuetClient:
         request = pb.DrainWorkerRequest(worker=worker, timeout_s=timeout_s)
         return list(self._admin.DrainWorker(request, timeout=timeout, metadata=self._metadata).changes)
 
-    def load_lora_adapter(self, name: str, path: str, timeout: float = 60.0) -> str:
-        """Admin: serve the LoRA adapter at ``path`` (on the workers' hosts) as model ``name``."""
-        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+    def load_lora_adapter(self, name: str, path: str, timeout: float = 60.0, model: str = "") -> str:
+        """Admin: serve the LoRA adapter at ``path`` (on the workers' hosts) as model ``name``,
+        on the served model ``model`` (default: the default model)."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path, model=model)
         return self._admin.LoadLoraAdapter(request, timeout=timeout, metadata=self._metadata).changes[0]
 
     def unload_lora_adapter(self, name: str, timeout: float = 30.0) -> str:

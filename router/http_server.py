@@ -153,7 +153,7 @@ class OpenAIFrontEnd:
         """vLLM's ``/v1/load_lora_adapter``: serve an adapter from every front door (an admin
         call: with API keys, admin keys only)."""
         parsed = parse(LoadLoraAdapterRequest, await self._admin_body(request))
-        return await self._adapter_change(self._adapter_admin().load_adapter(parsed.lora_name, parsed.lora_path))
+        return await self._adapter_change(self._adapter_admin().load_adapter(parsed.lora_name, parsed.lora_path, parsed.base_model_name))
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         """vLLM's ``/v1/unload_lora_adapter``: stop serving an adapter (an admin call)."""

@@ -35,7 +35,7 @@ class AdapterAdmin(Protocol):
     """Loads and unloads adapters for the whole deployment (the control plane, or a front
     door's channel to it); each returns vLLM's success message or raises AdapterError."""
 
-    async def load_adapter(self, name: str, path: str) -> str: ...
+    async def load_adapter(self, name: str, path: str, model: str = "") -> str: ...
 
     async def unload_adapter(self, name: str) -> str: ...
 
@@ -82,14 +82,14 @@ class AdapterRegistry:
         """The adapter ``name`` at ``path`` would be served as; AdapterError if it may not be."""
         lora = self.model.lora
         if lora is None:
-            raise AdapterError("off", "LoRA is off in this deployment: set model.lora in its config to serve adapters")
+            raise AdapterError("off", f"LoRA is off for model {self.model.name!r}: set model.lora in its config to serve adapters")
         if not name or not path:
             raise AdapterError("invalid", "Both 'lora_name' and 'lora_path' must be provided.")
         if not _NAME.match(name):
             raise AdapterError("invalid", f"lora_name: {name!r} is not a plain name (letters, digits, '.', '_', '-'; at most 64)")
         if name == self.model.name:
             raise AdapterError("invalid", f"The lora adapter '{name}' conflicts with a served base model.")
-        if any(adapter.name == name for adapter in self.adapters):
+        if self.serves(name):
             raise AdapterError("invalid", f"The lora adapter '{name}' has already been loaded.")
         try:
             rank = adapter_rank(path)
@@ -99,13 +99,17 @@ class AdapterRegistry:
             raise AdapterError("invalid", f"lora_path: the adapter's rank {rank} is above model.lora.max_lora_rank ({lora.max_lora_rank})")
         return ServedAdapter(name, self._new_id(), _resolved(path))
 
+    def serves(self, name: str) -> bool:
+        """Whether an adapter named ``name`` is served now."""
+        return any(adapter.name == name for adapter in self.adapters)
+
     def add(self, adapter: ServedAdapter) -> None:
         self.adapters = (*self.adapters, adapter)
 
     def remove(self, name: str) -> None:
         if not name:
             raise AdapterError("invalid", "'lora_name' needs to be provided to unload a LoRA adapter.")
-        if not any(adapter.name == name for adapter in self.adapters):
+        if not self.serves(name):
             raise AdapterError("not_found", f"The lora adapter '{name}' cannot be found.")
         self.adapters = tuple(adapter for adapter in self.adapters if adapter.name != name)
 
@@ -117,10 +121,11 @@ class ControlPlaneAdapters:
     def __init__(self, control: Callable[[], Any]) -> None:
         self.control = control
 
-    async def load_adapter(self, name: str, path: str) -> str:
+    async def load_adapter(self, name: str, path: str, model: str = "") -> str:
         from duet.router.proto import duet_api_pb2 as pb
 
-        return await self._call(self.control().LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)))
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path, model=model)
+        return await self._call(self.control().LoadLoraAdapter(request))
 
     async def unload_adapter(self, name: str) -> str:
         from duet.router.proto import duet_api_pb2 as pb

@@ -378,6 +378,9 @@ class LoadLoraAdapterRequest(_Strict):
 
     lora_name: str = ""
     lora_path: str = ""
+    # The served model it adapts (the name vLLM's --lora-modules JSON gives it); none: the
+    # default model. vLLM's server has one base model and no such field.
+    base_model_name: str = ""
 
 
 class UnloadLoraAdapterRequest(_Strict):

@@ -34,7 +34,7 @@ class ServedModels:
         if not name or len(self.services) == 1:
             return self.default
         for service in self.services:
-            if name == service.limits.name or any(adapter.name == name for adapter in service.limits.adapters):
+            if name in service.limits.served_names():
                 return service
         bases = ", ".join(service.limits.name for service in self.services)
         raise UnknownModel(str(name), bases, self.names())

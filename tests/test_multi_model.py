@@ -156,9 +156,10 @@ def test_the_admin_api_scales_one_models_pool_by_name(multi_deployment, multi_cl
 
 
 COPY = "duet-tiny-llama-copy"
-# The tiny model again, colocated on one worker: added and removed while the others serve.
+# The tiny model again, colocated on one worker, with LoRA on: added and removed while the
+# others serve, and given an adapter at run time.
 COPY_CONFIG = f"""
-model: {{name: {COPY}, path: builtin}}
+model: {{name: {COPY}, path: builtin, lora: {{max_loras: 1}}}}
 mode: colocated
 colocated: {{replicas: 1, kv_cache_gib: 0.25, num_cpus: 0, cpu_cores: [1]}}
 """
@@ -183,8 +184,8 @@ def test_a_model_that_cannot_be_added_is_refused_naming_why(multi_client, model_
 def test_a_model_added_and_removed_while_the_others_serve(multi_deployment, multi_client, reference, tmp_path: Path, capsys):
     """`duet model add` starts a third model's worker while the other two keep answering; once
     it returns the new model serves (its greedy tokens are the reference engine's: it is the
-    tiny model, colocated), and is listed. `duet model remove` stops it: its name is refused at
-    once, its worker leaves status; the default model cannot be removed."""
+    tiny model, colocated), and is listed; an adapter is loaded onto it. `duet model remove`
+    stops it: its name and its adapter's are refused at once, its worker leaves status; the default model cannot be removed."""
     config_file = tmp_path / "copy.yaml"
     config_file.write_text(COPY_CONFIG)
     target = f"127.0.0.1:{multi_deployment.port}"
@@ -202,18 +203,50 @@ def test_a_model_added_and_removed_while_the_others_serve(multi_deployment, mult
     assert list(multi_client.status().served_models) == [TINY, WIDE, COPY]
     status, listed = _get_models(multi_deployment.http_port)
     assert [model["id"] for model in listed["data"]] == [TINY, WIDE, COPY]
+    _load_an_adapter_onto(multi_deployment, multi_client, tmp_path, capsys)
 
     with pytest.raises(grpc.RpcError) as error:
         multi_client.remove_model(TINY)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "default model" in error.value.details()
     assert duet_main(["model", "remove", COPY, "--target", target]) == 0
     assert capsys.readouterr().out.strip() == f"{COPY}: removed ({COPY}/colocated-0)"
-    with pytest.raises(grpc.RpcError) as error:
-        _greedy(multi_client, COPY, prompts[0])
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for name in (COPY, COPY_LORA):  # the model's adapters leave with it
+        with pytest.raises(grpc.RpcError) as error:
+            _greedy(multi_client, name, prompts[0])
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     status = multi_client.status()
     assert list(status.served_models) == [TINY, WIDE] and COPY not in {pool.model for pool in status.pools}
     assert _greedy(multi_client, TINY, prompts[0]) == reference.greedy(prompts[:1], 16, ignore_eos=True)[0]
+
+
+COPY_LORA = "copy-lora"
+
+
+def _load_an_adapter_onto(deployment: Any, client: DuetClient, tmp_path: Path, capsys: Any) -> None:
+    """vLLM's /v1/load_lora_adapter with ``base_model_name`` puts an adapter on a model other
+    than the default: read by that model's engine only, served under its own name, listed with
+    that model as its parent. An unknown base model is a 404 naming the served ones; a model
+    without LoRA is a 400 saying what to set."""
+    adapter = tmp_path / COPY_LORA
+    assert duet_main(["lora", "make", str(adapter), "--seed", "4"]) == 0
+    capsys.readouterr()
+
+    def reads() -> dict[str, int]:
+        return {worker.name: worker.lora_adapter_reads for pool in client.status().pools for worker in pool.workers}
+
+    before = reads()
+    port = deployment.http_port
+    status, reply = http_post(port, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapter), "base_model_name": "no-such"})
+    assert status == 404 and COPY in str(reply), reply
+    status, reply = http_post(port, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapter), "base_model_name": WIDE})
+    assert status == 400 and f"LoRA is off for model '{WIDE}'" in str(reply), reply
+    status, reply = http_post(port, "/v1/load_lora_adapter", {"lora_name": COPY_LORA, "lora_path": str(adapter), "base_model_name": COPY})
+    assert status == 200, reply
+    grew = {name: count - before.get(name, 0) for name, count in reads().items() if count != before.get(name, 0)}
+    assert grew == {f"{COPY}/colocated-0": 1}, grew
+    assert len(_greedy(client, COPY_LORA, _prompts(1, 30, seed=9)[0], max_tokens=4)) == 4
+    _, listed = _get_models(port)
+    assert [(model["id"], model["parent"]) for model in listed["data"]][-1] == (COPY_LORA, COPY)
 
 
 def _get_models(port: int) -> tuple[int, Any]:

@@ -20,7 +20,9 @@ Each interval, per pool:
    correction so the prediction stops undershooting; the correction decays when all is well.
    Misses from a backlog the pool is already clearing are not pressure: queued work stays with
    the worker it was routed to, so a new worker would not clear it.
-3. **Guard rails**: clamp to the pool's min and max and the total budget; grow at once
+3. **Guard rails**: clamp to the pool's min and max and the total budget (shared by several
+   models: :mod:`duet.cluster.autoscaler.shared_budget`, which may ask a model meeting its SLO
+   to give a unit back at once to one missing its own); grow at once
    (workers still starting count as capacity, so a slow start is not answered with more
    starts); shrink only after a whole ``scale_down.delay_s`` has been seen, never below a size
    wanted in the last ``startup_s + settle_s`` (a growth cannot be judged before its workers
@@ -52,6 +54,9 @@ _KV_PRESSURE = 0.9
 # How far the correction falls back towards 1 per calm interval, and its ceiling.
 _CORRECTION_DECAY = 0.95
 _CORRECTION_MAX = 4.0
+# The SLO shortfall a pool whose queue says it is about to miss counts at least, for a shared
+# budget's arbitration (shared_budget.py): it is short, though its attainment does not show it yet.
+_QUEUE_SHORTFALL = 0.01
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,9 @@ class Observation:
     # the deployment's autoscale_budget: that budget less what the other models hold. None:
     # only the policy's own budget bounds them.
     budget_units: int | None = None
+    # The model the shared budget holds units back for, or asks this one to give one back to
+    # when ``budget_units`` is below what its pools hold ("" : none).
+    budget_to: str = ""
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,10 @@ class Autoscaler:
         self.pools = {role: _PoolState() for role in ROLES}
         self.budget = ErrorBudget(self.slo.attainment, policy.error_budget_window_s)
         self.miss_share = self.budget.nominal
+        # For a shared budget (shared_budget.py), after each decision: how far the model is below
+        # its SLO attainment target (0: meeting it), and the units the budget kept it from.
+        self.shortfall = 0.0
+        self.asked = 0
         # Each interval's load over the last scale-down window, for the pools' reserve.
         self.loads: deque[tuple[float, Load]] = deque()
 
@@ -166,11 +178,12 @@ class Autoscaler:
         self.budget.record(obs.time_s, obs.finished, (obs.first_tokens - obs.ttft_met) + (obs.finished - obs.tpot_met))
         horizon = self._horizon_s
         self.miss_share = self.budget.miss_share(obs.time_s, horizon, self.rate.predict(horizon) * horizon)
+        self.shortfall = 0.0
         wanted = {role: self._wanted(role, obs) for role in ROLES}
         for role in ROLES:
             self.pools[role].queued = obs.pools[role].queued
-        wanted = self._within_budget(wanted, obs)
-        return [self._damped(role, obs, *wanted[role]) for role in ROLES]
+        wanted, giving_back = self._within_budget(wanted, obs)
+        return [self._damped(role, obs, *wanted[role], giving_back=role in giving_back) for role in ROLES]
 
     # ---- sizing ---------------------------------------------------------------------------
 
@@ -257,14 +270,16 @@ class Autoscaler:
         recent = self._recent_attainment(role, obs.time_s, judged, met)
         if judged >= _MIN_SAMPLES and met / judged < target and recent < target:
             phase = "TTFT" if role == "prefill" else "TPOT"
+            self.shortfall = max(self.shortfall, target - recent)
             return f"{phase} attainment {met / judged:.0%} (last {self.policy.startup_s:.0f} s: {recent:.0%}) < {target:.0%}"
-        if role == "prefill":
-            if obs.ttft_overdue >= _MIN_SAMPLES:
-                return f"{obs.ttft_overdue} requests waiting past the TTFT target"
-            return ""
-        if pool.queued and pool.kv_usage >= _KV_PRESSURE:
-            return f"KV {pool.kv_usage:.0%} full with {pool.queued} requests waiting"
-        return ""
+        why = ""
+        if role == "prefill" and obs.ttft_overdue >= _MIN_SAMPLES:
+            why = f"{obs.ttft_overdue} requests waiting past the TTFT target"
+        if role == "decode" and pool.queued and pool.kv_usage >= _KV_PRESSURE:
+            why = f"KV {pool.kv_usage:.0%} full with {pool.queued} requests waiting"
+        if why:  # about to miss: short of the target by at least its recent gap
+            self.shortfall = max(self.shortfall, target - recent, _QUEUE_SHORTFALL)
+        return why
 
     def _recent_attainment(self, role: str, time_s: float, judged: int, met: int) -> float:
         """``role``'s SLO share over the last ``startup_s``, this interval included.
@@ -279,9 +294,13 @@ class Autoscaler:
         total = sum(j for _, j, _ in attained)
         return sum(m for _, _, m in attained) / total if total else 1.0
 
-    def _within_budget(self, wanted: dict[str, tuple[int, str, bool]], obs: Observation) -> dict[str, tuple[int, str, bool]]:
+    def _within_budget(
+        self, wanted: dict[str, tuple[int, str, bool]], obs: Observation
+    ) -> tuple[dict[str, tuple[int, str, bool]], set[str]]:
         """Clamp to each pool's bounds, then trim the pools not under pressure (larger first)
-        until the total fits the budget; never below a pool's minimum or current size."""
+        until the total fits the budget; never below a pool's minimum or current size. A shared
+        budget below what the pools hold asks for units back (:meth:`_give_back`). Returns the
+        sizes and the pools giving units back."""
         sized = {}
         for role, (size, why, pressure) in wanted.items():
             limits = self.policy.limits(role)
@@ -289,24 +308,57 @@ class Autoscaler:
             if clamped != size:
                 why += f" (clamped to {'max' if size > limits.max else 'min'} {clamped})"
             sized[role] = [clamped, why, pressure]
+        self.asked = 0
         budgets = [b for b in (self.policy.budget, obs.budget_units) if b is not None]
         if not budgets:
-            return {role: tuple(v) for role, v in sized.items()}  # type: ignore[misc]
+            return {role: tuple(v) for role, v in sized.items()}, set()  # type: ignore[misc]
         budget = min(budgets)
-
-        def used() -> int:
-            return sum(sized[role][0] * self.policy.limits(role).units for role in ROLES)
-
-        while used() > budget:
-            floors = {role: max(self.policy.limits(role).min, min(obs.pools[role].active, sized[role][0])) for role in ROLES}
+        shared = obs.budget_units is not None and (self.policy.budget is None or obs.budget_units < self.policy.budget)
+        held = {role: obs.pools[role].active for role in ROLES}
+        if shared and budget < self._units(held):
+            return self._give_back(sized, held, budget, obs.budget_to)
+        wanted_units = self._units({role: sized[role][0] for role in ROLES})
+        while self._units({role: sized[role][0] for role in ROLES}) > budget:
+            floors = {role: max(self.policy.limits(role).min, min(held[role], sized[role][0])) for role in ROLES}
             candidates = [role for role in ROLES if sized[role][0] > floors[role]]
             if not candidates:
                 break
             role = max(candidates, key=lambda r: (not sized[r][2], sized[r][0] - floors[r]))
             sized[role][0] -= 1
-            shared = " the other models leave" if budget != self.policy.budget else ""
-            sized[role][1] = f"{sized[role][1]} (trimmed to fit the budget of {budget}{shared})"
-        return {role: tuple(v) for role, v in sized.items()}  # type: ignore[misc]
+            reason = f"trimmed to fit the budget of {budget}{' the other models leave' if shared else ''}"
+            if obs.budget_to:
+                reason += f"; units held for {obs.budget_to}, further below its SLO"
+            sized[role][1] = f"{sized[role][1]} ({reason})"
+        self.asked = max(0, wanted_units - self._units({role: sized[role][0] for role in ROLES}))
+        return {role: tuple(v) for role, v in sized.items()}, set()  # type: ignore[misc]
+
+    def _give_back(
+        self, sized: dict[str, list], held: dict[str, int], budget: int, to_model: str
+    ) -> tuple[dict[str, tuple[int, str, bool]], set[str]]:
+        """Shrink to a shared ``budget`` below what the pools hold: from the pools as they are
+        (the model's own shrinking waits for its window), first from a pool not under pressure
+        that the model wants smaller, never below a pool's minimum. The other pools hold, or
+        shrink as they would."""
+        sizes = dict(held)
+        giving: set[str] = set()
+        while self._units(sizes) > budget:
+            candidates = [role for role in ROLES if sizes[role] > self.policy.limits(role).min]
+            if not candidates:
+                break
+            role = max(candidates, key=lambda r: (not sized[r][2], sized[r][0] < held[r], sizes[r] - self.policy.limits(r).min))
+            sizes[role] -= 1
+            giving.add(role)
+        for role in ROLES:
+            if role in giving:
+                because = f"giving a unit back to {to_model}, further below its SLO" if to_model else "over the shared budget"
+                sized[role] = [sizes[role], f"{sized[role][1]} ({because})", sized[role][2]]
+            else:
+                sized[role][0] = min(sized[role][0], held[role])
+        return {role: tuple(v) for role, v in sized.items()}, giving  # type: ignore[misc]
+
+    def _units(self, sizes: dict[str, int]) -> int:
+        """Units (GPUs, or cores) pools of these sizes hold."""
+        return sum(size * self.policy.limits(role).units for role, size in sizes.items())
 
     def _remember_load(self, obs: Observation) -> None:
         """Keep this interval's load (prompt lengths as they arrived) for the scale-down window."""
@@ -319,12 +371,17 @@ class Autoscaler:
         while self.loads[0][0] <= obs.time_s - self.policy.scale_down.delay_s:
             self.loads.popleft()
 
-    def _damped(self, role: str, obs: Observation, size: int, why: str, pressure: bool) -> Decision:
-        """Scale up at once; down only to what the pool keeps, a step at a time."""
+    def _damped(self, role: str, obs: Observation, size: int, why: str, pressure: bool, giving_back: bool = False) -> Decision:
+        """Scale up at once; down only to what the pool keeps, a step at a time (a unit given
+        back to another model of a shared budget: at once)."""
         current = obs.pools[role].active
         state = self.pools[role]
         if state.since_s is None:
             state.since_s = obs.time_s
+        if giving_back:
+            state.wanted.clear()  # what it wanted before is what it gives up
+            state.wanted.append((obs.time_s, size, False))
+            return Decision(role, current, size, why)
         state.wanted.append((obs.time_s, size, False))
         if size >= current:
             return Decision(role, current, size, why)

@@ -22,6 +22,7 @@ from duet.cluster.autoscaler.capacity import CapacityModel
 from duet.cluster.autoscaler.core import Autoscaler, Decision, Observation, PoolObservation
 from duet.cluster.autoscaler.metrics import ModelAutoscalerMetrics
 from duet.cluster.autoscaler.policy import ROLES, AutoscalePolicy
+from duet.cluster.autoscaler.shared_budget import BudgetShare
 from duet.router.load_meter import LoadWindow
 from duet.router.pools import ScaleError, WorkerPool
 
@@ -58,10 +59,10 @@ class LiveAutoscaler:
         load: LoadSource,
         operator: PoolOperator,
         metrics: ModelAutoscalerMetrics | None = None,
-        budget_left: Callable[[], int | None] | None = None,
+        budget_left: Callable[[], BudgetShare] | None = None,
     ) -> None:
         """``budget_left``: the units this model's pools may hold now, when several models
-        share a budget (cluster/deployment.py); None: the policy's budget alone."""
+        share a budget (cluster/deployment.py, shared_budget.py); None: the policy's budget alone."""
         self.autoscaler = Autoscaler(policy, capacity_model(policy))
         self.policy = policy
         self.pools = pools
@@ -110,6 +111,7 @@ class LiveAutoscaler:
         slo = self.autoscaler.slo
         ttft_met = sum(1 for ttft in window.ttfts_s if ttft <= slo.ttft_s)
         tpot_met = sum(1 for tpot, _ in window.finished if tpot <= slo.tpot_s)
+        share = self.budget_left() if self.budget_left is not None else None
         if self.metrics is not None:
             self.metrics.slo_outcomes("ttft", ttft_met, len(window.ttfts_s))
             self.metrics.slo_outcomes("tpot", tpot_met, len(window.finished))
@@ -127,7 +129,8 @@ class LiveAutoscaler:
             ttft_overdue=ttft_overdue,
             pools={role: _pool_observation(self.pools[role]) for role in ROLES},
             metrics_age_s=self._metrics_age(now),
-            budget_units=self.budget_left() if self.budget_left is not None else None,
+            budget_units=None if share is None else max(0, share.units),
+            budget_to="" if share is None else share.to_model,
         )
 
     def _metrics_age(self, now: float) -> float:

@@ -35,12 +35,14 @@ class RemoveModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
-    __slots__ = ("lora_name", "lora_path")
+    __slots__ = ("lora_name", "lora_path", "model")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_path: str
-    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class UnloadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)

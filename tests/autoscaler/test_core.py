@@ -21,10 +21,15 @@ def policy(**changes: object) -> AutoscalePolicy:
     return AutoscalePolicy.model_validate({**base, **changes})
 
 
-@pytest.fixture(scope="module")
-def opt13b_capacity() -> CapacityModel:
+def opt13b() -> CapacityModel:
+    """OPT-13B on a simulated A100 (DistServe's profile), sized for the chat SLO."""
     engine, _ = simulated_perf("distserve:opt-13b", 1, 1)
     return CapacityModel(engine, engine, CHAT, headroom=0.9)
+
+
+@pytest.fixture(scope="module")
+def opt13b_capacity() -> CapacityModel:
+    return opt13b()
 
 
 def observe(

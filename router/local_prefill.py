@@ -30,8 +30,8 @@ Counting streams only from their first decoded chunk left requests mid-pull unpr
 code slice, bursts of 1,800-token prompts with 6-10 output tokens, a stall of a second spread
 over 5-9 gaps put them past 40 ms.
 
-The prompt is prefilled locally only if every stream is predicted inside the target, less a
-margin for the prediction's error, with the stall (:func:`_limit_s`); a worker with nothing assigned always may. Before a pace and a
+The prompt is prefilled locally only if every stream is predicted inside :data:`_HEADROOM` x
+the target with the stall; a worker with nothing assigned always may. Before a pace and a
 prompt's cost are known, never (the remote path is the safe default). A stream already
 predicted past the target holds local prefills back too: ignoring such streams as lost to the
 SLO let every stream pass the target under load (the stalls inflate the pace, every stream
@@ -50,19 +50,10 @@ from dataclasses import dataclass
 
 # Weight of each new observation in the running averages: about the last 10 chunks or prefills.
 _SMOOTHING = 0.1
-# A prediction errs by the worker's pace moving, a few ms a token on these engines whatever the
-# target: the margin kept below the TPOT target is a tenth of it up to this many seconds.
-_MARGIN_S = 0.004
+# The share of the TPOT target a stream's prediction may reach (predictions err both ways).
+_HEADROOM = 0.9
 # Prompts shorter than this are left out of the prefill cost: their fixed costs dominate.
 _COST_MIN_TOKENS = 128
-
-
-def _limit_s(tpot_target_s: float) -> float:
-    """The TPOT a stream's prediction may reach: the target less a tenth of it, at most
-    :data:`_MARGIN_S` less. A tenth of a loose target (10 ms of 100) held back prefills that
-    would have kept every stream inside it: near the slower machine's knee (3.5 req/s, TPOT
-    p90 57 ms without any guard) the guard at 100 ms cost TTFT for nothing (issue 53)."""
-    return tpot_target_s - min(_MARGIN_S, 0.1 * tpot_target_s)
 
 
 def _averaged(previous: float | None, value: float) -> float:
@@ -173,6 +164,6 @@ class LocalPrefillGuard:
         if pace is None or self.prefill_s_per_token is None:
             return False
         at = time.perf_counter() if now is None else now
-        limit = _limit_s(self.tpot_target_s)
+        limit = _HEADROOM * self.tpot_target_s
         stall_s = pending_tokens * self.prefill_s_per_token
         return all(stream.predicted_tpot_s(at, pace, stall_s) <= limit for stream in streams.values())

@@ -317,8 +317,11 @@ class Autoscaler:
         held = {role: obs.pools[role].active for role in ROLES}
         if shared and budget < self._units(held):
             return self._give_back(sized, held, budget, obs.budget_to)
-        wanted_units = self._units({role: sized[role][0] for role in ROLES})
-        while self._units({role: sized[role][0] for role in ROLES}) > budget:
+        def used() -> int:
+            return self._units({role: sized[role][0] for role in ROLES})
+
+        wanted_units = used()
+        while used() > budget:
             floors = {role: max(self.policy.limits(role).min, min(held[role], sized[role][0])) for role in ROLES}
             candidates = [role for role in ROLES if sized[role][0] > floors[role]]
             if not candidates:
@@ -329,7 +332,7 @@ class Autoscaler:
             if obs.budget_to:
                 reason += f"; units held for {obs.budget_to}, further below its SLO"
             sized[role][1] = f"{sized[role][1]} ({reason})"
-        self.asked = max(0, wanted_units - self._units({role: sized[role][0] for role in ROLES}))
+        self.asked = max(0, wanted_units - used())
         return {role: tuple(v) for role, v in sized.items()}, set()  # type: ignore[misc]
 
     def _give_back(

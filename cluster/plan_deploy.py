@@ -65,8 +65,7 @@ def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
     A colocated plan deploys the ``colocated`` pool; a conditional one deploys the prefill and
     decode pools with the router's local-prefill threshold set to the plan's, and a
     disaggregated one with it off, since the plan was sized for exactly that split. Local
-    prefill on a decode worker is held to the plan's TPOT target (router.local_prefill_tpot_s),
-    weighed against its TTFT target (router.local_prefill_ttft_s).
+    prefill on a decode worker is held to the plan's TPOT target (router.local_prefill_tpot_s).
     """
     if config.models:
         raise PlanDeployError(
@@ -81,7 +80,6 @@ def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
     data["mode"] = "colocated" if plan.mode == "colocated" else "disaggregated"
     data["router"]["local_prefill_max_tokens"] = plan.local_prefill_max_tokens
     data["router"]["local_prefill_tpot_s"] = plan.slo.tpot_s
-    data["router"]["local_prefill_ttft_s"] = plan.slo.ttft_s
     for role, pool in plan.pools():
         data[role].update(_pool_overrides(pool))
     try:

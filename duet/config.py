@@ -402,11 +402,6 @@ class RouterConfig(_Strict):
     inside this time per output token (seconds; router/local_prefill.py): a decode worker that
     prefills stalls every stream it decodes. Set it to the deployment's TPOT SLO (`duet plan`
     writes its own); null: the queue threshold alone decides."""
-    local_prefill_ttft_s: float | None = Field(default=1.0, gt=0)
-    """... unless the prompt would wait on a prefill worker past this time to first token
-    (seconds) while prefilling it here pushes at most one stream past the TPOT above: refusing
-    then loses the request for sure to spare a stream it might not. Set it to the deployment's
-    TTFT SLO (`duet plan` writes its own); null: a stream always holds the prompt back."""
     health_interval_s: float = Field(default=1.0, gt=0)
     """Health watching: every worker is pinged (a round trip to its engine) this often; one that is
     dead is replaced at once, one that misses health_failures pings in a row (each not answered

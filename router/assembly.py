@@ -75,7 +75,6 @@ def request_service(
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,
         local_prefill_tpot_s=config.router.local_prefill_tpot_s,
-        local_prefill_ttft_s=config.router.local_prefill_ttft_s,
     )
     lifecycle.on_move = cluster.moved
     if prefill is not None and config.router.drain_moves_kv:

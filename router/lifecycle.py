@@ -227,7 +227,6 @@ class RequestLifecycle:
         local_prefill_max_tokens: int = 0,
         local_prefill_queue_tokens: int = 0,
         local_prefill_tpot_s: float | None = None,
-        local_prefill_ttft_s: float | None = None,
     ) -> None:
         self.prefill_pool = prefill
         self.decode_pool = decode
@@ -238,9 +237,8 @@ class RequestLifecycle:
         # is any prompt while the prefill pool's queues are longer than the threshold.
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
-        # ... and then only while the decode worker's streams stay inside this TPOT target, or
-        # the prompt would miss this TTFT target on a prefill worker (router/local_prefill.py).
-        self.local_prefill_guard = LocalPrefillGuard(local_prefill_tpot_s, local_prefill_ttft_s)
+        # ... and then only while the decode worker's streams stay inside this TPOT target.
+        self.local_prefill_guard = LocalPrefillGuard(local_prefill_tpot_s)
         # The decode rounds in flight, by the engines' request id: where each runs, to move them.
         self._decoding: dict[str, Decoding] = {}
         # Told of every request that continued on another decode worker (status, metrics).
@@ -420,8 +418,7 @@ class RequestLifecycle:
         backlog = min(member.outstanding_tokens for member in ready)
         if backlog <= self.local_prefill_queue_tokens or decode_worker.local_prefill_tokens >= backlog:
             return True
-        guard = self.local_prefill_guard
-        return not guard.allows(decode_worker.name, decode_worker.local_prefill_tokens + prompt_tokens, backlog + prompt_tokens)
+        return not self.local_prefill_guard.allows(decode_worker.name, decode_worker.local_prefill_tokens + prompt_tokens)
 
     async def _disaggregated_round(self, round_: _Round, decode_worker: PoolMember) -> AsyncIterator[DecodeChunk]:
         assert self.prefill_pool is not None

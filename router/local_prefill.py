@@ -30,19 +30,8 @@ Counting streams only from their first decoded chunk left requests mid-pull unpr
 code slice, bursts of 1,800-token prompts with 6-10 output tokens, a stall of a second spread
 over 5-9 gaps put them past 40 ms.
 
-The prompt is prefilled locally if every stream is predicted inside :data:`_HEADROOM` x the
-target with the stall; a worker with nothing assigned always may.
-
-Refusing is not free either: the refused prompt joins a prefill queue, and when that queue
-(predicted from its tokens and the prompt's cost) holds it past the TTFT target, the request
-misses its SLO for sure while the stall only might spoil a stream. So with a TTFT target
-(``router.local_prefill_ttft_s``) the guard weighs the two: where the prompt would miss TTFT
-remotely and meet it locally, it is prefilled locally if that pushes at most one stream past the
-TPOT target itself (one request lost either way; the local one is certain to gain) and no stream
-is past the target already. Without the weighing, at the loose SLO near the
-knee (3.5 req/s on the slower machine) the guard cost more TTFT than it saved TPOT: 85.7-90%
-within TTFT 1 s and TPOT 100 ms against 90.6-92% with no guard (benchmarks/results/
-serve_local_prefill_knee_slow). Before a pace and a
+The prompt is prefilled locally only if every stream is predicted inside :data:`_HEADROOM` x
+the target with the stall; a worker with nothing assigned always may. Before a pace and a
 prompt's cost are known, never (the remote path is the safe default). A stream already
 predicted past the target holds local prefills back too: ignoring such streams as lost to the
 SLO let every stream pass the target under load (the stalls inflate the pace, every stream
@@ -57,7 +46,6 @@ after its first, so a stall counts once, spread over the stream's tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Weight of each new observation in the running averages: about the last 10 chunks or prefills.
@@ -99,11 +87,9 @@ class _Stream:
 @dataclass
 class LocalPrefillGuard:
     """What the router knows of each decode worker's streams and of a prompt's cost; ``allows``
-    decides. ``tpot_target_s`` None: no guard (only the queue threshold decides);
-    ``ttft_target_s`` None: a prompt's remote TTFT is not weighed against the streams."""
+    decides. ``tpot_target_s`` None: no guard (only the queue threshold decides)."""
 
     tpot_target_s: float | None
-    ttft_target_s: float | None = None
     prefill_s_per_token: float | None = None
 
     def __post_init__(self) -> None:
@@ -168,11 +154,9 @@ class LocalPrefillGuard:
         """Seconds per token lately on ``worker``'s streams (None before any was relayed)."""
         return self._pace_s.get(worker)
 
-    def allows(self, worker: str, pending_tokens: int, remote_tokens: int | None = None, now: float | None = None) -> bool:
+    def allows(self, worker: str, pending_tokens: int, now: float | None = None) -> bool:
         """Whether ``worker`` may compute ``pending_tokens`` of prompts (its own in progress and
-        the new one) with every stream it decodes still inside the TPOT target, or, where the new
-        prompt would wait behind ``remote_tokens`` of prompt (its own included) on a prefill
-        worker past the TTFT target, with at most one stream pushed past it."""
+        the new one) with every stream it decodes still inside the TPOT target."""
         streams = self._streams.get(worker)
         if self.tpot_target_s is None or not streams:
             return True
@@ -182,25 +166,4 @@ class LocalPrefillGuard:
         at = time.perf_counter() if now is None else now
         limit = _HEADROOM * self.tpot_target_s
         stall_s = pending_tokens * self.prefill_s_per_token
-        if all(stream.predicted_tpot_s(at, pace, stall_s) <= limit for stream in streams.values()):
-            return True
-        return self._remote_ttft_outweighs(streams.values(), at, pace, stall_s, remote_tokens)
-
-    def _remote_ttft_outweighs(
-        self, streams: Iterable[_Stream], at: float, pace: float, stall_s: float, remote_tokens: int | None
-    ) -> bool:
-        """Whether the prompt misses the TTFT target on a prefill worker (and meets it here) while
-        the stall pushes at most one stream past the TPOT target, none being past it already
-        (such streams mean the pace is the stalls': letting prompts through then spoils every
-        stream, the module docstring says)."""
-        assert self.tpot_target_s is not None and self.prefill_s_per_token is not None
-        if self.ttft_target_s is None or remote_tokens is None or stall_s > self.ttft_target_s:
-            return False
-        if remote_tokens * self.prefill_s_per_token <= self.ttft_target_s:
-            return False
-        pushed = 0
-        for stream in streams:
-            if stream.predicted_tpot_s(at, pace, 0.0) > self.tpot_target_s:
-                return False
-            pushed += stream.predicted_tpot_s(at, pace, stall_s) > self.tpot_target_s
-        return pushed <= 1
+        return all(stream.predicted_tpot_s(at, pace, stall_s) <= limit for stream in streams.values())

@@ -66,14 +66,11 @@ def test_colocated_plan_deploys_the_colocated_pool():
 
 
 def test_conditional_plan_sets_the_local_prefill_threshold():
-    plan = _plan(mode="conditional", local_prefill_max_tokens=512)
-    plan = plan.model_copy(update={"slo": plan.slo.model_copy(update={"ttft_s": 2.5})})
-    config = apply_plan(load_config(), plan)
+    config = apply_plan(load_config(), _plan(mode="conditional", local_prefill_max_tokens=512))
     assert config.mode == "disaggregated" and config.router.local_prefill_max_tokens == 512
     assert config.prefill.cpu_cores == [0] and config.decode.cpu_cores == [1]
     # Local prefill is held to the plan's SLO, not the embedded default's 40 ms.
     assert load_config().router.local_prefill_tpot_s == 0.04 and config.router.local_prefill_tpot_s == 0.1
-    assert load_config().router.local_prefill_ttft_s == 1.0 and config.router.local_prefill_ttft_s == 2.5
 
 
 def test_disaggregated_plan_turns_local_prefill_off():

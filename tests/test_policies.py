@@ -179,36 +179,6 @@ def test_local_prefill_waits_while_it_would_push_a_stream_past_its_tpot():
     assert not lifecycle._prefill_remotely(decode, 30000)  # no stream left to stall
 
 
-def test_a_prompt_that_would_miss_ttft_remotely_may_push_one_stream_past_tpot():
-    """With a TTFT target the guard weighs the refused prompt's TTFT against the streams: a
-    prompt queued past the target on every prefill worker is prefilled locally if that pushes at
-    most one stream past the TPOT target, none is past it already, and the prompt's own stall
-    keeps its TTFT."""
-    lifecycle, decode = _conditional(threshold=1024), PoolMember("decode-0", actor=None)
-    guard = lifecycle.local_prefill_guard
-    guard.tpot_target_s = 0.04
-    guard.prefilled(1000, 0.5)  # 0.5 ms a prompt token: the shortest prefill queue (2,000) is 1 s
-    for _ in range(50):
-        guard.streamed("decode-0", "another", 1, 0.01)  # 10 ms a token
-    now = time.perf_counter()
-    guard.stream_started("decode-0", "a", tokens=1, max_tokens=6, now=now)
-    # 500 tokens stall it 0.25 s: (0.25 + 5 x 0.01) / 5 = 60 ms, past 40: without a TTFT target, refused.
-    assert lifecycle._prefill_remotely(decode, 500)
-    guard.ttft_target_s = 1.0
-    # Queued behind 2,000 tokens the prompt's first token is 1.25 s away, past 1 s; here 0.25 s.
-    assert not lifecycle._prefill_remotely(decode, 500)
-    guard.stream_started("decode-0", "b", tokens=1, max_tokens=6, now=now)
-    assert lifecycle._prefill_remotely(decode, 500)  # two streams pushed past: one request is worth less
-    guard.stream_ended("decode-0", "b")
-    guard.stream_started("decode-0", "late", tokens=1, max_tokens=11, now=now - 1.0)  # 110 ms a token already
-    assert lifecycle._prefill_remotely(decode, 500)  # the pace is the stalls': nothing more goes through
-    guard.stream_ended("decode-0", "late")
-    assert lifecycle._prefill_remotely(decode, 2500)  # a 1.25 s stall misses TTFT here too: the streams win
-    for member in lifecycle.prefill_pool.members:
-        member.outstanding_tokens = 1100  # past the threshold, but the prompt's TTFT is 0.8 s there
-    assert lifecycle._prefill_remotely(decode, 500)
-
-
 def test_a_request_counts_from_its_assignment_so_its_pull_is_protected():
     """A remotely prefilled request's first token (its TPOT's start) comes before its decode
     worker's first chunk: a stall meanwhile lands on its few remaining gaps, and the guard

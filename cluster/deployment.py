@@ -112,7 +112,7 @@ class Deployment:
 
     def __post_init__(self) -> None:
         self.models = [
-            ModelServing(served, worker_prefix="" if index == 0 else f"{served.model.name}/")
+            ModelServing(served, default=index == 0)
             for index, served in enumerate(self.config.served())
         ]
 
@@ -170,11 +170,14 @@ class Deployment:
         for served in self.models:
             self.cluster.adapters_by_model[served.name] = served.config.model.adapter_names()
         self.cluster.deployment_id = self.deployment_id or ""
-        if server_config.front_doors_apart:  # one model (the config refuses several with front doors apart)
+        if server_config.front_doors_apart:
             self.front_doors = FrontDoorSet(
-                self.config, router_host(self.config), self._control_endpoint(), pools, actor_prefix=self.deployment_id,
+                self.config, router_host(self.config), self._control_endpoint(), self.cluster.pools, actor_prefix=self.deployment_id,
             )
-            self.default.front_doors = self.front_doors
+            if self.adopted and await self.front_doors.find():
+                self._adopt_added_models(self.front_doors.models)
+            for served in self.models:
+                served.front_doors = self.front_doors
             self.cluster.front_doors = self.front_doors.status
         if server_config.metrics_port is not None:
             try:
@@ -195,7 +198,7 @@ class Deployment:
         for served in self.models:
             self._add_managers(served)
         if self.adopted:
-            await asyncio.gather(*(manager.adopt() for manager in self.default.managers.values()))
+            await asyncio.gather(*(manager.adopt() for served in self.models for manager in served.managers.values()))
         else:
             for served in self.models:
                 for manager in served.managers.values():
@@ -222,14 +225,16 @@ class Deployment:
             self._control_server = await start_control_server(
                 self.front_doors.control.address, AdminServicer(self.service, self, trusted=True), self.front_doors.control.token
             )
+            limits_by_model = {served.name: model_limits for served, model_limits in zip(self.models, limits)}
             if self.adopted:
-                self.port, self.http_port = await self.front_doors.adopt(limits[0])
-                if self.front_doors.adopted_adapters is not None:  # loaded by the control plane before
-                    self.adapters.adopt(self.front_doors.adopted_adapters)
-                await self.default.publish_adapters()  # every front door on the same list again
+                self.port, self.http_port = await self.front_doors.adopt(limits_by_model)
+                for served in self.models:  # the adapters loaded by the control plane before, if any
+                    if served.name in self.front_doors.adapters:
+                        served.adapters.adopt(self.front_doors.adapters[served.name])
+                    await served.publish_adapters()  # every front door on the same lists again
             else:
-                self.front_doors.adapters = self.adapters.adapters
-                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, limits[0])
+                self.front_doors.adapters = {served.name: served.adapters.adapters for served in self.models}
+                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, limits_by_model)
         for served in self.models:
             if served.config.autoscale is not None:
                 self._start_autoscaler(served)
@@ -295,7 +300,7 @@ class Deployment:
             self._autoscaler_metrics = AutoscalerMetrics(self._metrics_registry)
         metrics = self._autoscaler_metrics.for_model(served.name, policy.slo_profile()) if self._autoscaler_metrics else None
         pools = {"prefill": served.prefill, "decode": served.decode}
-        load = self.front_doors if self.front_doors is not None else served.service.load
+        load = self.front_doors.load_of(served.name) if self.front_doors is not None else served.service.load
         served.autoscaler = LiveAutoscaler(policy, pools, load, served, metrics, budget_left=self._budget_left(served))
         served.autoscaler.start()
         slo = policy.slo_profile()
@@ -385,34 +390,30 @@ class Deployment:
     async def add_model(self, model_config: str) -> list[str]:
         """Serve another model (the Admin service's AddModel): ``model_config`` is one entry of
         the config's ``models:`` in YAML or JSON. Its workers start beside the others' (which
-        are not touched); once all are ready, the front door serves its name. Raises
+        are not touched); once all are ready, every front door serves its name. Raises
         ModelChangeError: "invalid" for a config that cannot be served, "unavailable" if its
-        workers cannot start (they are removed), "unsupported" with front doors apart."""
+        workers cannot start (they are removed)."""
         return await asyncio.shield(self._add_model(model_config))
 
     async def _add_model(self, model_config: str) -> list[str]:
         assert self.cluster is not None and self._served is not None
-        if self.front_doors is not None:
-            raise ModelChangeError(
-                "unsupported",
-                "models are added only to a deployment whose one front door runs in the control plane's process "
-                "(server.front_ends: 1, front_end_placement: local)"
-            )
         async with self._models_lock:
             try:
                 config = self._model_config(model_config)
             except ConfigError as error:
                 raise ModelChangeError("invalid", str(error)) from None
-            served = ModelServing(config, worker_prefix=f"{config.model.name}/")
-            self.models.append(served)
-            self.cluster.pools.extend(served.pools)  # status, health watching and metrics see them
+            served = self._serve_another(config)
             try:
+                if self.front_doors is not None:  # their pools for its workers, before those start
+                    await self.front_doors.set_models([model.config for model in self.models])
                 await asyncio.to_thread(resolve_model_path, served.config.model)  # a built-in model is made once
                 self._add_managers(served)
                 for manager in served.managers.values():
                     manager.create(manager.pool_config.replicas)
                 await self._wait_ready(served)
-                await self._start_service(served)
+                model_limits = await self._start_service(served)
+                if self.front_doors is not None:
+                    await self.front_doors.serve_model(served.name, model_limits, served.adapters.adapters)
             except Exception as error:  # whatever failed, nothing of the model is left
                 await self._forget(served)
                 problem = str(error) or f"{type(error).__name__} (its workers did not start in time?)"
@@ -420,8 +421,9 @@ class Deployment:
             except BaseException:
                 await self._forget(served)
                 raise
-            assert served.service is not None and self.front_ends is not None
-            self.front_ends.start_rebalancing(served.service)
+            assert served.service is not None
+            if self.front_ends is not None:
+                self.front_ends.start_rebalancing(served.service)
             self._served.services.append(served.service)
             self.cluster.served_models.append(served.name)
             self.cluster.adapters_by_model[served.name] = served.config.model.adapter_names()
@@ -430,6 +432,26 @@ class Deployment:
         workers = [member.name for pool in served.pools for member in pool.members]
         logger.info("serving model %s (%s)", served.name, ", ".join(workers))
         return [f"{served.name}: serving ({', '.join(workers)})"]
+
+    def _serve_another(self, config: DuetConfig) -> ModelServing:
+        """A served model for ``config`` (one model's view of the deployment's), beside the
+        others: its pools are in status, health watching and metrics from now on."""
+        assert self.cluster is not None
+        served = ModelServing(config, front_doors=self.front_doors)
+        self.models.append(served)
+        self.cluster.pools.extend(served.pools)
+        return served
+
+    def _adopt_added_models(self, models: list[DuetConfig]) -> None:
+        """The models added while the deployment ran, as its front doors serve them (a control
+        plane started again knows only its config's): taken over with the others."""
+        assert self.cluster is not None
+        known = {served.name for served in self.models}
+        for config in models:
+            if config.model.name not in known:
+                self._serve_another(config)
+                self.cluster.served_models.append(config.model.name)
+                self.cluster.adapters_by_model[config.model.name] = config.model.adapter_names()
 
     def _model_config(self, model_config: str) -> DuetConfig:
         """The added model's view of the deployment's config; ConfigError saying what is wrong."""
@@ -468,15 +490,22 @@ class Deployment:
             served.service.retired = True  # and those that chose it a moment before
             self.cluster.served_models.remove(served.name)
             names = self.cluster.adapters_by_model.pop(served.name, ()) + (served.name,)
+            if self.front_doors is not None:
+                await self.front_doors.retire_model(served.name)
             timeout = served.config.router.drain_timeout_s if timeout_s is None else timeout_s
             deadline = asyncio.get_running_loop().time() + timeout
-            while any(self.cluster.model_inflight[model] for model in names) and asyncio.get_running_loop().time() < deadline:
+            while (cut := await self._inflight(names)) and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.1)
-            cut = sum(self.cluster.model_inflight[model] for model in names)
             workers = [member.name for pool in served.pools for member in pool.members]
             await self._forget(served)
         logger.info("stopped serving model %s (%d requests cut off)", name, cut)
         return [f"{name}: removed ({', '.join(workers)})" + (f"; {cut} requests in flight were cut off" if cut else "")]
+
+    async def _inflight(self, names: tuple[str, ...]) -> int:
+        """Requests in flight for these model names, at every front door."""
+        assert self.cluster is not None
+        here = sum(self.cluster.model_inflight[name] for name in names)
+        return here + (await self.front_doors.inflight(list(names)) if self.front_doors is not None else 0)
 
     async def _forget(self, served: ModelServing) -> None:
         """Remove ``served``'s workers and every trace of its pools."""
@@ -490,6 +519,8 @@ class Deployment:
         notes = self.cluster.routing_notes
         notes[:] = [note for note in notes if not note.startswith(f"{served.name}: ")]
         self.models.remove(served)
+        if self.front_doors is not None:  # every front door forgets it too
+            await self.front_doors.set_models([model.config for model in self.models])
         await served.stop()
 
     async def _wait_ready(self, only: ModelServing | None = None) -> None:

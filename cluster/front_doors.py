@@ -12,6 +12,10 @@ that is free; it listens for every running engine core at new addresses, to whic
 plane moves that client of the engine core (worker_runtime/engine_clients.py): no engine
 restarts. A worker that starts while a front door is down is launched with addresses picked
 here, to be moved when the replacement comes.
+
+With several models (``models:``), every front door serves all of them: it holds each model's
+pools and serving path, and is told of a model added or removed while the deployment runs
+(:meth:`FrontDoorSet.set_models`); a replacement starts with every model served then.
 """
 
 from __future__ import annotations
@@ -95,14 +99,20 @@ class FrontDoorSet:
     # With a control plane apart (cluster/control_plane.py): the deployment's id, which names
     # the front doors' actors, detached so that they outlive the control plane's process.
     actor_prefix: str | None = None
-    # What a (replacement) front door starts serving with: ports and model limits.
-    _serving: tuple[int, int | None, tuple[int, int, int]] | None = None
-    # The LoRA adapters served (the config's, and any loaded since): a front door brought up
-    # starts with them. A control plane that takes the front doors over reads them back from
-    # the first that answers (None: none answered).
-    adapters: tuple[ServedAdapter, ...] = ()
-    adopted_adapters: tuple[ServedAdapter, ...] | None = None
+    # Each served model's view of the config (the config's models and any added since), the
+    # default first; each served model's engine limits, once its workers are ready; and each
+    # one's LoRA adapters (the config's and any loaded since). A front door brought up starts
+    # with them; a control plane that takes the front doors over reads them back from the
+    # first that answers (:meth:`find`).
+    models: list[DuetConfig] = field(default_factory=list)
+    limits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    adapters: dict[str, tuple[ServedAdapter, ...]] = field(default_factory=dict)
+    # What a (replacement) front door starts serving on: the ports they share.
+    _ports: tuple[int, int | None] | None = None
     _stopping: bool = False
+
+    def __post_init__(self) -> None:
+        self.models = self.models or self.config.served()
 
     @property
     def clients(self) -> int:
@@ -132,62 +142,72 @@ class FrontDoorSet:
             options.update(name=actor_name(self.actor_prefix, f"front-door-{index}"), lifetime="detached")
         return ray.remote(FrontDoor).options(
             num_cpus=0, max_concurrency=_FRONT_DOOR_CONCURRENCY, enable_task_events=False, **options,
-        ).remote(index, self.clients, self.config, self.control.address, self.control.token)
+        ).remote(index, self.clients, self.config, self.models, self.control.address, self.control.token)
 
-    async def adopt(self, limits: tuple[int, int, int]) -> tuple[int, int | None]:
-        """Take over the front doors that run (a control plane started again): watch each
-        again; one that is gone is replaced. Returns the ports they serve on."""
+    async def find(self) -> bool:
+        """Find the front doors that run (a control plane started again, before it takes its
+        workers over): each is told where the control plane is now, and the first that answers
+        says what they serve (:attr:`models`, :attr:`adapters`, the ports). False when none
+        answers."""
         self.doors = [_Door(index) for index in range(1, self.clients)]
         for door in self.doors:
             for full_name in named_actors(self.actor_prefix or "", f"front-door-{door.index}/"):
                 try:
                     door.actor = ray.get_actor(full_name)
                     await asyncio.wait_for(door.actor.control_at.remote(self.control.address, self.control.token), _CALL_TIMEOUT_S)
-                    shown, grpc_port, http_port, self.adopted_adapters = await asyncio.wait_for(
-                        door.actor.serving.remote(), _CALL_TIMEOUT_S
-                    )
+                    shown, grpc_port, http_port, models, adapters = await asyncio.wait_for(door.actor.serving.remote(), _CALL_TIMEOUT_S)
                 except Exception as error:
                     logger.warning("front door %d could not be taken over: %s", door.index, error)
                     continue
                 door.state, door.pid, door.restarts = "ready", shown.pid, shown.restarts
-                door.workers = {member.name for pool in self.pools for member in pool.members}
-                self._serving = (grpc_port, http_port, limits)
+                if self._ports is None:
+                    self._ports, self.models, self.adapters = (grpc_port, http_port), models, adapters
                 break
-        if self._serving is None and not self.on_nodes:
+        return self._ports is not None
+
+    async def adopt(self, limits: dict[str, tuple[int, int, int]]) -> tuple[int, int | None]:
+        """Watch the front doors :meth:`find` found again, now that the workers are taken over
+        (each model's engine ``limits``); one that is gone is replaced. Returns the ports they
+        serve on."""
+        if self._ports is None and not self.on_nodes:
             raise RuntimeError("no front door of this deployment answers: start it anew")
-        self._serving = self._serving or (self.config.server.port, self.config.server.http_port, limits)
+        self._ports = self._ports or (self.config.server.port, self.config.server.http_port)
+        self.limits = dict(limits)
         for door in self.doors:
-            if door.state != "ready":
+            if door.state == "ready":
+                door.workers = {member.name for pool in self.pools for member in pool.members}
+            else:
                 door.state = "restarting"
                 door.actor = door.actor or self._actor(door.index)
         return self._watch_all()
 
-    async def start(self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int]) -> tuple[int, int | None]:
-        """Serve both APIs on every front door; returns the ports they share (0 asks the first
-        front door to pick one, which the others then share). Then watch them. Front doors on
-        hosts of their own are brought up by their watch as their hosts join: this returns at
-        once, with the configured ports."""
-        self._serving = (grpc_port, http_port, limits)
+    async def start(self, grpc_port: int, http_port: int | None, limits: dict[str, tuple[int, int, int]]) -> tuple[int, int | None]:
+        """Serve both APIs on every front door, for every model (each with its engine's
+        ``limits``); returns the ports they share (0 asks the first front door to pick one,
+        which the others then share). Then watch them. Front doors on hosts of their own are
+        brought up by their watch as their hosts join: this returns at once, with the
+        configured ports."""
+        self._ports, self.limits = (grpc_port, http_port), dict(limits)
         if not self.on_nodes:
             first, *others = self.doors
-            self._serving = await asyncio.wait_for(self._serve(first), self.config.server.worker_start_timeout_s)
+            self._ports = await asyncio.wait_for(self._serve(first), self.config.server.worker_start_timeout_s)
             await asyncio.gather(*(self._serve(door) for door in others))
         return self._watch_all()
 
     def _watch_all(self) -> tuple[int, int | None]:
         """Keep a watch on every front door (:meth:`_watch`); returns the ports they serve on."""
-        assert self._serving is not None
+        assert self._ports is not None
         loop = asyncio.get_running_loop()
         for door in self.doors:
             door.watch = loop.create_task(self._watch(door))
-        return self._serving[0], self._serving[1]
+        return self._ports
 
-    async def _serve(self, door: _Door) -> tuple[int, int | None, tuple[int, int, int]]:
-        assert self._serving is not None
-        grpc_port, http_port, limits = self._serving
-        door.pid, bound_grpc, bound_http = await door.actor.start.remote(grpc_port, http_port, limits, self.adapters)
+    async def _serve(self, door: _Door) -> tuple[int, int | None]:
+        assert self._ports is not None
+        grpc_port, http_port = self._ports
+        door.pid, bound_grpc, bound_http = await door.actor.start.remote(grpc_port, http_port, self.limits, self.adapters)
         door.state, door.error = "ready", ""
-        return bound_grpc, bound_http, limits
+        return bound_grpc, bound_http
 
     # ---- membership ------------------------------------------------------------------------
 
@@ -240,12 +260,48 @@ class FrontDoorSet:
             member.client_addresses[door.index] = addresses
         await asyncio.wait_for(door.actor.connect.remote(_snapshot(member, pool, door.index)), _CALL_TIMEOUT_S)
 
-    async def set_adapters(self, adapters: tuple[ServedAdapter, ...]) -> None:
-        """Have every serving front door serve exactly ``adapters``, waited for: a load is
-        answered once every front door that answers serves the adapter (one that does not is
-        left to its watch: a dead one's replacement starts with them)."""
-        self.adapters = adapters
-        await asyncio.gather(*(self._call(door, "set_adapters", adapters) for door in self.doors))
+    async def set_adapters(self, model: str, adapters: tuple[ServedAdapter, ...]) -> None:
+        """Have every serving front door serve exactly ``adapters`` on ``model``, waited for: a
+        load is answered once every front door that answers serves the adapter (one that does
+        not is left to its watch: a dead one's replacement starts with them)."""
+        self.adapters[model] = adapters
+        await self._tell_models()
+
+    async def set_models(self, models: list[DuetConfig]) -> None:
+        """Every front door holds exactly these ``models`` (each model's view of the config),
+        serving those with :attr:`limits`: a model being added gets its pools before its workers
+        start, and is served once its limits are set (:meth:`serve_model`). Waited for, as
+        :meth:`set_adapters`."""
+        self.models = list(models)
+        names = {served.model.name for served in models}
+        self.limits = {name: limits for name, limits in self.limits.items() if name in names}
+        self.adapters = {name: adapters for name, adapters in self.adapters.items() if name in names}
+        await self._tell_models()
+
+    async def serve_model(self, model: str, limits: tuple[int, int, int], adapters: tuple[ServedAdapter, ...]) -> None:
+        """Every front door serves ``model`` (added with :meth:`set_models`; its workers are
+        ready, its engine's ``limits`` known) from now on."""
+        self.limits[model], self.adapters[model] = limits, adapters
+        await self._tell_models()
+
+    async def retire_model(self, model: str) -> None:
+        """Every front door refuses ``model``'s names from now on (its requests in flight
+        carry on: :meth:`inflight`), before its workers are removed."""
+        await asyncio.gather(*(self._call(door, "retire_model", model) for door in self.doors))
+
+    async def inflight(self, names: list[str]) -> int:
+        """Requests in flight for these model names at every front door that answers."""
+        counts = await asyncio.gather(
+            *(asyncio.wait_for(door.actor.inflight.remote(names), 5.0) for door in self.doors if door.state == "ready"),
+            return_exceptions=True,
+        )
+        return sum(count for count in counts if isinstance(count, int))
+
+    async def _tell_models(self) -> None:
+        await asyncio.gather(*(self._tell_models_to(door) for door in self.doors))
+
+    async def _tell_models_to(self, door: _Door) -> None:
+        await self._call(door, "models_changed", self.models, self.limits, self.adapters)
 
     def tell(self, method: str, *args: Any) -> None:
         """Tell every front door a worker's ``set_state``, ``lost`` or ``remove``, or the
@@ -290,10 +346,12 @@ class FrontDoorSet:
         """Attach ``door`` to every running worker, then serve; a failure leaves it ``failed``
         with a new actor, for the next try a second later."""
         try:
+            # Models added or removed since its actor was made: it needs their pools to attach.
+            await asyncio.wait_for(door.actor.models_changed.remote(self.models, {}, {}), _CALL_TIMEOUT_S)
             await self._attach_all(door)
             await asyncio.wait_for(self._serve(door), None if self.on_nodes else self.config.server.worker_start_timeout_s)
             await self._attach_all(door)  # workers that came up while it started serving
-            await self._call(door, "set_adapters", self.adapters)  # any loaded or unloaded while it started
+            await self._tell_models_to(door)  # models and adapters changed while it started
         except Exception as error:
             logger.error("front door %d could not be brought up: %s", door.index, error)
             door.state, door.error = "failed", f"start failed: {type(error).__name__}: {error}"
@@ -310,13 +368,19 @@ class FrontDoorSet:
 
     # ---- load, for the autoscaler ------------------------------------------------------------
 
-    async def sample(self, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
-        """Every serving front door's load since the last call, summed (the autoscaler's
-        :class:`~duet.cluster.autoscaler.live.LoadSource`). A front door that does not answer
-        is left out: its requests are missing from this interval, as they would be from a
-        door that was just replaced."""
+    def load_of(self, model: str) -> "ModelLoad":
+        """Model ``model``'s load at every front door, for its autoscaler."""
+        return ModelLoad(self, model)
+
+    async def sample(self, model: str, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
+        """Every serving front door's load of ``model`` since the last call, summed. A front
+        door that does not answer is left out: its requests are missing from this interval, as
+        they would be from a door that was just replaced."""
         samples = await asyncio.gather(
-            *(asyncio.wait_for(door.actor.load_sample.remote(waiting_longer_than_s), 5.0) for door in self.doors if door.state == "ready"),
+            *(
+                asyncio.wait_for(door.actor.load_sample.remote(model, waiting_longer_than_s), 5.0)
+                for door in self.doors if door.state == "ready"
+            ),
             return_exceptions=True,
         )
         total, overdue = LoadWindow(), 0
@@ -376,9 +440,22 @@ class FrontDoorSet:
         ray.kill(door.actor, no_restart=True)
 
 
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's load at every front door: the autoscaler's
+    :class:`~duet.cluster.autoscaler.live.LoadSource` for that model."""
+
+    front_doors: FrontDoorSet
+    model: str
+
+    async def sample(self, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
+        return await self.front_doors.sample(self.model, waiting_longer_than_s)
+
+
 def _snapshot(member: PoolMember, pool: WorkerPool, index: int) -> WorkerSnapshot:
     return WorkerSnapshot(
         name=member.name,
+        model=pool.model,
         pool="prefill" if pool.role == "prefill" else "decode",
         actor=member.actor,
         state="draining" if member.state == "draining" else "ready",

@@ -28,16 +28,16 @@ class ModelServing:
     # This model's view of the deployment's config (DuetConfig.served): its own model, mode,
     # pools and autoscaling policy with the deployment's shared sections.
     config: DuetConfig
-    # Prefixes its workers' names ("" for the default model: "prefill-0"; "NAME/" for the
-    # others: "NAME/prefill-0"), so that every worker of the deployment has a name of its own.
-    worker_prefix: str = ""
+    # Whether it is the default model (the one a request that names none gets): its workers
+    # are named as in a one-model deployment (:attr:`worker_prefix`).
+    default: bool = False
     prefill: WorkerPool = field(default_factory=lambda: WorkerPool("prefill"))
     # Colocated, this pool holds the workers that run whole requests and prefill stays empty.
     decode: WorkerPool = field(default_factory=lambda: WorkerPool("decode"))
     managers: dict[str, PoolManager] = field(default_factory=dict)
     service: RequestService | None = None
     autoscaler: LiveAutoscaler | None = None
-    # The front doors in processes of their own (one-model deployments only), told of adapters.
+    # The front doors in processes of their own, if any, told of its adapters.
     front_doors: FrontDoorSet | None = None
     # The LoRA adapters served on this model: changed one at a time, under the lock.
     adapters: AdapterRegistry | None = None
@@ -53,6 +53,13 @@ class ModelServing:
     @property
     def name(self) -> str:
         return self.config.model.name
+
+    @property
+    def worker_prefix(self) -> str:
+        """What its workers' names start with ("" for the default model: "prefill-0"; "NAME/"
+        for the others: "NAME/prefill-0"), so that every worker of the deployment has a name of
+        its own."""
+        return "" if self.default else f"{self.name}/"
 
     def serves_adapter(self, name: str) -> bool:
         """Whether LoRA adapter ``name`` is served on this model."""
@@ -131,7 +138,7 @@ class ModelServing:
         assert self.adapters is not None and self.service is not None
         self.service.set_adapters(self.adapters.adapters)
         if self.front_doors is not None:
-            await self.front_doors.set_adapters(self.adapters.adapters)
+            await self.front_doors.set_adapters(self.name, self.adapters.adapters)
 
     async def stop(self) -> None:
         if self.autoscaler is not None:

@@ -172,14 +172,13 @@ class PoolManager:
         this process's front end to each engine core where its predecessor's listened, and
         put it in rotation. A worker that does not answer is replaced; a pool left short of
         its configured size grows back."""
-        transfer = self.config.kv_transfer
-        for full_name in named_actors(self.actor_prefix or "", f"{self.pool.role}-"):
-            name = full_name.split("/")[1]
+        deployment = self.actor_prefix or ""
+        for full_name in named_actors(deployment, f"{self.worker_prefix}{self.pool.role}-"):
+            name = full_name[len(deployment) + 1:].rsplit("/", 1)[0]  # "[MODEL/]ROLE-N" without its unique part
             try:
                 actor = ray.get_actor(full_name)
                 addresses, engine_config, kv_endpoint, core = await asyncio.wait_for(actor.adoption.remote(), 30)
-                listeners = FrontEndListeners.rebind(addresses[0])
-                engine = await EngineFrontEnd.connect(name, actor, engine_config, listeners, transfer, (0, len(addresses)))
+                engine = await self._reconnect(name, actor, addresses, engine_config)
             except Exception as error:
                 logger.warning("%s could not be taken over (%s); it is replaced", name, error)
                 with contextlib.suppress(Exception):
@@ -194,6 +193,22 @@ class PoolManager:
         if missing > 0:
             self.add(missing)
         self.pool.changed()
+
+    async def _reconnect(self, name: str, actor: Any, addresses: list[Any], engine_config: Any) -> Any:
+        """This process's engine client for a running worker taken over: listening where the
+        dead control plane's did (``addresses[0]``), where the engine core's client (or a
+        SIMULATED worker's channel, which dials it again by itself) reconnects."""
+        if self.simulated:
+            channel = ActorChannel(*addresses[0])
+            await channel.start()
+            try:
+                await channel.connected(30)
+            except BaseException:
+                channel.close()
+                raise
+            return ActorEngine(actor, channel)
+        listeners = FrontEndListeners.rebind(addresses[0])
+        return await EngineFrontEnd.connect(name, actor, engine_config, listeners, self.config.kv_transfer, (0, len(addresses)))
 
     async def start(self, member: PoolMember) -> None:
         """Start ``member``'s engine; it joins rotation when ready. Raises if it cannot start."""

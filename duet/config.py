@@ -381,7 +381,9 @@ class RouterConfig(_Strict):
     one holding the prompt's cached prefix where that does not put more queued work ahead of it
     than the prefix saves (with a load guard)."""
     decode_policy: Literal["least_requests", "least_kv_load"] = "least_kv_load"
-    """How a decode worker is picked: fewest requests, or the lowest KV-cache load."""
+    """How a decode worker is picked: fewest requests, or the lowest KV-cache load (preferring,
+    for a request with a LoRA adapter, a worker that recently decoded it, within 5 points of
+    KV usage and one sequence of the least loaded)."""
     prefix_block_size: int | None = Field(default=None, ge=1)
     """prefix_affinity: tokens per hashed block (null: the engines' KV block size), and the load
     guard: a worker whose outstanding prompt tokens exceed load_factor x the pool mean (and the
@@ -590,11 +592,6 @@ class DuetConfig(_Strict):
         doubled = [name for name in MODEL_SECTIONS if getattr(self, name) != type(self).model_fields[name].default]
         if doubled:
             raise ValueError(f"models: lists each model's own {', '.join(doubled)}; leave the top-level one(s) out")
-        if self.server.front_doors_apart:
-            raise ValueError(
-                "models: several models are served by one front door in the control plane's process for now; "
-                "set server.front_ends: 1 and front_end_placement: local"
-            )
         names = [name for served in self.models for name in (served.model.name, *served.model.adapter_names())]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

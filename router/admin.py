@@ -159,7 +159,6 @@ async def _model_change(context: grpc.aio.ServicerContext, change: Awaitable[lis
 _MODEL_ERROR_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "unsupported": grpc.StatusCode.FAILED_PRECONDITION,
 }
 _ADAPTER_ERROR_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,

@@ -35,7 +35,8 @@ def set_policies(config: DuetConfig, prefill: WorkerPool, decode: WorkerPool, en
         ),
     }
     prefill.policy = prefill_policies[router.prefill_policy]()
-    decode.policy = {"least_requests": LeastRequests, "least_kv_load": LeastKvLoad}[router.decode_policy]()
+    decode_policies = {"least_requests": LeastRequests, "least_kv_load": lambda: LeastKvLoad(_adapters_held(config))}
+    decode.policy = decode_policies[router.decode_policy]()
 
 
 def _adapters_held(config: DuetConfig) -> int:

@@ -17,6 +17,10 @@ calls and status that reach a front door are authorized here and carried to the 
 engines abort them, the other front doors serve on, and the control plane starts a replacement
 that listens where the dead one did, so the engine cores reconnect to it without restarting.
 
+A deployment that serves several models (``models:``) has each front door serve them all, on
+the same ports: the front door keeps each model's pools and serving path, and the control plane
+tells it of a model added or removed while it runs (:meth:`FrontDoor.models_changed`).
+
 What the front doors share: nothing on the request path. Each routes on its own count of the
 requests it sent to each worker (outstanding prompt tokens, requests in flight) and its own
 prefix index (docs/concepts/front-doors.md says what that means for routing).
@@ -50,6 +54,7 @@ from duet.router.metrics import RouterMetrics
 from duet.router.pools import PoolMember, WorkerPool
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.proto import duet_api_pb2_grpc as pb_grpc
+from duet.router.served_models import ServedModels
 from duet.router.serving import RequestService
 from duet.router.status import ClusterView
 from duet.router.worker_engines import ActorEngine, WorkerGone
@@ -62,6 +67,7 @@ class WorkerSnapshot:
     """What a front door needs to reach one worker's engine core, and the worker's state."""
 
     name: str
+    model: str  # the served model whose pool it is in
     pool: str  # "prefill", or "decode" (also a colocated deployment's pool)
     actor: Any
     state: str
@@ -95,33 +101,133 @@ class ControlledClusterView(ClusterView):
             return own
 
 
+@dataclass
+class _DoorModel:
+    """One served model as a front door holds it: its pools, and its serving path once served."""
+
+    config: DuetConfig  # the model's view of the deployment's config (DuetConfig.served)
+    pools: dict[str, WorkerPool]  # by role: "decode" (colocated: the colocated pool), "prefill"
+    service: RequestService | None = None
+
+    @property
+    def ordered_pools(self) -> list[WorkerPool]:
+        return [self.pools[role] for role in ("prefill", "decode") if role in self.pools]
+
+
 class FrontDoor:
     """One front door in a process of its own (an async Ray actor; module docstring)."""
 
-    def __init__(self, index: int, count: int, config: DuetConfig, control_address: str, control_token: str | None) -> None:
+    def __init__(
+        self, index: int, count: int, config: DuetConfig, models: list[DuetConfig], control_address: str, control_token: str | None
+    ) -> None:
+        """``config``: the deployment's; ``models``: each served model's view of it (the
+        config's and any added while it runs), the default first."""
         configure_logging()
         self.index = index
         self.count = count
         self.config = config
-        colocated = config.mode == "colocated"
-        self.pools = {"decode": WorkerPool("colocated" if colocated else "decode")}
-        if not colocated:
-            self.pools["prefill"] = WorkerPool("prefill")
-        for pool in self.pools.values():
-            pool.restart = self._await_replacement
+        self.models: dict[str, _DoorModel] = {}
+        self._gatekeeper = Gatekeeper.from_config(config.server.auth)  # the callers' keys, shared by every model
         self._control_channel, control = control_stub(control_address, control_token)
-        transport = "none (colocated)" if colocated else config.kv_transfer.transport
-        ordered = [self.pools[role] for role in ("prefill", "decode") if role in self.pools]
-        self.cluster = ControlledClusterView(config.model.name, transport, ordered, control)
+        transport = config.kv_transfer.transport if any(m.mode != "colocated" for m in models) else "none (colocated)"
+        self.cluster = ControlledClusterView(models[0].model.name, transport, [], control)
+        self.cluster.served_models = []
+        for served in models:
+            self._add_model(served)
         self.cluster.index, self.cluster.forwards_status = index, True
         # Its requests' metrics, which the control plane's /metrics endpoint gathers (router/metrics.py).
         self.cluster.metrics = RouterMetrics(CollectorRegistry())
         if config.server.front_end_placement == "nodes":  # hosts share names less often than addresses
             self.cluster.host = router_host(config)
-        self.service: RequestService | None = None
+        self.served: ServedModels | None = None  # every model's serving path, once serving
         self.front_ends: FrontEnds | None = None
         self._listening: dict[str, FrontEndListeners | ActorChannel] = {}
         self._replaced: dict[str, asyncio.Event] = {}
+
+    # ---- models, as the control plane tells them --------------------------------------------
+
+    def _add_model(self, served: DuetConfig) -> _DoorModel:
+        """Pools for model ``served``, so that its workers can be connected; served once
+        :meth:`_serve_model` gives it a serving path."""
+        colocated = served.mode == "colocated"
+        pools = {"decode": WorkerPool("colocated" if colocated else "decode")}
+        if not colocated:
+            pools["prefill"] = WorkerPool("prefill")
+        for pool in pools.values():
+            pool.model, pool.restart = served.model.name, self._await_replacement
+        model = self.models[served.model.name] = _DoorModel(served, pools)
+        self.cluster.pools.extend(model.ordered_pools)
+        return model
+
+    def _serve_model(self, model: _DoorModel, limits: tuple[int, int, int], adapters: tuple[ServedAdapter, ...]) -> None:
+        """Serve ``model``'s name (and its ``adapters``') from now on."""
+        prefill = model.pools.get("prefill")
+        service = request_service(model.config, prefill, model.pools["decode"], limits, self.cluster, self._gatekeeper)
+        service.set_adapters(adapters)
+        service.adapter_admin = ControlPlaneAdapters(lambda: self.cluster.control)
+        model.service = service
+        self.cluster.served_models.append(model.config.model.name)
+        if self.served is not None:
+            self.served.services.append(service)
+        if self.front_ends is not None:
+            self.front_ends.start_rebalancing(service)
+
+    def _retire(self, model: _DoorModel) -> None:
+        """Refuse ``model``'s names from now on; its requests in flight carry on."""
+        service = model.service
+        if service is None or service.retired:
+            return
+        service.retired = True
+        if self.served is not None:
+            self.served.services.remove(service)
+        if self.front_ends is not None:
+            self.front_ends.stop_rebalancing(service)
+        self.cluster.served_models.remove(model.config.model.name)
+        self.cluster.adapters_by_model.pop(model.config.model.name, None)
+
+    async def retire_model(self, name: str) -> None:
+        """The control plane is removing model ``name``: refuse its names from now on, while
+        its requests in flight finish (:meth:`inflight`) before its workers go."""
+        if name in self.models:
+            self._retire(self.models[name])
+
+    async def inflight(self, names: list[str]) -> int:
+        """Requests in flight at this front door for these model names."""
+        return sum(self.cluster.model_inflight[name] for name in names)
+
+    def _remove_model(self, name: str) -> None:
+        """Forget model ``name`` and its pools (retired first, if it was not)."""
+        model = self.models.pop(name)
+        self._retire(model)
+        for pool in model.ordered_pools:
+            self.cluster.pools.remove(pool)
+            for member in pool.members:
+                if member.engine is not None:
+                    member.engine.close()
+                    member.engine = None
+
+    async def models_changed(
+        self,
+        models: list[DuetConfig],
+        limits: dict[str, tuple[int, int, int]],
+        adapters: dict[str, tuple[ServedAdapter, ...]],
+    ) -> None:
+        """Hold exactly these ``models`` (pools for a new one, before its workers start), serve
+        each that has ``limits`` (its workers are ready) with its ``adapters``, and forget any
+        other. Called again with the same lists, it changes nothing."""
+        names = [served.model.name for served in models]
+        for name in [name for name in self.models if name not in names]:
+            self._remove_model(name)
+        for served in models:
+            if served.model.name not in self.models:
+                self._add_model(served)
+        if self.served is None:
+            return  # not serving yet: start() serves every model with limits
+        for name, model in self.models.items():
+            if model.service is None and name in limits:
+                self._serve_model(model, limits[name], adapters.get(name, ()))
+            elif model.service is not None:
+                model.service.set_adapters(adapters.get(name, ()))
 
     # ---- membership, as the control plane tells it ---------------------------------------
 
@@ -140,7 +246,7 @@ class FrontDoor:
     async def connect(self, worker: WorkerSnapshot) -> None:
         """Connect to ``worker``'s engine core (launched with this front door's addresses) and
         put it in its pool; a worker being replaced gets its new engine."""
-        pool = self.pools[worker.pool]
+        pool = self.models[worker.model].pools[worker.pool]
         simulated = worker.engine_config is None
         engine = await (self._simulated_engine(worker) if simulated else self._engine_front_end(worker))
         member = pool.find(worker.name)
@@ -178,7 +284,7 @@ class FrontDoor:
 
     def _find(self, name: str) -> tuple[WorkerPool, PoolMember] | None:
         """Worker ``name`` and its pool, if this front door has it."""
-        for pool in self.pools.values():
+        for pool in self.cluster.pools:
             member = pool.find(name)
             if member is not None:
                 return pool, member
@@ -239,18 +345,22 @@ class FrontDoor:
     # ---- serving -------------------------------------------------------------------------
 
     async def start(
-        self, grpc_port: int, http_port: int | None, limits: tuple[int, int, int], adapters: tuple[ServedAdapter, ...]
+        self,
+        grpc_port: int,
+        http_port: int | None,
+        limits: dict[str, tuple[int, int, int]],
+        adapters: dict[str, tuple[ServedAdapter, ...]],
     ) -> tuple[int, int, int | None]:
         """Serve both APIs on the deployment's ports (0: pick one, which the other front doors
-        then share) and the LoRA ``adapters`` the control plane serves; returns this process's
-        id and the ports."""
-        gatekeeper = Gatekeeper.from_config(self.config.server.auth)
-        prefill, decode = self.pools.get("prefill"), self.pools["decode"]
-        self.service = request_service(self.config, prefill, decode, limits, self.cluster, gatekeeper)
-        self.service.set_adapters(adapters)
-        self.service.adapter_admin = ControlPlaneAdapters(lambda: self.cluster.control)
-        admin = ForwardingAdmin(self.service, lambda: self.cluster.control)
-        self.front_ends = await FrontEnds.start(self.service, self.config.server, grpc_port, http_port, admin)
+        then share), for every model with ``limits`` (its engine's) and the LoRA ``adapters``
+        the control plane serves on it; returns this process's id and the ports."""
+        for name, model in self.models.items():
+            if name in limits and model.service is None:
+                self._serve_model(model, limits[name], adapters.get(name, ()))
+        services = [model.service for model in self.models.values() if model.service is not None]
+        self.served = ServedModels(services)
+        admin = ForwardingAdmin(self.served.default, lambda: self.cluster.control)
+        self.front_ends = await FrontEnds.start(self.served, self.config.server, grpc_port, http_port, admin)
         gc.collect()
         gc.freeze()  # as in the control plane's process (cluster/deployment.py says why)
         return os.getpid(), self.front_ends.grpc_port, self.front_ends.http_port
@@ -262,24 +372,21 @@ class FrontDoor:
         self._control_channel, self.cluster.control = control_stub(address, token)
         await old.close()
 
-    async def serving(self) -> tuple[pb.FrontEnd, int, int | None, tuple[ServedAdapter, ...]]:
-        """What a restarted control plane takes over: this front door, its ports and the LoRA
-        adapters it serves."""
-        if self.front_ends is None or self.service is None:
+    async def serving(self) -> tuple[pb.FrontEnd, int, int | None, list[DuetConfig], dict[str, tuple[ServedAdapter, ...]]]:
+        """What a restarted control plane takes over: this front door, its ports, the models it
+        serves (those added while the deployment ran included) and each one's LoRA adapters."""
+        if self.front_ends is None or self.served is None:
             raise RuntimeError(f"front door {self.index} is not serving yet")
         door = self.cluster.front_door(self.index)
-        return door, self.front_ends.grpc_port, self.front_ends.http_port, self.service.limits.adapters
+        adapters = {service.limits.name: service.limits.adapters for service in self.served.services}
+        return door, self.front_ends.grpc_port, self.front_ends.http_port, [m.config for m in self.models.values()], adapters
 
-    async def set_adapters(self, adapters: tuple[ServedAdapter, ...]) -> None:
-        """Serve exactly these LoRA adapters from now on (the control plane loaded or unloaded one)."""
-        if self.service is not None:
-            self.service.set_adapters(adapters)
-
-    async def load_sample(self, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
-        """This front door's load since the control plane's last call (its autoscaler)."""
-        if self.service is None:
+    async def load_sample(self, model: str, waiting_longer_than_s: float) -> tuple[LoadWindow, int]:
+        """Model ``model``'s load at this front door since the control plane's last call (its autoscaler)."""
+        served = self.models.get(model)
+        if served is None or served.service is None:
             return LoadWindow(), 0
-        return await self.service.load.sample(waiting_longer_than_s)
+        return await served.service.load.sample(waiting_longer_than_s)
 
     async def metrics_text(self) -> str:
         """This front door's request metrics, in Prometheus' text format."""
@@ -298,7 +405,7 @@ class FrontDoor:
     async def stop(self) -> None:
         if self.front_ends is not None:
             await self.front_ends.stop()
-        for pool in self.pools.values():
+        for pool in self.cluster.pools:
             for member in pool.members:
                 if member.engine is not None:
                     member.engine.close()

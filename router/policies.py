@@ -14,7 +14,10 @@ with its parameters, in ``duet status``:
 - ``least_kv_load`` (decode): the lowest KV-cache usage, then the fewest running sequences, as
   the workers last reported them (cluster/health.py polls them every second), each with the
   requests routed to the worker since whose KV has not arrived (``PoolMember.assigned``): a
-  burst of requests is chosen for before any of its prompts is computed.
+  burst of requests is chosen for before any of its prompts is computed. A request with a LoRA
+  adapter goes instead to a worker that recently decoded that adapter, if one is within
+  :data:`_ADAPTER_KV_SLACK` of that KV usage and one sequence of that count (the decode side of
+  llm-d's LoRA affinity: a decode engine applies the adapter too, and need not load it again).
 
 Ties are broken at random. One router's ties are rare (its own counts change with every
 request it sends), but several front doors each count only their own requests: a first-listed
@@ -30,6 +33,33 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from duet.router.pools import PoolMember
+
+
+# How much more KV-cache usage (a share of the cache) a decode worker that holds a request's LoRA
+# adapter may have than the least loaded one, and still be chosen for the adapter.
+_ADAPTER_KV_SLACK = 0.05
+
+
+class AdapterMemory:
+    """Which LoRA adapters each worker is believed to hold loaded: the last ``held`` adapters
+    sent there (an engine keeps that many, least recently used out: vLLM's max_cpu_loras)."""
+
+    def __init__(self, held: int) -> None:
+        self.held = held
+        self._sent: dict[str, OrderedDict[str, None]] = {}
+
+    def holds(self, member_name: str, adapter: str) -> bool:
+        return bool(adapter) and adapter in self._sent.get(member_name, ())
+
+    def sent(self, member_name: str, adapter: str) -> None:
+        """A request with ``adapter`` ("": the base model, nothing to remember) went to ``member_name``."""
+        if not adapter:
+            return
+        sent = self._sent.setdefault(member_name, OrderedDict())
+        sent[adapter] = None
+        sent.move_to_end(adapter)
+        while len(sent) > self.held:
+            sent.popitem(last=False)
 
 
 class RoutingPolicy(Protocol):
@@ -68,10 +98,25 @@ class LeastPromptTokens:
 class LeastKvLoad:
     name = "least_kv_load"
 
+    def __init__(self, adapters_held: int = 1) -> None:
+        self.adapters = AdapterMemory(adapters_held)
+
     def choose(self, ready: "list[PoolMember]", prompt: list[int], adapter: str = "") -> "PoolMember":
-        return min(ready, key=lambda member: (
-            round(member.kv_use_estimate(), 2), member.running + member.inflight + member.assigned, random.random()
-        ))
+        def sequences(member: "PoolMember") -> int:
+            return member.running + member.inflight + member.assigned
+
+        best = min(ready, key=lambda member: (round(member.kv_use_estimate(), 2), sequences(member), random.random()))
+        if adapter and not self.adapters.holds(best.name, adapter):
+            holders = [
+                member for member in ready
+                if self.adapters.holds(member.name, adapter)
+                and member.kv_use_estimate() <= best.kv_use_estimate() + _ADAPTER_KV_SLACK
+                and sequences(member) <= sequences(best) + 1
+            ]
+            if holders:
+                best = min(holders, key=lambda member: (round(member.kv_use_estimate(), 2), sequences(member), random.random()))
+        self.adapters.sent(best.name, adapter)
+        return best
 
     def describe(self) -> str:
         return self.name
@@ -103,9 +148,8 @@ class PrefixAffinity:
         self.slack_tokens = slack_tokens
         self.capacity = capacity
         # LoRA adapters each engine keeps loaded (model.lora.max_cpu_loras).
-        self.adapters_held = adapters_held
+        self.adapters = AdapterMemory(adapters_held)
         self._holders: OrderedDict[bytes, set[str]] = OrderedDict()
-        self._adapters: dict[str, OrderedDict[str, None]] = {}
 
     def block_hashes(self, prompt: list[int], adapter: str = "") -> list[bytes]:
         """The prompt's block hashes; a LoRA adapter's prefix is another cache entry than the
@@ -146,7 +190,7 @@ class PrefixAffinity:
             decides between workers about as busy, and never queues a prompt behind a longer
             line (on a slow engine the wait would cost more than the load)."""
             credit = cached[member.name] * self.block_size
-            if self.holds_adapter(member.name, adapter):
+            if self.adapters.holds(member.name, adapter):
                 credit += self.block_size
             return member.outstanding_tokens - credit
 
@@ -157,18 +201,8 @@ class PrefixAffinity:
             key=lambda member: (tokens_ahead(member), -cached[member.name], member.inflight, random.random()),
         )
         self._remember(best.name, hashes)
-        if adapter:
-            served = self._adapters.setdefault(best.name, OrderedDict())
-            served[adapter] = None
-            served.move_to_end(adapter)
-            while len(served) > self.adapters_held:
-                served.popitem(last=False)
+        self.adapters.sent(best.name, adapter)
         return best
-
-    def holds_adapter(self, member_name: str, adapter: str) -> bool:
-        """Whether ``member_name`` is believed to hold ``adapter`` loaded: it was among the last
-        ``adapters_held`` adapters sent there (an engine keeps that many, least recently used out)."""
-        return bool(adapter) and adapter in self._adapters.get(member_name, ())
 
     def _remember(self, member_name: str, hashes: list[bytes]) -> None:
         for block_hash in hashes:

@@ -14,8 +14,7 @@ from duet.router.validation import UnknownModel
 
 class ModelChangeError(Exception):
     """A model could not be added or removed. ``kind``: "invalid" (what was asked: a bad config,
-    a name taken or not served), "unavailable" (its workers could not start), "unsupported"
-    (this deployment cannot change its models)."""
+    a name taken or not served), "unavailable" (its workers could not start)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)

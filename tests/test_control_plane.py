@@ -6,7 +6,9 @@ actor, two front-door actors and the prefill and decode workers, all detached; r
 engines. The control plane's process is SIGKILLed while 8 streams run through the front
 doors. Every stream must complete token for token as an uninterrupted run; Ray restarts the
 control plane, which must find the same worker and front-door actors (same names: nothing
-restarted) and serve Admin again: a scale-up must work afterwards.
+restarted) and serve Admin again: a scale-up must work afterwards. A model added while the
+deployment ran (SIMULATED workers: they start in seconds) is taken over too, as every front door
+still serves it: its workers are found under their names and it serves on.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ import signal
 import time
 from functools import partial
 
+import grpc
 import pytest
 import ray
+import yaml
 
 from duet.cluster.actor_names import named_actors
 from duet.router.client import DuetClient, build_request
+from duet.worker_runtime.simulated_engine import simulated_tokens
+from duet.worker_runtime.simulated_host import simulated_model_shape
+from simulated_models import simulated_model
 from waiting import wait_for
 
 STREAMS = 8
 MAX_TOKENS = 300
+ADDED = "duet-tiny-simulated"  # the model added while it runs
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +47,17 @@ def control_plane_apart(ray_session, duet_config, background_loop):
         background_loop.run(control.stop(), timeout=180)
 
 
-def test_control_plane_killed_under_load_fails_nothing_and_comes_back(control_plane_apart, reference):
+def test_control_plane_killed_under_load_fails_nothing_and_comes_back(control_plane_apart, reference, duet_config):
     import threading
 
     control = control_plane_apart
     target = f"127.0.0.1:{control.serving['port']}"
+    with DuetClient(target) as client:
+        assert client.add_model(yaml.safe_dump(simulated_model(ADDED)), timeout=300) == [
+            f"{ADDED}: serving ({ADDED}/prefill-0, {ADDED}/decode-0)"
+        ]
     actors_before = named_actors(control.deployment_id)
-    assert len(actors_before) == 4, actors_before  # prefill, decode, two front doors
+    assert len(actors_before) == 6, actors_before  # prefill, decode, the added model's two, two front doors
     prompts = [[(11 * index + offset) % 3000 + 10 for offset in range(50 + index)] for index in range(STREAMS)]
     expected = reference.greedy(prompts, max_tokens=MAX_TOKENS, ignore_eos=True)
     results: dict[int, list[int] | BaseException] = {}
@@ -86,8 +98,14 @@ def test_control_plane_killed_under_load_fails_nothing_and_comes_back(control_pl
     assert named_actors(control.deployment_id) == actors_before, "a worker or front door was restarted"
     with DuetClient(target) as client:
         status = client.status()
-        assert {w.name: w.state for pool in status.pools for w in pool.workers} == {"prefill-0": "ready", "decode-0": "ready"}
+        assert {w.name: w.state for pool in status.pools for w in pool.workers} == {
+            "prefill-0": "ready", "decode-0": "ready",
+            f"{ADDED}/prefill-0": "ready (SIMULATED engine)", f"{ADDED}/decode-0": "ready (SIMULATED engine)",
+        }
+        assert list(status.served_models)[1:] == [ADDED]
         assert [door.state for door in status.front_ends] == ["ready", "ready"]
+        ids, _ = client.generate_ids(build_request(prompt_token_ids=prompts[0], max_tokens=8, ignore_eos=True, model=ADDED), timeout=120)
+        assert ids == simulated_tokens(prompts[0], 8, simulated_model_shape(duet_config)[1])
         # Scaling works again: the new control plane owns the pools.
         assert client.scale("decode", 2) == ["decode-1: starting"]
     wait_for(
@@ -96,6 +114,11 @@ def test_control_plane_killed_under_load_fails_nothing_and_comes_back(control_pl
     )
     with DuetClient(target) as client:
         assert client.scale("decode", 1) == ["decode-1: draining"]
+        # The taken-over model is the new control plane's to remove, on every front door.
+        assert client.remove_model(ADDED) == [f"{ADDED}: removed ({ADDED}/prefill-0, {ADDED}/decode-0)"]
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate_ids(build_request(prompt_token_ids=prompts[0], max_tokens=2, model=ADDED), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     print(f"control plane killed: {STREAMS} streams completed exactly; back and in charge {back_s:.1f} s later")
 
 

@@ -87,14 +87,15 @@ def test_status_lists_both_front_doors(two_front_doors):
 
 def test_the_autoscaler_sees_every_front_doors_load(two_front_doors):
     """The control plane serves no request itself: its autoscaler's load is every front
-    door's window, summed (cluster/front_doors.py, FrontDoorSet.sample)."""
+    door's window of its model, summed (cluster/front_doors.py, FrontDoorSet.sample)."""
     deployment = two_front_doors
-    deployment.background.run(deployment.front_doors.sample(60.0), timeout=30)  # a fresh window
+    load = deployment.front_doors.load_of(deployment.default.name)  # what its autoscaler reads
+    deployment.background.run(load.sample(60.0), timeout=30)  # a fresh window
     sent = 6
     for index in range(sent):  # a connection each: the kernel spreads them over both front doors
         with DuetClient(f"127.0.0.1:{deployment.port}") as client:
             client.generate_ids(build_request(prompt_token_ids=_prompt(index), max_tokens=4, ignore_eos=True), timeout=120)
-    window, overdue = deployment.background.run(deployment.front_doors.sample(60.0), timeout=30)
+    window, overdue = deployment.background.run(load.sample(60.0), timeout=30)
     assert (window.arrivals, len(window.ttfts_s), len(window.finished), overdue) == (sent, sent, sent, 0)
     assert window.prompt_tokens == sum(len(_prompt(index)) for index in range(sent))
 
@@ -111,7 +112,7 @@ def test_every_front_door_routes_by_the_engines_load(two_front_doors):
 
     def decode_load_per_door() -> list[tuple[float, int]]:
         def load(actor) -> tuple[float, int]:
-            member = actor.pools["decode"].find("decode-0")
+            member = actor.models[actor.config.model.name].pools["decode"].find("decode-0")
             return member.kv_usage, member.running
 
         return [ray.get(door.actor.__ray_call__.remote(load), timeout=30) for door in deployment.front_doors.doors]

@@ -275,11 +275,10 @@ def test_models_config_gives_each_model_its_sections():
     [
         (lambda d: d.update(model={"name": "x"}), "leave the top-level one"),
         (lambda d: d["models"][1]["model"].update(name=TINY), "repeated: duet-tiny-llama"),
-        (lambda d: d["server"].update(front_ends=2), "server.front_ends: 1"),
         (lambda d: d["models"][1].update(mode="colocated", autoscale="local"), "models.1 (duet-tiny-llama-wide)"),
         (lambda d: d["models"][0]["prefill"].update(replicas=0), "models.0.prefill.replicas"),
     ],
-    ids=["top-level-model-too", "repeated-name", "front-doors-apart", "per-model-rule", "bad-pool"],
+    ids=["top-level-model-too", "repeated-name", "per-model-rule", "bad-pool"],
 )
 def test_a_bad_models_list_is_refused_naming_the_field(change, message):
     data = load_config(MULTI_MODEL_CONFIG).model_dump(exclude_unset=True)

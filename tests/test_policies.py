@@ -243,7 +243,7 @@ def test_prefix_affinity_keys_prefixes_by_adapter_and_prefers_workers_holding_it
     policy._remember(a.name, policy.block_hashes(prompt))  # a holds the base model's prefix
     b.outstanding_tokens = 10  # a is also the less loaded
     assert policy.choose([a, b], prompt, "lora-x") is a  # nobody holds the adapter: least loaded
-    assert policy.holds_adapter("a", "lora-x") and not policy.holds_adapter("b", "lora-x")
+    assert policy.adapters.holds("a", "lora-x") and not policy.adapters.holds("b", "lora-x")
     a.outstanding_tokens = 12  # now a is the busier by less than a block, and holds lora-x
     assert policy.choose([a, b], [1, 2, 3], "lora-x") is a
     a.outstanding_tokens = 40  # more than a block busier: the queue wins over the adapter
@@ -251,6 +251,29 @@ def test_prefix_affinity_keys_prefixes_by_adapter_and_prefers_workers_holding_it
     a.outstanding_tokens = 12
     assert policy.choose([a, b], [1, 2, 3], "lora-y") is b  # nobody holds lora-y: the less loaded
     policy.choose([a], [1, 2, 3], "lora-y")  # a holds lora-x, lora-y
-    assert policy.holds_adapter("a", "lora-x")
+    assert policy.adapters.holds("a", "lora-x")
     policy.choose([a], [1, 2, 3], "lora-z")  # a's third adapter pushes out the least recent
-    assert not policy.holds_adapter("a", "lora-x") and policy.holds_adapter("a", "lora-z")
+    assert not policy.adapters.holds("a", "lora-x") and policy.adapters.holds("a", "lora-z")
+
+
+@pytest.mark.quick
+def test_decode_workers_holding_the_adapter_are_preferred_within_the_load_guard():
+    """A decode engine applies the adapter too: ``least_kv_load`` sends a request to a worker
+    that recently decoded its adapter while that worker is within 5 points of KV usage and one
+    sequence of the least loaded, and to the least loaded otherwise (which then holds it too)."""
+    policy = LeastKvLoad(adapters_held=1)
+    a, b = PoolMember("a", actor=None), PoolMember("b", actor=None)
+    a.kv_usage, b.kv_usage = 0.10, 0.20
+    assert policy.choose([a, b], [1], "lora-x") is a  # nobody holds it: the least loaded
+    a.kv_usage, b.kv_usage = 0.23, 0.20
+    assert policy.choose([a, b], [1], "lora-x") is a  # b is lighter, by less than the guard
+    assert policy.choose([a, b], [1]) is b  # the base model: the least loaded
+    a.kv_usage = 0.30  # 10 points more than b: past the guard
+    assert policy.choose([a, b], [1], "lora-x") is b
+    assert policy.adapters.holds("b", "lora-x")
+    policy.choose([a], [1], "lora-y")  # a keeps one adapter: lora-y pushes lora-x out
+    assert not policy.adapters.holds("a", "lora-x") and policy.adapters.holds("a", "lora-y")
+    a.kv_usage, b.kv_usage = 0.10, 0.12
+    assert policy.choose([a, b], [1], "lora-x") is b  # the holder, within the guard
+    b.running = 2  # ... but not with two sequences more than a
+    assert policy.choose([a, b], [1], "lora-x") is a

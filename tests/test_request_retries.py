@@ -128,10 +128,11 @@ def test_a_crash_found_by_the_control_plane_counts_in_every_front_door():
     told: list[BaseException] = []
 
     async def front_door_told() -> None:
-        door = FrontDoor(0, 2, DuetConfig(), "127.0.0.1:1", None)
+        config = DuetConfig()
+        door = FrontDoor(0, 2, config, config.served(), "127.0.0.1:1", None)
         engine = _ScriptedEngine(None)
         engine.lost = told.append  # type: ignore[method-assign]
-        door.pools["decode"].members.append(PoolMember("decode-0", actor=None, engine=engine))
+        door.models[config.model.name].pools["decode"].members.append(PoolMember("decode-0", actor=None, engine=engine))
         await door.lost("decode-0", watched.error, watched.crashed)
 
     asyncio.run(front_door_told())

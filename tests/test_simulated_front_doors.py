@@ -9,6 +9,11 @@ complete token for token (a SIMULATED engine's tokens are a function of the prom
 workers abort what came over the dead front door's channels (nothing is left running in
 them), no worker is restarted, and the replacement front door, listening where the dead one
 did, is dialled again by every worker and serves.
+
+It serves two models (``models:``), and every front door serves both: each model's requests
+go to its own workers whichever front door they reach; a third model added through the Admin
+API while the others serve is served by every front door, the replacement included, and once
+removed it is refused by every one.
 """
 
 from __future__ import annotations
@@ -17,22 +22,28 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
+import yaml
 
-from duet.config import load_config, parse_config
+from duet.config import MODEL_SECTIONS, load_config, parse_config
 from duet.router.client import DuetClient, build_request
 from duet.worker_runtime.simulated_engine import simulated_tokens
+from simulated_models import simulated_model
 from waiting import front_doors, wait_for
 
 STREAMS = 24
 MAX_TOKENS = 400  # several seconds of simulated decode steps: in flight when the front door dies
 
 
+OTHER = "simulated-other"  # the second model listed
+ADDED = "simulated-added"  # the model added while the deployment runs
+
+
 @pytest.fixture(scope="module")
 def simulated_front_doors(running_deployment):
-    data = load_config().model_dump()
-    for role in ("prefill", "decode"):
-        data[role].update(engine="simulated", replicas=2, num_cpus=0.01, cpu_cores=None)
+    data = {key: value for key, value in load_config().model_dump().items() if key not in MODEL_SECTIONS}
+    data["models"] = [simulated_model(load_config().model.name, 2), simulated_model(OTHER, 1)]
     data["server"].update(metrics_port=None, http_port=None, front_ends=2)
     with running_deployment(parse_config(data, "simulated front doors test")) as deployment:
         yield deployment
@@ -94,3 +105,49 @@ def test_a_simulated_front_door_dies_and_its_replacement_is_dialled_again(simula
             break
     else:
         pytest.fail("40 new connections, none served by the replacement front door")
+
+
+def _served_by_both_front_doors(target: str, model: str, vocab: int) -> None:
+    """Requests naming ``model`` on new connections until both front doors served one; each
+    must come back with the SIMULATED engine's tokens (a front door that did not serve the
+    model would refuse it as unknown)."""
+    served_before = [door.requests_served for door in front_doors(target)]
+    for index in range(40):
+        prompt = [index % 7 + 3] * 20
+        with DuetClient(target) as client:
+            ids, _ = client.generate_ids(build_request(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True, model=model), timeout=60)
+        assert ids == simulated_tokens(prompt, 6, vocab), f"{model} changed a stream"
+        if all(door.requests_served > before for door, before in zip(front_doors(target), served_before)):
+            return
+    pytest.fail(f"40 connections naming {model}: not both front doors served it")
+
+
+def _served_counts(target: str) -> dict[str, int]:
+    with DuetClient(target) as client:
+        return {worker.name: worker.requests_served for pool in client.status().pools for worker in pool.workers}
+
+
+def test_every_front_door_serves_every_model_and_one_added_then_removed(simulated_front_doors):
+    deployment = simulated_front_doors
+    target = f"127.0.0.1:{deployment.port}"
+    vocab = deployment.service.limits.vocab_size
+    before = _served_counts(target)
+    _served_by_both_front_doors(target, OTHER, vocab)
+    grew = {name for name, count in _served_counts(target).items() if count > before.get(name, 0)}
+    assert grew == {f"{OTHER}/prefill-0", f"{OTHER}/decode-0"}, "a request went to another model's workers"
+
+    with DuetClient(target) as client:  # through a front door, carried to the control plane
+        assert client.add_model(yaml.safe_dump(simulated_model(ADDED, 1)), timeout=120) == [
+            f"{ADDED}: serving ({ADDED}/prefill-0, {ADDED}/decode-0)"
+        ]
+        assert list(client.status().served_models) == [load_config().model.name, OTHER, ADDED]
+    _served_by_both_front_doors(target, ADDED, vocab)
+
+    with DuetClient(target) as client:
+        assert client.remove_model(ADDED) == [f"{ADDED}: removed ({ADDED}/prefill-0, {ADDED}/decode-0)"]
+    for index in range(10):  # new connections: both front doors refuse it
+        with DuetClient(target) as client, pytest.raises(grpc.RpcError) as error:
+            client.generate_ids(build_request(prompt_token_ids=[3] * 20, max_tokens=2, model=ADDED), timeout=60)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ADDED in error.value.details()
+    assert not any(name.startswith(f"{ADDED}/") for name in _served_counts(target))
+    _served_by_both_front_doors(target, OTHER, vocab)  # the others serve on

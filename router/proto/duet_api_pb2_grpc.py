@@ -256,10 +256,9 @@ class AdminServicer:
 
     def AddModel(self, request, context):
         """Serves another model from the running deployment (`duet model add`): its workers start,
-        and once every one is ready its name is served by the front door; the models already
+        and once every one is ready its name is served by every front door; the models already
         served are not touched. Returns when it serves. INVALID_ARGUMENT names what is wrong with
-        the model's config; UNAVAILABLE if its workers could not start (nothing is left of them);
-        FAILED_PRECONDITION with front doors apart from the control plane.
+        the model's config; UNAVAILABLE if its workers could not start (nothing is left of them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -166,13 +166,14 @@ class Deployment:
         disaggregated = [served for served in self.models if not served.colocated]
         transport = self.config.kv_transfer.transport if disaggregated else "none (colocated)"
         self.cluster = ClusterView(self.default.name, transport, pools)
-        self.cluster.served_models = [served.name for served in self.models]
+        self.cluster.served_models = []
         for served in self.models:
-            self.cluster.adapters_by_model[served.name] = served.config.model.adapter_names()
+            self._list_served(served.config)
         self.cluster.deployment_id = self.deployment_id or ""
         if server_config.front_doors_apart:
             self.front_doors = FrontDoorSet(
-                self.config, router_host(self.config), self._control_endpoint(), self.cluster.pools, actor_prefix=self.deployment_id,
+                self.config, router_host(self.config), self._control_endpoint(), self.cluster.pools,
+                actor_prefix=self.deployment_id, models=[served.config for served in self.models],
             )
             if self.adopted and await self.front_doors.find():
                 self._adopt_added_models(self.front_doors.models)
@@ -214,7 +215,7 @@ class Deployment:
         if self.front_doors is not None:  # they route by load they cannot measure themselves
             self.health.on_loads = lambda loads: self.front_doors.tell("report_loads", loads)
         self.health.start()
-        limits = [await self._start_service(served) for served in self.models]
+        limits = {served.name: await self._start_service(served) for served in self.models}
         self._served = ServedModels([served.service for served in self.models])
         if self.front_doors is None:
             self.front_ends = await FrontEnds.start(
@@ -225,16 +226,15 @@ class Deployment:
             self._control_server = await start_control_server(
                 self.front_doors.control.address, AdminServicer(self.service, self, trusted=True), self.front_doors.control.token
             )
-            limits_by_model = {served.name: model_limits for served, model_limits in zip(self.models, limits)}
             if self.adopted:
-                self.port, self.http_port = await self.front_doors.adopt(limits_by_model)
+                self.port, self.http_port = await self.front_doors.adopt(limits)
                 for served in self.models:  # the adapters loaded by the control plane before, if any
                     if served.name in self.front_doors.adapters:
                         served.adapters.adopt(self.front_doors.adapters[served.name])
                     await served.publish_adapters()  # every front door on the same lists again
             else:
                 self.front_doors.adapters = {served.name: served.adapters.adapters for served in self.models}
-                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, limits_by_model)
+                self.port, self.http_port = await self.front_doors.start(bind_port, bind_http, limits)
         for served in self.models:
             if served.config.autoscale is not None:
                 self._start_autoscaler(served)
@@ -258,7 +258,7 @@ class Deployment:
 
     async def _start_service(self, served: ModelServing) -> tuple[int, int, int]:
         """``served``'s serving path over its ready pools, sharing the cluster view and the
-        callers' keys; returns its engine's limits (the front doors apart need the default's)."""
+        callers' keys; returns its engine's limits (the front doors apart serve each model with them)."""
         assert self.cluster is not None and self._gatekeeper is not None
         first_worker = (served.prefill.members + served.decode.members)[0]
         engine_limits = await first_worker.engine.model_limits()
@@ -425,8 +425,7 @@ class Deployment:
             if self.front_ends is not None:
                 self.front_ends.start_rebalancing(served.service)
             self._served.services.append(served.service)
-            self.cluster.served_models.append(served.name)
-            self.cluster.adapters_by_model[served.name] = served.config.model.adapter_names()
+            self._list_served(served.config)
             if served.config.autoscale is not None:
                 self._start_autoscaler(served)
         workers = [member.name for pool in served.pools for member in pool.members]
@@ -450,8 +449,13 @@ class Deployment:
         for config in models:
             if config.model.name not in known:
                 self._serve_another(config)
-                self.cluster.served_models.append(config.model.name)
-                self.cluster.adapters_by_model[config.model.name] = config.model.adapter_names()
+                self._list_served(config)
+
+    def _list_served(self, config: DuetConfig) -> None:
+        """Status lists model ``config`` and its configured adapters as served from now on."""
+        assert self.cluster is not None
+        self.cluster.served_models.append(config.model.name)
+        self.cluster.adapters_by_model[config.model.name] = config.model.adapter_names()
 
     def _model_config(self, model_config: str) -> DuetConfig:
         """The added model's view of the deployment's config; ConfigError saying what is wrong."""

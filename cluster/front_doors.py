@@ -111,9 +111,6 @@ class FrontDoorSet:
     _ports: tuple[int, int | None] | None = None
     _stopping: bool = False
 
-    def __post_init__(self) -> None:
-        self.models = self.models or self.config.served()
-
     @property
     def clients(self) -> int:
         """Clients of every engine core: the control plane's front end and each front door's."""

@@ -105,7 +105,10 @@ class LeastKvLoad:
         def sequences(member: "PoolMember") -> int:
             return member.running + member.inflight + member.assigned
 
-        best = min(ready, key=lambda member: (round(member.kv_use_estimate(), 2), sequences(member), random.random()))
+        def load(member: "PoolMember") -> tuple[float, int, float]:
+            return round(member.kv_use_estimate(), 2), sequences(member), random.random()
+
+        best = min(ready, key=load)
         if adapter and not self.adapters.holds(best.name, adapter):
             holders = [
                 member for member in ready
@@ -114,7 +117,7 @@ class LeastKvLoad:
                 and sequences(member) <= sequences(best) + 1
             ]
             if holders:
-                best = min(holders, key=lambda member: (round(member.kv_use_estimate(), 2), sequences(member), random.random()))
+                best = min(holders, key=load)
         self.adapters.sent(best.name, adapter)
         return best
 

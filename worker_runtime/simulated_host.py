@@ -38,7 +38,6 @@ class SimulatedHost(WorkerHost):
         self.links: list[RouterLink] = []  # one per front door, in client order
         self._inflight: set[str] = set()
         self._served = 0
-        self._router_channels: list[tuple[str, int]] = []  # where each front door's channel listens
 
     async def start(self, router_channels: list[tuple[str, int]]) -> WorkerStatus:
         """Start the engine and connect to its channel in each front door, at
@@ -46,7 +45,6 @@ class SimulatedHost(WorkerHost):
         the ready status, or raises with the reason it failed."""
         try:
             self._start_engine()
-            self._router_channels = [tuple(address) for address in router_channels]
             self.links = [RouterLink(self) for _ in router_channels]
             await asyncio.gather(*(link.connect(tuple(address)) for link, address in zip(self.links, router_channels)))
             self._state = "ready"
@@ -55,14 +53,14 @@ class SimulatedHost(WorkerHost):
             raise
         return self.status()
 
-    def adoption(self) -> tuple[list[tuple[str, int]], None, str, int | None]:
+    def adoption(self) -> tuple[list[tuple[str, int] | None], None, str, int | None]:
         """What a restarted control plane needs to take this running worker over: where each
         front door's channel listens (the control plane's first: its replacement listens there
         again, and this worker's link dials it by itself), no engine config, its KV endpoint
         and its core (as worker_runtime/engine_host.py's)."""
         if self._state != "ready":
             raise RuntimeError(f"{self.name} is {self._state}, not running")
-        return self._router_channels, None, self.kv_endpoint, self.cpu_core
+        return [link.address for link in self.links], None, self.kv_endpoint, self.cpu_core
 
     def _start_engine(self) -> None:
         from duet.worker_runtime.simulated_engine import SimulatedEngine, simulated_perf

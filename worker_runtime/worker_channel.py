@@ -193,6 +193,11 @@ class RouterLink:
         await loop.create_connection(lambda: self._reader, host, port)
         self._sender = loop.create_task(self.outbox.run(self._reader))
 
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """Where it dials (and dials again): its front door's channel."""
+        return self._address
+
     def put(self, message: Message) -> None:
         self.outbox.put(message)
 

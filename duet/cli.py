@@ -608,9 +608,11 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.serve_bench import register_command as register_bench_serve
     from duet.benchmarks.soak import register_command as register_bench_soak
     from duet.benchmarks.vllm_client import register_command as register_bench_vllm_client
+    from duet.batch.cli import register_command as register_batch
     from duet.cluster.placement.commands import register_commands as register_planning
     from duet.deploy.commands import register_commands as register_deploy
 
+    register_batch(commands)  # batch
     register_planning(commands)  # plan, plan-models, simulate, profile
     register_deploy(commands)  # deploy render
     bench = commands.add_parser("bench", help="benchmarks against a real deployment")

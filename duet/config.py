@@ -330,6 +330,27 @@ class AuthConfig(_Strict):
     """Per-key limit on requests in flight at once; null is unlimited."""
 
 
+class BatchesConfig(_Strict):
+    """Batch jobs (OpenAI's Files and Batch APIs, ``duet batch``): where they are kept and how
+    much of the deployment they may use beside online traffic."""
+
+    directory: str = "~/.local/share/duet/batches"
+    """Where files, jobs and their results are kept, in a folder per deployment (by its gRPC
+    port). Jobs survive a restart of any front door or the control plane; on a cluster with
+    front doors on several hosts, a path every one of them shares (NFS, a mounted volume)."""
+    max_file_bytes: int = Field(default=200 * 2**20, ge=1024)
+    """Largest file one upload may carry (413 beyond it); OpenAI's limit is 200 MB."""
+    max_requests: int = Field(default=50_000, ge=1)
+    """Most requests (lines) in one batch input file, as OpenAI's."""
+    max_inflight: int = Field(default=8, ge=1)
+    """Most requests a job keeps in flight at one front door, one fewer for each online
+    request that front door has in flight: a job fills the capacity online traffic leaves."""
+    lease_s: float = Field(default=30.0, ge=3)
+    """A front door renews its hold on the job it runs every third of this; a job whose hold is
+    older (its front door died) is taken over by another front door, or by the same one
+    restarted, and resumes from its last recorded result."""
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     """Address both APIs listen on. A non-loopback address needs API keys or allow_unauthenticated."""
@@ -343,6 +364,8 @@ class ServerConfig(_Strict):
     """Serve both APIs over TLS (null: plaintext)."""
     auth: AuthConfig = AuthConfig()
     """API keys and per-key quotas."""
+    batches: BatchesConfig = BatchesConfig()
+    """Batch jobs over the HTTP API (``/v1/files``, ``/v1/batches``)."""
     allow_unauthenticated: bool = False
     """Serving a non-loopback address without API keys must be asked for explicitly."""
     max_inflight_requests: int = Field(default=128, ge=1)

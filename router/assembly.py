@@ -88,7 +88,7 @@ def request_service(
         max_n=api.max_n, max_logprobs=api.max_logprobs,
         max_structured_output_bytes=api.max_structured_output_bytes, max_batch_prompts=api.max_batch_prompts,
         structured_output_timeout_s=api.structured_output_timeout_s,
-        adapters=served_adapters(config.model),
+        adapters=served_adapters(config.model), block_size=block_size,
     )
     service = RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
     service.tool_parser = tool_parser_class(api.tool_call_parser, tokenizer)

@@ -233,6 +233,13 @@ class Gatekeeper:
             raise Unauthenticated("the API key is not valid")
         return found
 
+    def caller(self, name: str) -> Caller | None:
+        """The caller of the key named ``name`` (None if no key has that name now): a batch
+        job runs as the key that created it, whichever front door runs it."""
+        if not self._keys:
+            return ANONYMOUS if name == ANONYMOUS.name else None
+        return next((caller for _, caller in self._keys if caller.name == name), None)
+
     def authenticate_header(self, authorization: str | None) -> Caller:
         """Authenticate an ``Authorization`` header value (``Bearer KEY``)."""
         token = None

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from duet.batch.http_api import start_batch_jobs
 from duet.config import ConfigError, ServerConfig
 from duet.router.admin import AdminServicer
 from duet.router.auth import Gatekeeper
@@ -90,6 +91,9 @@ class FrontEnds:
         http_runner, bound_http = None, None
         if http_port is not None:
             front_end = OpenAIFrontEnd(models, server.http_max_body_bytes)
+            batch_api, batch_runner = start_batch_jobs(front_end, server.batches, bound_grpc)
+            front_end.more_routes.append(batch_api.add_routes)
+            tasks.append(batch_runner)
             ssl_context = http_ssl_context(server.tls) if server.tls else None
             try:
                 http_runner, bound_http = await start_http_server(

@@ -21,6 +21,7 @@ import math
 import ssl
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -46,7 +47,7 @@ from duet.router.served_models import ServedModels
 from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
 from duet.router.openai_replies import Reply, Sequence
 from duet.router.tool_calls import ToolCalling
-from duet.router.validation import InvalidRequest, UnknownModel
+from duet.router.validation import InvalidRequest, UnknownModel, ValidatedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ def _api_error(error: Exception) -> ApiError:
 
 class OpenAIFrontEnd:
     def __init__(self, served: ServedModels | RequestService, max_body_bytes: int) -> None:
+        # More routes on the same server (the Files and Batch APIs: batch/http_api.py).
+        self.more_routes: list[Callable[[web.Application], None]] = []
         self.served = served if isinstance(served, ServedModels) else ServedModels([served])
         # What every model shares (keys, admission, accounting, readiness, adapter admin) is
         # reached through the default model's service; the rest through the requested model's.
@@ -128,6 +131,8 @@ class OpenAIFrontEnd:
 
         AnthropicMessages(self).add_routes(app)
         Responses(self).add_routes(app)
+        for add_routes in self.more_routes:
+            add_routes(app)
         return app
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -231,6 +236,21 @@ class OpenAIFrontEnd:
         """Serve a completions (or, ``chat``, chat completions) request ``body``. Another API
         built on this one (router/anthropic_api.py) reshapes the whole answer (``whole_as``) or
         the stream's lines (``stream_as``)."""
+        prepared = await self.prepare(body, chat, request_id)
+        if prepared.parsed.stream:
+            # aclosing: however the handler ends (a write to a closed connection, too), the
+            # request is aborted on its workers at once.
+            async with aclosing(prepared.service.generate_sequences(prepared.requests, caller)) as events:
+                stream_options = prepared.parsed.stream_options
+                include_usage = stream_options is not None and stream_options.include_usage
+                return await _stream(http, prepared.reply, events, include_usage, stream_as)
+        whole = await self.whole(prepared, caller)
+        return web.json_response(whole_as(whole) if whole_as is not None else whole)
+
+    async def prepare(self, body: object, chat: bool, request_id: str) -> "PreparedRequest":
+        """Validate a completions (``chat``: chat completions) request ``body`` into the
+        requests the engines will run; raises InvalidRequest (naming the OpenAI field) or
+        UnknownModel, counted as refused, before any worker is touched."""
         try:
             service = self.served.for_model(body.get("model") if isinstance(body, dict) else None)
             limits, tokenizer, verify = service.limits, service.tokenizer, service.verify_sampling
@@ -257,18 +277,39 @@ class OpenAIFrontEnd:
             echo=not chat and parsed.echo, echo_only=not chat and parsed.echo and parsed.max_tokens == 0,
             top_logprobs=top_logprobs, tools=tools if chat and tools is not None and tools.active else None,
         )
-        requests = [sequence for prompt in prompts for sequence in sequences(prompt)]
-        # aclosing: however the handler ends (a write to a closed connection, too), the request
-        # is aborted on its workers at once.
-        async with aclosing(service.generate_sequences(requests, caller)) as events:
-            if parsed.stream:
-                include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-                return await _stream(http, reply, events, include_usage, stream_as)
-            collected: dict[int, Sequence] = {index: Sequence() for index in range(len(requests))}
+        return PreparedRequest(service, parsed, prompts, reply)
+
+    @staticmethod
+    async def whole(
+        prepared: "PreparedRequest", caller: Caller, on_first_token: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
+        """Serve ``prepared`` for ``caller`` and answer it whole (not streamed);
+        ``on_first_token`` is called when its first token is out (its prompt is prefilled)."""
+        requests = prepared.requests
+        collected: dict[int, Sequence] = {index: Sequence() for index in range(len(requests))}
+        async with aclosing(prepared.service.generate_sequences(requests, caller)) as events:
             async for index, event in events:
+                if on_first_token is not None and event.token_ids:
+                    on_first_token()
+                    on_first_token = None
                 _accumulate(collected[index], event)
-            whole = reply.whole(collected)
-            return web.json_response(whole_as(whole) if whole_as is not None else whole)
+        return prepared.reply.whole(collected)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated completions or chat request: its model's service, the parsed body, its
+    prompts, and the reply that will be built from their tokens."""
+
+    service: RequestService
+    parsed: Any
+    prompts: list[ValidatedRequest]
+    reply: Reply
+
+    @property
+    def requests(self) -> list[ValidatedRequest]:
+        """Each prompt's sequences, each a request of its own to the engines."""
+        return [sequence for prompt in self.prompts for sequence in sequences(prompt)]
 
 
 def _accumulate(sequence: Sequence, event: StreamEvent) -> None:

@@ -55,6 +55,8 @@ class ModelLimits:
     structured_output_timeout_s: float = 5.0
     # LoRA adapters on the model, each a model name of its own.
     adapters: tuple[ServedAdapter, ...] = ()
+    # The engine's KV block: the unit of its prefix cache (batch jobs order prompts by it).
+    block_size: int = 16
 
     def served_names(self) -> list[str]:
         """Every model name a request may send: the base model's, then its adapters'."""

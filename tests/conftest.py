@@ -8,6 +8,7 @@ between them, the gRPC server on a free loopback port).
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from contextlib import contextmanager
 from collections.abc import Callable, Iterator
@@ -37,10 +38,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def duet_config() -> DuetConfig:
-    """The embedded default, with the metrics endpoint on a free port (several may run) and
-    vLLM's hermes tool-call parser."""
+    """The embedded default, with the metrics endpoint on a free port (several may run), batch
+    jobs kept in a temporary folder (not the user's), and vLLM's hermes tool-call parser."""
     data = load_config().model_dump()
     data["server"]["metrics_port"] = 0
+    data["server"]["batches"]["directory"] = tempfile.mkdtemp(prefix="duet-test-batches-")
     # tool_choice "auto" needs a parser; hermes reads any tokenizer (tests/test_api_parity.py).
     data["api"]["tool_call_parser"] = "hermes"
     return parse_config(data)

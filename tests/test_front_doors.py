@@ -73,7 +73,9 @@ class Stream(threading.Thread):
 
 @pytest.fixture(scope="module")
 def two_front_doors(running_deployment, duet_config):
-    config = duet_config.model_copy(update={"server": duet_config.server.model_copy(update={"front_ends": 2})})
+    # A batch job's lease of 3 s: a dead front door's job is taken over within seconds.
+    batches = duet_config.server.batches.model_copy(update={"lease_s": 3.0})
+    config = duet_config.model_copy(update={"server": duet_config.server.model_copy(update={"front_ends": 2, "batches": batches})})
     with running_deployment(config) as deployment:
         yield deployment
 
@@ -265,3 +267,54 @@ def test_load_generator_spreads_its_connections_over_the_front_doors(two_front_d
     assert all(not record.error for record in records) and len(records) == 24
     served = [door.requests_served - before for door, before in zip(front_doors(target), served_before)]
     assert sum(served) == 24 and all(count > 0 for count in served), f"requests per front door: {served}"
+
+
+def test_a_batch_job_outlives_the_front_door_running_it(two_front_doors, reference):
+    """The front door that holds a batch job's lease is SIGKILLed mid-job: another front door
+    takes the job over once the lease is stale and runs only what has no result yet; every
+    line is answered once, exactly as the reference engine answers it."""
+    import json
+
+    import openai
+
+    from duet.batch.http_api import batch_store_path
+
+    deployment = two_front_doors
+    target = f"127.0.0.1:{deployment.port}"
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{deployment.http_port}/v1", api_key="unused", max_retries=2)
+    prompts = [_prompt(index) for index in range(48)]  # six waves of the job's 8 in flight, seconds each
+    lines = [
+        {"custom_id": f"line-{index}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "duet-tiny-llama", "prompt": prompt, "max_tokens": 1000, "ignore_eos": True,
+                  "temperature": 0, "return_token_ids": True}}
+        for index, prompt in enumerate(prompts)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = sdk.files.create(file=("job.jsonl", content), purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    folder = os.path.join(batch_store_path(deployment.config.server.batches, deployment.port), "batches", batch.id)
+
+    def running_with_results() -> int | None:
+        try:
+            with open(os.path.join(folder, "lease")) as lease, open(os.path.join(folder, "results.jsonl")) as results:
+                holder, done = int(lease.read().split(":")[1]), len(results.read().splitlines())
+        except (FileNotFoundError, IndexError, ValueError):
+            return None
+        return holder if 2 <= done < len(lines) - 16 else None
+
+    holder = wait_for(running_with_results, 120, "the job running, a few lines done")
+    assert holder in {door.pid for door in front_doors(target)}
+    os.kill(holder, signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    while (batch := sdk.batches.retrieve(batch.id)).status != "completed":
+        assert time.monotonic() < deadline, f"the job was not finished after its front door died: {batch.status}"
+        time.sleep(0.5)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(lines), 0)
+    outputs = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]
+    assert [output["custom_id"] for output in outputs] == [line["custom_id"] for line in lines]
+    expected = reference.greedy(prompts, max_tokens=1000, ignore_eos=True)
+    for output, tokens in zip(outputs, expected):
+        assert output["response"]["body"]["choices"][0]["token_ids"] == tokens, output["custom_id"]
+    with open(os.path.join(folder, "results.jsonl")) as results:
+        written = [json.loads(line)["line"] for line in results.read().splitlines()]
+    print(f"batch job: {len(written)} results written for {len(lines)} lines after its front door was killed")

@@ -79,7 +79,8 @@ async def _run(args: argparse.Namespace) -> int:
         job = await api.call("POST", "/v1/batches", json={
             "input_file_id": uploaded["id"], "endpoint": endpoint, "completion_window": "24h",
         })
-        print(f"batch {job['id']}: {job['request_counts']['total'] or 'its'} requests to {endpoint}", file=sys.stderr)
+        count = sum(1 for line in path.read_bytes().splitlines() if line.strip())
+        print(f"batch {job['id']}: {count} requests to {endpoint}", file=sys.stderr)
         if args.no_wait:
             print(job["id"])
             return 0

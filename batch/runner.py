@@ -129,6 +129,7 @@ class BatchRunner:
         valid: list[_Line] = []
         seen: set[str] = set()
         for number, raw in lines:
+            await asyncio.sleep(0)  # validating is synchronous work: let online requests through between lines
             line = await self._validate(batch, number, raw, seen, skip=number in done)
             if line is not None and number not in done:
                 valid.append(line)
@@ -175,6 +176,7 @@ class BatchRunner:
         except Exception as error:
             self._result(batch, number, custom_id, error=error)
             return None
+        prepared.in_background()
         return _Line(number, custom_id, prepared)
 
     def _refuse(self, batch: dict[str, Any], number: int, custom_id: str | None, code: str, message: str, skip: bool) -> None:
@@ -219,8 +221,10 @@ class BatchRunner:
         try:
             for item, line in zip(schedule, ordered):
                 owner = ordered[item.owner] if item.owner is not None else None
-                if not await self._wait_for_room(len(line.prepared.requests), batch["id"]):
+                need = len(line.prepared.requests)
+                if not await self._wait_for_room(need, batch["id"]):
                     return True
+                self.inflight += need  # now, not when the task first runs: the next line sees it
                 tasks.append(asyncio.create_task(self._run_line(batch, line, owner, caller)))
             while any(not task.done() for task in tasks):
                 await asyncio.wait(tasks, timeout=1.0)
@@ -231,6 +235,7 @@ class BatchRunner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.inflight = self.admitted = 0  # a task cancelled before it ran never gave its place back
 
     def _window(self) -> int:
         """How many requests the job may have in flight now: ``max_inflight`` less the online
@@ -254,8 +259,8 @@ class BatchRunner:
         return False
 
     async def _run_line(self, batch: dict[str, Any], line: _Line, owner: _Line | None, caller: Caller) -> None:
+        """Serve one line (its place in the window taken by the caller) and record its result."""
         need = len(line.prepared.requests)
-        self.inflight += need
         try:
             if owner is not None:
                 await owner.started.wait()
@@ -297,6 +302,7 @@ class BatchRunner:
     def _end(self, batch: dict[str, Any], status: str) -> None:
         """Put the job in its final state, with its output and error files made of the results
         so far (in the input's line order)."""
+        self.store.sync_results(batch["id"])
         results = sorted(self.store.results(batch["id"]), key=lambda result: result["line"])
         succeeded = [r["output"] for r in results if (r["output"]["response"] or {}).get("status_code") == 200]
         failed = [r["output"] for r in results if (r["output"]["response"] or {}).get("status_code") != 200]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,22 +171,32 @@ class BatchStore:
         return list(by_line.values())
 
     def append_result(self, batch_id: str, result: dict[str, Any]) -> None:
+        """Record one finished line. Written through to the operating system (a front door that
+        dies loses none), not synced to the disk one by one: a job's results are synced when
+        it ends (:meth:`sync_results`), and a host that loses power runs the rest again."""
         with (self._folder(batch_id) / "results.jsonl").open("ab") as handle:
             handle.write(json.dumps(result, separators=(",", ":")).encode() + b"\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+
+    def sync_results(self, batch_id: str) -> None:
+        path = self._folder(batch_id) / "results.jsonl"
+        if path.exists():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
 
     # -- leases -------------------------------------------------------------------------------
     def try_lease(self, batch_id: str, owner: str) -> bool:
-        """Take the job for ``owner`` unless a live lease holds it (one older than ``lease_s``
-        is taken over: its holder died)."""
+        """Take the job for ``owner`` (``HOST:PID:...``) unless a live lease holds it. A lease
+        older than ``lease_s`` is taken over (its holder died or hung), and so is one whose
+        holder was a process of this host that is gone (a restarted ``duet serve`` resumes
+        its jobs at once)."""
         lease = self._folder(batch_id) / "lease"
         try:
             age = time.time() - lease.stat().st_mtime
+            holder = lease.read_text()
         except FileNotFoundError:
-            age = None
+            age, holder = None, ""
         if age is not None:
-            if age < self.lease_s:
+            if age < self.lease_s and not _gone_from_this_host(holder):
                 return False
             # Of the front doors that found it stale, only one renames it away.
             try:
@@ -226,6 +237,21 @@ class BatchStore:
         for batch in reversed(self.batches()):
             if batch["status"] not in TERMINAL_STATES:
                 yield batch["id"]
+
+
+def _gone_from_this_host(holder: str) -> bool:
+    """Whether the lease holder ``HOST:PID:...`` was a process of this host that has exited."""
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def _safe_id(value: str, prefix: str) -> bool:

@@ -84,7 +84,7 @@ async def measure(concurrencies: list[int], tokens: int, repeats: int) -> list[B
     from duet.router.engine_front_end import new_front_end, shut_down
 
     if is_cpu_only():
-        apply_environment(cpu_engine_environment(kv_cache_gib=1, cpu_core=None))  # as in a worker
+        apply_environment(cpu_engine_environment(cpu_core=None))  # as in a worker
     vllm_config = AsyncEngineArgs(**engine_kwargs(ModelConfig(), kv_cache_gib=1)).create_engine_config()
     engine = new_front_end(vllm_config, CollectorRegistry())  # starting its own engine core
     try:

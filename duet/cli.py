@@ -597,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.fuzz import register_command as register_bench_fuzz
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
+    from duet.benchmarks.batch_jobs import register_command as register_bench_batch
     from duet.benchmarks.lora_affinity import register_command as register_bench_lora_affinity
     from duet.benchmarks.migration import register_command as register_bench_migrate
     from duet.benchmarks.multi_model import register_command as register_bench_multi_model
@@ -621,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_serve(benches)  # bench serve
     register_bench_vllm_client(benches)  # bench vllm-client
     register_bench_affinity(benches)  # bench affinity
+    register_bench_batch(benches)  # bench batch
     register_bench_lora_affinity(benches)  # bench lora-affinity
     register_bench_multi_model(benches)  # bench multi-model
     register_bench_local_prefill(benches)  # bench local-prefill

@@ -21,7 +21,7 @@ import math
 import ssl
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -310,6 +310,10 @@ class PreparedRequest:
     def requests(self) -> list[ValidatedRequest]:
         """Each prompt's sequences, each a request of its own to the engines."""
         return [sequence for prompt in self.prompts for sequence in sequences(prompt)]
+
+    def in_background(self) -> None:
+        """Make it a batch job's request (:attr:`ValidatedRequest.background`)."""
+        self.prompts = [replace(prompt, background=True) for prompt in self.prompts]
 
 
 def _accumulate(sequence: Sequence, event: StreamEvent) -> None:

@@ -165,6 +165,8 @@ class _Round:
     recomputed: bool = False
     # When its decode worker was sent the request to continue from another engine's KV.
     handed_off_at: float = 0.0
+    # A batch job's request: prefilled on the prefill pool whatever its queue (ValidatedRequest.background).
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -337,6 +339,7 @@ class RequestLifecycle:
             prompt_token_ids=request.prompt_token_ids + sent,
             sampling=_rest_of(request.sampling, len(sent)) if sent else request.sampling,
             moved=moved,
+            background=request.background,
         )
 
     def decoding(self) -> list[Decoding]:
@@ -399,7 +402,7 @@ class RequestLifecycle:
         )
         if round_.moved is not None:
             return self._moved_round(round_, decode_worker, round_.moved)
-        if self.prefill_pool is None or not self._prefill_remotely(decode_worker, len(prompt)):
+        if self.prefill_pool is None or not (round_.background or self._prefill_remotely(decode_worker, len(prompt))):
             round_.prefill_worker = round_.decode_worker = decode_worker.name
             return self._decode(decode_worker, round_, None, kv_transfer_params=None)
         return self._disaggregated_round(round_, decode_worker)

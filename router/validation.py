@@ -72,6 +72,9 @@ class ValidatedRequest:
     resume_after: list[int] = field(default_factory=list)
     # Sequences to generate (each runs as a request of its own: router/serving.py).
     n: int = 1
+    # A batch job's request (batch/runner.py): nobody waits for its first token, so it is never
+    # prefilled on a decode worker, whose streams that would stall (conditional disaggregation).
+    background: bool = False
 
 
 # vLLM refuses a temperature above this (SamplingParams._verify_args); refused here, naming the

@@ -123,7 +123,7 @@ class ReferenceEngine:
         from duet.worker_runtime.engine import cpu_engine_environment, engine_kwargs, is_cpu_only
 
         if is_cpu_only():
-            os.environ.update(cpu_engine_environment(kv_cache_gib=1, cpu_core=None, one_process_executor=False))
+            os.environ.update(cpu_engine_environment(cpu_core=None, one_process_executor=False))
         self.llm = LLM(**engine_kwargs(config.model, kv_cache_gib=1))
 
     def greedy(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[list[int]]:

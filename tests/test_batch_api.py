@@ -157,7 +157,9 @@ def test_requests_sharing_a_prefix_compute_it_once(sdk, model, worker_status):
     assert minimum <= spent <= minimum * 1.1, f"{spent} prompt tokens computed; the prefix tree's minimum is {minimum}"
 
 
-def test_cancel_keeps_what_finished_and_listing_pages(sdk, model):
+def test_cancel_keeps_what_finished_and_listing_pages(sdk, model, deployment):
+    """A long job: it never has more than ``server.batches.max_inflight`` requests in flight;
+    cancelled once a request is done, it stops and keeps what finished."""
     lines = [
         {"custom_id": f"long-{index}", "method": "POST", "url": "/v1/completions",
          "body": {"model": model, "prompt": f"story {index}", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}}
@@ -168,9 +170,12 @@ def test_cancel_keeps_what_finished_and_listing_pages(sdk, model):
                                metadata={"purpose": "cancel test"})
     assert batch.status == "validating" and batch.metadata == {"purpose": "cancel test"}
     deadline = time.monotonic() + 120
+    most_inflight = 0
     while sdk.batches.retrieve(batch.id).request_counts.completed < 1:
         assert time.monotonic() < deadline, "no request of the job finished"
-        time.sleep(0.2)
+        most_inflight = max(most_inflight, deployment.cluster.inflight)
+        time.sleep(0.1)
+    assert 1 <= most_inflight <= deployment.config.server.batches.max_inflight
     assert sdk.batches.cancel(batch.id).status == "cancelling"
     while (batch := sdk.batches.retrieve(batch.id)).status == "cancelling":
         assert time.monotonic() < deadline + 60, "the job never stopped"

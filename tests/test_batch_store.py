@@ -65,6 +65,26 @@ def test_one_front_door_holds_a_lease_and_a_stale_one_is_taken_over(tmp_path):
     assert not lease.exists() and list(store.unfinished()) == ["batch_abc"]
 
 
+def test_a_lease_of_a_process_of_this_host_that_exited_is_taken_at_once(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    store = BatchStore(tmp_path, lease_s=3600)
+    store.add_batch({"id": "batch_abc", "status": "in_progress", "created_at": 1})
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = f"{socket.gethostname()}:{exited.stdout.strip()}:aa"
+    assert store.try_lease("batch_abc", dead)
+    assert store.try_lease("batch_abc", "door-b"), "the lease of an exited process is taken at once"
+    store.release_lease("batch_abc", "door-b")
+    alive = f"{socket.gethostname()}:{os.getpid()}:bb"
+    assert store.try_lease("batch_abc", alive)
+    assert not store.try_lease("batch_abc", "door-c"), "a live process of this host keeps its lease"
+    store.release_lease("batch_abc", alive)
+    assert store.try_lease("batch_abc", f"elsewhere:{exited.stdout.strip()}:cc")
+    assert not store.try_lease("batch_abc", "door-c"), "another host's holder is judged by the lease's age only"
+
+
 def test_a_result_cut_short_by_a_crash_is_dropped_and_duplicates_keep_the_first(tmp_path):
     store = BatchStore(tmp_path)
     store.add_batch({"id": "batch_abc", "status": "in_progress", "created_at": 1})

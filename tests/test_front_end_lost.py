@@ -68,7 +68,7 @@ async def _death_during_registration() -> tuple[BaseException, BaseException]:
 
 def test_requests_end_as_lost_when_the_worker_dies_even_while_being_registered(monkeypatch):
     if is_cpu_only():
-        for name, value in cpu_engine_environment(kv_cache_gib=1, cpu_core=None).items():
+        for name, value in cpu_engine_environment(cpu_core=None).items():
             monkeypatch.setenv(name, value)  # as in a worker; restored after the test
     registering, running = asyncio.run(_death_during_registration())
     assert "decode-0 is gone" in str(registering)

@@ -66,12 +66,15 @@ def engine_kwargs(
     return kwargs
 
 
-def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None, one_process_executor: bool = True) -> dict[str, str]:
-    """Environment for a vLLM CPU engine: an explicit KV cache size, the model in the engine
-    core's process, and, optionally, one core.
+def cpu_engine_environment(cpu_core: int | None, one_process_executor: bool = True) -> dict[str, str]:
+    """Environment for a vLLM CPU engine: the model in the engine core's process and,
+    optionally, one core.
 
-    Without an explicit size the CPU worker demands 92% of NUMA node 0's memory free at start-up
-    and refuses to start beside another engine.
+    The KV cache's size is the engine argument ``kv_cache_memory_bytes`` (:func:`engine_kwargs`;
+    without an explicit size the CPU worker demands 92% of NUMA node 0's memory free at start-up
+    and refuses to start beside another engine). Not ``VLLM_CPU_KVCACHE_SPACE``: vLLM's CPU
+    platform lets that legacy variable, whole GiB only, override the argument, which made
+    0.25 GiB a whole GiB and 1.5 GiB two.
 
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's CPU platform on its one-process executor
     for single-rank engines: the model runs inside the engine core's process instead of a
@@ -85,7 +88,7 @@ def cpu_engine_environment(kv_cache_gib: float, cpu_core: int | None, one_proces
     single-rank gloo groups share one device, whose loop thread wakes 100 times a second
     (worker_runtime/gloo_device.py).
     """
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
+    env = {}
     if one_process_executor:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cpu_core is not None:

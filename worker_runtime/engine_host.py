@@ -147,7 +147,7 @@ class EngineCoreHost(WorkerHost):
             # (kv_transfer/vllm_plugin.py).
             env[ENV_WORKER_CPU_CORE] = str(core)
         if on_cpu:
-            env.update(cpu_engine_environment(self.pool.kv_cache_gib, core))
+            env.update(cpu_engine_environment(core))
         env[ENV_OUTPUT_INTERVAL_MS] = str(self.pool.output_interval_ms)
         env[ENV_CLIENT_RECONNECT] = "1"
         apply_environment(env)

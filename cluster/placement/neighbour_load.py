@@ -26,10 +26,13 @@ OUTPUT_TOKENS = 64
 
 def main(model_dir: str, core: int, kv_cache_gib: float) -> None:
     os.sched_setaffinity(0, {core})
-    apply_environment(cpu_engine_environment(kv_cache_gib, core, one_process_executor=False))
+    apply_environment(cpu_engine_environment(core, one_process_executor=False))
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=False, seed=1)
+    llm = LLM(
+        model=model_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=False, seed=1,
+        kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+    )
     vocab = llm.get_tokenizer().vocab_size
     rng = np.random.default_rng(1)
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)

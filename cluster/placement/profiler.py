@@ -233,7 +233,7 @@ def profile_engine(
     if cpus:
         os.sched_setaffinity(0, cpus)  # inherited by the engine's processes
     if is_cpu_only():  # a worker's engine environment: the model in the engine core's process
-        apply_environment(cpu_engine_environment(kv_cache_gib, None))
+        apply_environment(cpu_engine_environment(None))
     if cpus:  # as a deployment binds its engines (worker_runtime/engine.py), not vLLM's own choice
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(cpus))
     from prometheus_client import CollectorRegistry
@@ -256,7 +256,7 @@ def profile_engine(
         max_num_batched_tokens=max(batch_tokens, max_len),
         max_num_seqs=max(max(grid.prefill_batches), max(grid.decode_batches)),
         seed=0,
-        kv_cache_memory_bytes=int(kv_cache_gib * 2**30),  # exactly, as a worker's (worker_runtime/engine.py)
+        kv_cache_memory_bytes=int(kv_cache_gib * 2**30),  # as a worker's (worker_runtime/engine.py)
         disable_log_stats=False,  # the per-request timestamps that the timing below reads
     ).create_engine_config()
     engine = new_front_end(vllm_config, CollectorRegistry())

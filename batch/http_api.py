@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from duet.batch.runner import ENDPOINTS, BatchRunner
+from duet.batch.runner import ENDPOINTS, BatchRunner, jsonl_lines
 from duet.batch.store import TERMINAL_STATES, BatchStore, NotFound, new_id
 from duet.config import BatchesConfig
 from duet.router.auth import Caller
@@ -64,7 +64,7 @@ class BatchApi:
         purpose, filename, content = None, "upload.jsonl", b""
         while (part := await reader.next()) is not None:
             if part.name == "purpose":
-                purpose = (await part.text()).strip()  # type: ignore[union-attr]
+                purpose = (await part.read_chunk(64)).decode(errors="replace").strip()  # type: ignore[union-attr]
             elif part.name == "file":
                 filename = part.filename or filename  # type: ignore[union-attr]
                 content = await self._read_limited(part)
@@ -94,7 +94,7 @@ class BatchApi:
             text = content.decode("utf-8")
         except UnicodeDecodeError as error:
             raise InvalidRequest("file", f"is not valid UTF-8 (byte {error.start})") from None
-        count = sum(1 for line in text.splitlines() if line.strip())
+        count = sum(1 for line in jsonl_lines(text) if line.strip())
         if count > self.config.max_requests:
             raise InvalidRequest("file", f"has {count} requests; a batch takes at most {self.config.max_requests} (server.batches.max_requests)")
 

@@ -22,23 +22,30 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from duet.batch.prefix_order import prefix_tree_order
-from duet.batch.store import BatchStore, NotFound
+from duet.batch.store import BatchStore, NotFound, process_name
 from duet.router.auth import Caller, QuotaExceeded
 from duet.router.http_server import OpenAIFrontEnd, PreparedRequest, _api_error
 from duet.router.serving import Overloaded, Unavailable
 
 logger = logging.getLogger(__name__)
 
+# Runs of one job that may raise before it is failed (its lines' own errors never count).
+_MAX_ATTEMPTS = 3
+
 # What a line's url may name, and whether it is a chat request.
 ENDPOINTS = {"/v1/completions": False, "/v1/chat/completions": True}
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """A JSONL file's lines: split at newlines only (``str.splitlines`` also splits at U+2028
+    and others, which a JSON string may hold raw)."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 @dataclass
@@ -64,21 +71,22 @@ class BatchRunner:
         self.poll_s = poll_s
         self.retry_s = retry_s
         self.unavailable_timeout_s = unavailable_timeout_s
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = f"{process_name()}:{uuid.uuid4().hex[:8]}"
         self.inflight = 0  # the job's requests holding a place in its window (sequences)
-        self.admitted = 0  # those of them admitted by the deployment (the rest wait for a prefix)
+        self.admitted = 0  # those of them sent to the deployment (the rest wait for their prefix's owner)
         self._room = asyncio.Condition()
 
     async def run(self) -> None:
         """Run jobs until cancelled: whichever unfinished job no live lease holds, oldest first."""
         while True:
             try:
-                for batch_id in list(self.store.unfinished()):
+                # Reading every job's state is file work: off the event loop that serves requests.
+                for batch_id in await asyncio.to_thread(lambda: list(self.store.unfinished())):
                     if self.store.try_lease(batch_id, self.owner):
                         await self._run_leased(batch_id)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a job's failure must not stop the runner
+            except Exception:  # reading the store failed (a full disk, a vanished folder): try again
                 logger.exception("batch runner error")
             await asyncio.sleep(self.poll_s)
 
@@ -91,6 +99,9 @@ class BatchRunner:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise  # the runner is stopping; else the lease was lost and the job stopped
+        except Exception as error:  # a bug or the disk: the job fails after a few attempts, not for ever
+            logger.exception("batch %s: run failed", batch_id)
+            self._attempt_failed(batch_id, error)
         finally:
             renewing.cancel()
             self.store.release_lease(batch_id, self.owner)
@@ -105,6 +116,18 @@ class BatchRunner:
                 job.cancel()
                 return
 
+    def _attempt_failed(self, batch_id: str, error: Exception) -> None:
+        """Count a run of the job that raised; the third ends it as failed."""
+        try:
+            batch = self.store.batch(batch_id)
+            batch["duet_attempts"] = batch.get("duet_attempts", 0) + 1
+            if batch["duet_attempts"] >= _MAX_ATTEMPTS:
+                self._fail(batch, "internal_error", f"the job failed {_MAX_ATTEMPTS} times, last: {type(error).__name__}: {error}")
+            else:
+                self.store.save_batch(batch)
+        except Exception:
+            logger.exception("batch %s: could not record the failure", batch_id)
+
     # -- one job ------------------------------------------------------------------------------
     async def run_job(self, batch_id: str) -> None:
         batch = self.store.batch(batch_id)
@@ -115,13 +138,14 @@ class BatchRunner:
             return self._end(batch, "expired")
         caller = self._caller(batch)
         try:
-            text = self.store.file(batch["input_file_id"]).content.read_text(encoding="utf-8", errors="replace")
-        except NotFound:
+            path = self.store.file(batch["input_file_id"]).content
+            text = await asyncio.to_thread(path.read_text, encoding="utf-8", errors="replace")
+        except (NotFound, FileNotFoundError):
             return self._fail(batch, "input_file_missing", f"input file {batch['input_file_id']} was deleted")
         if caller is None:
             return self._fail(batch, "invalid_api_key", f"API key {batch['duet_caller']!r} is no longer configured")
-        done = {result["line"] for result in self.store.results(batch_id)}
-        lines = [(number, raw) for number, raw in enumerate(text.splitlines(), 1) if raw.strip()]
+        done = {result["line"] for result in await asyncio.to_thread(self.store.results, batch_id)}
+        lines = [(number, raw) for number, raw in enumerate(jsonl_lines(text), 1) if raw.strip()]
         batch.update(status="in_progress", in_progress_at=batch.get("in_progress_at") or now)
         batch["request_counts"] = {"total": len(lines), "completed": 0, "failed": 0}
         self._count(batch)
@@ -134,9 +158,11 @@ class BatchRunner:
             if line is not None and number not in done:
                 valid.append(line)
         self.store.save_batch(batch)
-        cancelled = await self._run_lines(batch, valid, caller)
+        stopped = await self._run_lines(batch, valid, caller)
         batch = {**self.store.batch(batch_id), "request_counts": batch["request_counts"]}
-        if cancelled or batch["status"] == "cancelling":
+        if stopped == "expired":
+            return self._end(batch, "expired")
+        if stopped == "cancelled" or batch["status"] == "cancelling":
             return self._end(batch, "cancelled")
         batch.update(status="finalizing", finalizing_at=int(time.time()))
         self.store.save_batch(batch)
@@ -212,8 +238,9 @@ class BatchRunner:
         ok = sum(1 for result in results if (result["output"]["response"] or {}).get("status_code") == 200)
         batch["request_counts"].update(completed=ok, failed=len(results) - ok)
 
-    async def _run_lines(self, batch: dict[str, Any], lines: list[_Line], caller: Caller) -> bool:
-        """Run ``lines`` in prefix-tree order within the window; True if cancelled."""
+    async def _run_lines(self, batch: dict[str, Any], lines: list[_Line], caller: Caller) -> str | None:
+        """Run ``lines`` in prefix-tree order within the window; "cancelled" or "expired" if the
+        job stopped for that, else None. A line whose task raised (the store failing) fails the job's run."""
         block = self.front_end.service.limits.block_size
         schedule = prefix_tree_order([line.prepared.prompts[0].prompt_token_ids for line in lines], block)
         ordered = [lines[item.index] for item in schedule]
@@ -222,15 +249,20 @@ class BatchRunner:
             for item, line in zip(schedule, ordered):
                 owner = ordered[item.owner] if item.owner is not None else None
                 need = len(line.prepared.requests)
-                if not await self._wait_for_room(need, batch["id"]):
-                    return True
+                stopped = await self._wait_for_room(need, batch)
+                if stopped is not None:
+                    return stopped
                 self.inflight += need  # now, not when the task first runs: the next line sees it
                 tasks.append(asyncio.create_task(self._run_line(batch, line, owner, caller)))
             while any(not task.done() for task in tasks):
                 await asyncio.wait(tasks, timeout=1.0)
-                if self.store.cancel_asked(batch["id"]):
-                    return True
-            return False
+                stopped = self._stopped(batch)
+                if stopped is not None:
+                    return stopped
+            for task in tasks:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            return None
         finally:
             for task in tasks:
                 task.cancel()
@@ -243,20 +275,26 @@ class BatchRunner:
         online = self.front_end.service.cluster.inflight - self.admitted
         return self.max_inflight - max(0, online)
 
-    async def _wait_for_room(self, need: int, batch_id: str) -> bool:
+    def _stopped(self, batch: dict[str, Any]) -> str | None:
+        """"cancelled" once a cancel was asked for, "expired" past the job's window, else None."""
+        if self.store.cancel_asked(batch["id"]):
+            return "cancelled"
+        return "expired" if time.time() >= batch["expires_at"] else None
+
+    async def _wait_for_room(self, need: int, batch: dict[str, Any]) -> str | None:
         """Wait until ``need`` more requests fit the window (one that asks for more than the
-        window holds runs alone, once the job has nothing else in flight); False if the job
-        is cancelled meanwhile."""
-        while not self.store.cancel_asked(batch_id):
+        window holds runs alone, once the job has nothing else in flight); "cancelled" or
+        "expired" if the job stops meanwhile."""
+        while (stopped := self._stopped(batch)) is None:
             window = self._window()
             if self.inflight + need <= window or (self.inflight == 0 and window > 0):
-                return True
+                return None
             async with self._room:
                 try:  # online requests leave without telling the job: look again soon
                     await asyncio.wait_for(self._room.wait(), self.retry_s / 4)
                 except TimeoutError:
                     pass
-        return False
+        return stopped
 
     async def _run_line(self, batch: dict[str, Any], line: _Line, owner: _Line | None, caller: Caller) -> None:
         """Serve one line (its place in the window taken by the caller) and record its result."""
@@ -283,6 +321,12 @@ class BatchRunner:
     async def _serve(self, line: _Line, caller: Caller) -> dict[str, Any]:
         """The request's whole answer; turned away for load (admission, quota, no ready worker
         for up to ``unavailable_timeout_s``), it waits and runs again."""
+        need = len(line.prepared.requests)
+        service = line.prepared.service
+        if need > service.max_inflight or (caller.max_concurrent_requests or need) < need:
+            limit = min(service.max_inflight, caller.max_concurrent_requests or service.max_inflight)
+            # Waiting would never help: refuse it as the online endpoint would, once.
+            raise Overloaded(f"the line runs {need} sequences at once and at most {limit} may be in flight")
         give_up = time.monotonic() + self.unavailable_timeout_s
         while True:
             try:
@@ -304,6 +348,8 @@ class BatchRunner:
         so far (in the input's line order)."""
         self.store.sync_results(batch["id"])
         results = sorted(self.store.results(batch["id"]), key=lambda result: result["line"])
+        if batch.get("request_counts", {}).get("total"):
+            self._count(batch)  # from the results themselves, whatever this run counted
         succeeded = [r["output"] for r in results if (r["output"]["response"] or {}).get("status_code") == 200]
         failed = [r["output"] for r in results if (r["output"]["response"] or {}).get("status_code") != 200]
         if status in ("completed", "cancelled", "expired"):

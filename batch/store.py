@@ -164,10 +164,12 @@ class BatchStore:
             with path.open("r+b") as handle:
                 handle.truncate(len(complete))
         by_line: dict[int, dict[str, Any]] = {}
-        for text in complete.splitlines():
-            if text.strip():
+        for text in complete.split(b"\n"):
+            try:
                 result = json.loads(text)
-                by_line.setdefault(result["line"], result)
+                by_line.setdefault(int(result["line"]), result)
+            except (ValueError, KeyError, TypeError):  # blank, or damaged on disk: that line runs again
+                continue
         return list(by_line.values())
 
     def append_result(self, batch_id: str, result: dict[str, Any]) -> None:
@@ -198,10 +200,19 @@ class BatchStore:
         if age is not None:
             if age < self.lease_s and not _gone_from_this_host(holder):
                 return False
-            # Of the front doors that found it stale, only one renames it away.
+            # Of the front doors that found it stale, only one renames it away; one that was
+            # a moment late may have renamed a fresh lease the first just made: it puts it back.
+            aside = lease.with_name(f"lease.stale.{secrets.token_hex(4)}")
             try:
-                os.rename(lease, lease.with_name(f"lease.stale.{secrets.token_hex(4)}"))
+                os.rename(lease, aside)
             except FileNotFoundError:
+                return False
+            if aside.read_text() != holder:
+                try:
+                    os.link(aside, lease)
+                except FileExistsError:
+                    pass
+                aside.unlink(missing_ok=True)
                 return False
         try:
             descriptor = os.open(lease, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -239,11 +250,22 @@ class BatchStore:
                 yield batch["id"]
 
 
+def process_name() -> str:
+    """This process as a lease names it: ``HOST:PID:PID-NAMESPACE``. Two containers may share a
+    host name (and the store), not a process-id namespace."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}:{os.getpid()}:{namespace}"
+
+
 def _gone_from_this_host(holder: str) -> bool:
-    """Whether the lease holder ``HOST:PID:...`` was a process of this host that has exited."""
-    host, _, rest = holder.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
+    """Whether the lease holder ``HOST:PID:PID-NAMESPACE:...`` was a process of this host (and
+    process-id namespace) that has exited."""
+    host, pid, namespace, *_ = (holder.split(":") + ["", "", ""])[:4]
+    here_host, _, here_namespace = process_name().split(":")
+    if host != here_host or namespace != here_namespace or not pid.isdigit():
         return False
     try:
         os.kill(int(pid), 0)

@@ -3,8 +3,9 @@
 Driven by the unmodified ``openai`` SDK and by the CLI. What must hold: a batch line is answered
 exactly as the same body sent online (token for token, the same fields); a malformed line fails
 alone with its error; requests sharing a prefix compute it once (the engines' own counts); a
-cancel stops the job and keeps what finished; another key cannot see a job; hostile ids never
-reach the file system.
+job keeps to its window; a cancel stops the job and keeps what finished; hostile ids never
+reach the file system. (Keys: tests/test_security.py; a front door killed mid-job:
+tests/test_front_doors.py.)
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def test_a_malformed_line_fails_alone_with_its_error(sdk, model):
     assert no_model["status_code"] == 404 and "nope" in no_model["body"]["error"]["message"]
 
 
-def test_requests_sharing_a_prefix_compute_it_once(sdk, model, worker_status):
+def test_requests_sharing_a_prefix_compute_it_once(sdk, model, worker_status, deployment):
     """Shuffled prompts over three 512-token prefixes: the engines compute the prefix tree's
     minimum (each prefix once, then only each prompt's own tokens), not each prompt whole."""
     vocab = 700  # the built-in model's vocabulary is 753 tokens
@@ -150,7 +151,9 @@ def test_requests_sharing_a_prefix_compute_it_once(sdk, model, worker_status):
     batch = _run(sdk, _jsonl(lines))
     assert batch.request_counts.completed == len(prompts)
     deadline = time.monotonic() + 10  # the engines' counters are read from their last metrics
-    minimum, whole = minimum_prompt_tokens(prompts, 128), sum(map(len, prompts))
+    block = deployment.service.limits.block_size
+    assert 512 % block == 0, "the prefixes are whole KV blocks"
+    minimum, whole = minimum_prompt_tokens(prompts, block), sum(map(len, prompts))
     while (spent := computed() - before) < minimum and time.monotonic() < deadline:
         time.sleep(0.5)
     print(f"prompt tokens computed: {spent} (the tree's minimum {minimum}, {whole} in all)")

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from duet.batch.prefix_order import minimum_prompt_tokens, prefix_tree_order
-from duet.batch.store import BatchStore, NotFound
+from duet.batch.runner import jsonl_lines
+from duet.batch.store import BatchStore, NotFound, process_name
 
 
 def test_prompts_sharing_a_prefix_run_together_after_the_one_that_computes_it():
@@ -66,23 +67,26 @@ def test_one_front_door_holds_a_lease_and_a_stale_one_is_taken_over(tmp_path):
 
 
 def test_a_lease_of_a_process_of_this_host_that_exited_is_taken_at_once(tmp_path):
-    import socket
     import subprocess
     import sys
 
     store = BatchStore(tmp_path, lease_s=3600)
     store.add_batch({"id": "batch_abc", "status": "in_progress", "created_at": 1})
     exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = f"{socket.gethostname()}:{exited.stdout.strip()}:aa"
+    host, _, namespace = process_name().split(":")
+    dead = f"{host}:{exited.stdout.strip()}:{namespace}:aa"
     assert store.try_lease("batch_abc", dead)
     assert store.try_lease("batch_abc", "door-b"), "the lease of an exited process is taken at once"
     store.release_lease("batch_abc", "door-b")
-    alive = f"{socket.gethostname()}:{os.getpid()}:bb"
+    alive = f"{process_name()}:bb"
     assert store.try_lease("batch_abc", alive)
     assert not store.try_lease("batch_abc", "door-c"), "a live process of this host keeps its lease"
     store.release_lease("batch_abc", alive)
-    assert store.try_lease("batch_abc", f"elsewhere:{exited.stdout.strip()}:cc")
+    assert store.try_lease("batch_abc", f"elsewhere:{exited.stdout.strip()}:{namespace}:cc")
     assert not store.try_lease("batch_abc", "door-c"), "another host's holder is judged by the lease's age only"
+    store.release_lease("batch_abc", f"elsewhere:{exited.stdout.strip()}:{namespace}:cc")
+    assert store.try_lease("batch_abc", f"{host}:{exited.stdout.strip()}:1:dd")
+    assert not store.try_lease("batch_abc", "door-c"), "another pid namespace's holder is judged by age only"
 
 
 def test_a_result_cut_short_by_a_crash_is_dropped_and_duplicates_keep_the_first(tmp_path):
@@ -91,7 +95,7 @@ def test_a_result_cut_short_by_a_crash_is_dropped_and_duplicates_keep_the_first(
     store.append_result("batch_abc", {"line": 1, "output": {"first": True}})
     store.append_result("batch_abc", {"line": 1, "output": {"first": False}})
     with open(tmp_path / "batches" / "batch_abc" / "results.jsonl", "ab") as results:
-        results.write(b'{"line": 2, "outp')
+        results.write(b'\x00\x00garbage\n{"no": "line"}\n{"line": 2, "outp')
     assert store.results("batch_abc") == [{"line": 1, "output": {"first": True}}]
     store.append_result("batch_abc", {"line": 2, "output": {}})
     assert [result["line"] for result in store.results("batch_abc")] == [1, 2]
@@ -104,3 +108,11 @@ def test_ids_that_are_not_the_stores_own_are_not_found(tmp_path, bad_id):
         store.file(bad_id)
     with pytest.raises(NotFound):
         store.batch(bad_id)
+
+
+def test_jsonl_lines_split_at_newlines_only():
+    """A JSON string may hold U+2028 or U+0085 raw; str.splitlines would cut the line there."""
+    import json
+
+    line = json.dumps({"custom_id": "a", "body": {"prompt": "one\u2028two\u0085three"}}, ensure_ascii=False)
+    assert jsonl_lines(line + "\r\n" + line + "\n") == [line, line, ""]

@@ -317,4 +317,5 @@ def test_a_batch_job_outlives_the_front_door_running_it(two_front_doors, referen
         assert output["response"]["body"]["choices"][0]["token_ids"] == tokens, output["custom_id"]
     with open(os.path.join(folder, "results.jsonl")) as results:
         written = [json.loads(line)["line"] for line in results.read().splitlines()]
+    assert sorted(written) == list(range(1, len(lines) + 1)), "every line answered once, none again"
     print(f"batch job: {len(written)} results written for {len(lines)} lines after its front door was killed")

@@ -21,7 +21,7 @@ import openai
 import pytest
 import yaml
 
-from duet.config import AuthConfig, ConfigError, ServerConfig, TlsConfig
+from duet.config import AuthConfig, BatchesConfig, ConfigError, ServerConfig, TlsConfig
 from duet.router.auth import Gatekeeper, QuotaExceeded
 from duet.router.client import DuetClient, build_request
 from duet.router.admin import AdminServicer
@@ -62,10 +62,11 @@ def _front_ends(deployment, server: ServerConfig):
 
 
 @pytest.fixture(scope="module")
-def tls_pair(deployment, certs, keys_file):
+def tls_pair(deployment, certs, keys_file, tmp_path_factory):
     """TLS with API keys (server certificate only)."""
     server = ServerConfig(
-        tls=TlsConfig(cert_file=certs.server_cert, key_file=certs.server_key), auth=AuthConfig(api_keys_file=keys_file)
+        tls=TlsConfig(cert_file=certs.server_cert, key_file=certs.server_key), auth=AuthConfig(api_keys_file=keys_file),
+        batches=BatchesConfig(directory=str(tmp_path_factory.mktemp("batches"))),
     )
     pair = _front_ends(deployment, server)
     yield pair
@@ -256,6 +257,35 @@ def test_a_key_limited_to_some_models_is_refused_the_others_and_sees_only_its_ow
     assert grpc_refusal.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert [model.id for model in sdk.models.list()] == []
     assert [model.id for model in _sdk(tls_pair, certs, key=ROOT).models.list()] == ["duet-tiny-llama"]
+
+
+def test_a_keys_files_and_batch_jobs_are_its_own(tls_pair, certs):
+    """A file and a job belong to the key that made them: another key, an admin key included,
+    gets 404 for them and lists none of them; without a key, 401."""
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "duet-tiny-llama", "prompt": "x", "max_tokens": 1}}\n'
+    # root (unlimited) owns the job, so that it runs without touching the others' quotas.
+    root, others = _sdk(tls_pair, certs, key=ROOT), [_sdk(tls_pair, certs, key=key) for key in (ALICE, BOB)]
+    uploaded = root.files.create(file=("job.jsonl", line), purpose="batch")
+    batch = root.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    assert root.batches.retrieve(batch.id).id == batch.id and root.files.retrieve(uploaded.id).id == uploaded.id
+    alices = others[0].files.create(file=("mine.jsonl", line), purpose="batch")
+    with pytest.raises(openai.NotFoundError):  # an admin key is no exception
+        root.files.retrieve(alices.id)
+    for other in others:
+        with pytest.raises(openai.NotFoundError):
+            other.files.retrieve(uploaded.id)
+        with pytest.raises(openai.NotFoundError):
+            other.files.content(uploaded.id)
+        with pytest.raises(openai.NotFoundError):
+            other.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            other.batches.cancel(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            other.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        assert batch.id not in [b.id for b in other.batches.list().data]
+        assert uploaded.id not in [f.id for f in other.files.list().data]
+    with pytest.raises(openai.AuthenticationError):
+        _sdk(tls_pair, certs, key="not-a-key").batches.list()
 
 
 def test_a_quota_for_one_model_refuses_that_model_over_both_apis(tls_pair, certs):

@@ -12,6 +12,8 @@ manifests' own commands (deploy/virtual_cluster.py), and measured from outside t
 - **TTFT** (the client's time to the first token, which duet streams from the prefill host) and
   **TT2T** (to the second token, the decode host's first: prefill plus the KV hand-off).
 
+``--codec`` measures KV sent encoded against raw instead (benchmarks/kv_codec.py).
+
 ``--faults link,kill`` adds fault runs (nixl, first speed): a load of requests, during which the
 decode host goes away for ``--outage-s`` seconds, its link down (``link``) or its Ray node killed
 (``kill``). Every request must end with all its tokens or an explicit error; ``lost`` (neither,
@@ -48,7 +50,7 @@ _TRANSFER_METRICS = {
 }
 
 
-def _prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
+def distinct_prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
     """Token ids in 3..699 (above the tiny model's specials); distinct per seed, so no request
     finds another's prefix in a cache."""
     return [3 + (seed * 7919 + i * 104729) % 697 for i in range(tokens)]
@@ -110,9 +112,9 @@ def measure_link(transport: str, rate_mbit: float, requests: int) -> LinkRun:
     settings = {"kv_transfer": {"transport": transport, "layerwise": False}}
     print(f"bench multinode: {transport} over {rate_mbit / 1000:g} Gbit/s ...", file=sys.stderr, flush=True)
     with serve_on_hosts(settings, LinkShape(rate_mbit=rate_mbit)) as cluster, cluster.client() as client:
-        _timed(client, _prompt(seed=10_000))  # warm-up: first kernels and the engines' handshake
+        _timed(client, distinct_prompt(seed=10_000))  # warm-up: first kernels and the engines' handshake
         before = _decode_totals(cluster, transport)
-        timings = [_timed(client, _prompt(seed)) for seed in range(requests)]
+        timings = [_timed(client, distinct_prompt(seed)) for seed in range(requests)]
         time.sleep(1.0)  # the decode side records a transfer's metrics at its next engine step
         after = _decode_totals(cluster, transport)
     return LinkRun(
@@ -137,7 +139,7 @@ def _load_outcomes(cluster: VirtualCluster, requests: int, concurrency: int, dea
                     seed = next(prompts, None)
                 if seed is None:
                     return
-                request = build_request(prompt_token_ids=_prompt(seed, 1024), max_tokens=32, ignore_eos=True)
+                request = build_request(prompt_token_ids=distinct_prompt(seed, 1024), max_tokens=32, ignore_eos=True)
                 try:
                     ids, _ = client.generate_ids(request, timeout=deadline_s)
                     outcome = "tokens" if len(ids) == 32 else "short"
@@ -208,7 +210,7 @@ def _serving_again(cluster: VirtualCluster, deadline: float, supervise: Callable
         while time.monotonic() < deadline:
             supervise()
             try:
-                ids, _ = client.generate_ids(build_request(prompt_token_ids=_prompt(99, 64), max_tokens=4, ignore_eos=True), timeout=30)
+                ids, _ = client.generate_ids(build_request(prompt_token_ids=distinct_prompt(99, 64), max_tokens=4, ignore_eos=True), timeout=30)
                 if len(ids) == 4:
                     return time.monotonic()
             except Exception:  # still re-forming: the next try will tell
@@ -229,6 +231,11 @@ def format_table(links: list[dict[str, Any]]) -> str:
 
 
 def _bench_multinode(args: argparse.Namespace) -> int:
+    if args.codec:
+        from duet.benchmarks import kv_codec
+
+        return kv_codec.run(args)
+    args.out = args.out or DEFAULT_OUT
     rates = [float(rate) * 1000 for rate in args.links.split(",")]
     transports = args.transports.split(",")
     bad = [t for t in transports if t not in _TRANSFER_METRICS]
@@ -263,5 +270,7 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--fault-requests", type=int, default=40, help="requests in the fault run's load")
     parser.add_argument("--outage-s", type=float, default=15.0, help="how long the decode host's link stays down")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="each fault-run request's client deadline")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result (default {DEFAULT_OUT.name})")
+    parser.add_argument("--codec", action="store_true", help="measure KV sent encoded against raw (kv_transfer.codec auto vs off) and the codec's accuracy")
+    parser.add_argument("--rounds", type=int, default=2, help="--codec: rounds, each starting both settings' deployments in turn")
+    parser.add_argument("--out", type=Path, default=None, help=f"JSON result (default {DEFAULT_OUT.name}; --codec: kv_codec.json)")
     parser.set_defaults(handler=_bench_multinode)

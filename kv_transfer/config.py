@@ -87,6 +87,7 @@ def kv_transfer_config(
             transfer_timeout_s=settings.handoff_timeout_s,
             lease_s=float(settings.kv_lease_s),
             layerwise=settings.layerwise,
+            codec=settings.codec,
         )
         return p2p_kv_transfer_config(_CONNECTOR_ROLE[role], p2p, kv_load_failure_policy=settings.load_failure_policy)
     return {

@@ -56,6 +56,9 @@ class P2pConfig:
     # prompt's KV only after its last prefill step (False; the baseline that shows what
     # streaming hides).
     layerwise: bool = True
+    # Prefill side: send KV encoded (codec.py): "auto" where the link's measured rate makes it
+    # pay (never to a peer on this host), "on" always, "off" never.
+    codec: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> P2pConfig:

@@ -19,6 +19,7 @@ class SaveSpec:
     start: int
     end: int
     total_tokens: int
+    codec: str | None = None  # "on"/"off": the request's own choice of encoding; None: the sender's
 
     @property
     def last(self) -> bool:

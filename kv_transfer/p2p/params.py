@@ -4,6 +4,10 @@ Prefill request in:   ``{"do_remote_decode": True, "p2p_peer": {"host", "port", 
 Prefill output out:   ``{"do_remote_prefill": True, "p2p_transfer_id", "p2p_num_tokens", ...}``
 Decode request in:    the prefill output's params, unchanged.
 
+A prefill request may also carry ``"p2p_codec": "on" | "off"``, which overrides the sender's
+choice of sending its KV encoded (codec_policy.py) for that request alone: how tests and
+benchmarks compare both forms on the same engines.
+
 A running decode request moving to another decode worker (live migration) is finished by its
 engine with ``{"do_remote_decode": True, "p2p_peer": target, "p2p_move": True}``; the connector
 sends the KV of every computed token to ``target`` and answers with params of the same form as
@@ -56,9 +60,19 @@ def kv_transfer_config(
     return out
 
 
-def prefill_request_params(peer: PeerAddress) -> dict[str, Any]:
-    """kv_transfer_params for a prefill request whose KV goes to the decode worker ``peer``."""
-    return {"do_remote_decode": True, "p2p_peer": peer.to_dict()}
+def prefill_request_params(peer: PeerAddress, codec: str | None = None) -> dict[str, Any]:
+    """kv_transfer_params for a prefill request whose KV goes to the decode worker ``peer``
+    (``codec``: "on" or "off" to override the sender's choice of encoding it)."""
+    out: dict[str, Any] = {"do_remote_decode": True, "p2p_peer": peer.to_dict()}
+    if codec is not None:
+        out["p2p_codec"] = codec
+    return out
+
+
+def codec_override(params: dict[str, Any] | None) -> str | None:
+    """A prefill request's own choice of encoding its KV ("on"/"off"), if it makes one."""
+    value = (params or {}).get("p2p_codec")
+    return value if value in ("on", "off") else None
 
 
 def move_out_params(peer: PeerAddress) -> dict[str, Any]:

@@ -53,6 +53,12 @@ class P2pPromMetrics(KVConnectorPromMetrics):
             labelnames=labelnames,
         )
         self._failed = create_metric_per_engine(failed, per_engine_labelvalues)
+        # The codec's effect (codec.py): KV bytes sent (vllm:p2p_bytes_transferred, direction
+        # send) against the bytes that went on the wire for them.
+        self._wire_bytes = self._engine_counter(
+            "vllm:p2p_sent_wire_bytes", "Bytes p2p KV transfers put on the wire (fewer than their KV where encoded)."
+        )
+        self._encoded = self._engine_counter("vllm:p2p_encoded_transfers", "p2p KV transfers sent encoded (codec.py).")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
@@ -71,8 +77,16 @@ class P2pPromMetrics(KVConnectorPromMetrics):
             self._bytes.labels(*engine_labels, direction).observe(record["bytes"])
             if direction == "send":
                 self._send_exposed[engine_idx].observe(record.get("tail_after_forward_s", 0.0))
+                self._wire_bytes[engine_idx].inc(record["wire_bytes"])
+                if record["wire_bytes"] < record["bytes"]:
+                    self._encoded[engine_idx].inc()
         if failures:
             self._failed[engine_idx].inc(failures)
+
+    def _engine_counter(self, name: str, documentation: str) -> dict:
+        """A per-engine counter."""
+        counter = self._counter_cls(name=name, documentation=documentation, labelnames=self._labelnames)
+        return create_metric_per_engine(counter, self.per_engine_labelvalues)
 
     def _engine_histogram(self, name: str, documentation: str) -> dict:
         """A per-engine seconds histogram of transfers."""

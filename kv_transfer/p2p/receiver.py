@@ -21,6 +21,7 @@ from datetime import timedelta
 
 import torch
 
+from duet.kv_transfer.p2p import codec
 from duet.kv_transfer.p2p import link as p2p_link
 from duet.kv_transfer.p2p.buffers import BufferPool
 from duet.kv_transfer.p2p.config import P2pConfig
@@ -147,7 +148,19 @@ class Listener:
         if entry is None:
             self._stats.count("staging_drops")
             return message
-        if 2 * h.payload_bytes >= message.numel():  # stage it where it landed
+        if h.encoded_bytes:  # decoded into a buffer of its own
+            holder, next_buffer = self._pool.acquire(h.payload_bytes), message
+            blocks = holder.view(h.dtype).view(h.payload_shape())
+            group = codec.group_size(h.block_shape, h.dtype)
+            try:
+                if group is None:
+                    raise ValueError(f"KV of shape {h.block_shape} and {h.dtype} cannot have been encoded")
+                codec.decode(h.encoded_payload(message), group, blocks)
+            except ValueError as e:  # a damaged message fails its transfer, not the link
+                self._pool.release(holder)
+                self._staging.fail(h.tid, str(e), link.index)
+                return message
+        elif 2 * h.payload_bytes >= message.numel():  # stage it where it landed
             holder, blocks, next_buffer = message, h.payload(message), self._pool.acquire(message.numel())
         else:
             holder, next_buffer = self._pool.acquire(h.payload_bytes), message

@@ -34,6 +34,7 @@ class _Send:
     request: Request
     peer: PeerAddress
     tid: str
+    codec: str | None = None  # the request's own choice of encoding, if any
     sent_upto: int = 0
 
 
@@ -61,6 +62,7 @@ class P2pScheduler:
                 request,
                 PeerAddress.from_dict(params["p2p_peer"]),
                 p2p_params.transfer_id(self._engine_id, request.request_id),
+                p2p_params.codec_override(params),
             )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -116,7 +118,7 @@ class P2pScheduler:
             if start >= end:
                 continue
             block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
-            saves.append(SaveSpec(send.tid, send.peer, block_ids, start, end, request.num_prompt_tokens))
+            saves.append(SaveSpec(send.tid, send.peer, block_ids, start, end, request.num_prompt_tokens, send.codec))
             send.sent_upto = end
         return saves
 

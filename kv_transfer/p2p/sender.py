@@ -3,7 +3,8 @@
 The forward thread only gathers a layer's new blocks into message buffers behind their headers
 (:func:`layer_chunks`) and enqueues them (:meth:`PeerSender.submit`), so sending overlaps the
 rest of the prefill forward; each chunk is one send (see wire.py), and its buffer goes back to
-the pool after it. The link is built on the first chunk, kept alive with keepalives, and torn
+the pool after it. Where the link is slow, this thread encodes a transfer's chunks before they
+go (codec.py; the choice is codec_policy.py's, per transfer). The link is built on the first chunk, kept alive with keepalives, and torn
 down on any error; queued chunks of a broken link are dropped and reported, never retried into
 a stale staging entry.
 """
@@ -11,6 +12,7 @@ a stale staging entry.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -19,11 +21,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 
-from duet.kv_transfer.p2p import kv_layout
+from duet.kv_transfer.p2p import codec, kv_layout
 from duet.kv_transfer.p2p import link as p2p_link
 from duet.kv_transfer.p2p.buffers import BufferPool
+from duet.kv_transfer.p2p.codec_policy import CodecPolicy, LinkRate
 from duet.kv_transfer.p2p.config import P2pConfig
 from duet.kv_transfer.p2p.cpu import unbind_current_thread
 from duet.kv_transfer.p2p.metadata import SaveSpec
@@ -41,6 +45,7 @@ class Chunk:
     message: torch.Tensor  # uint8: the header, then the payload (from the sender's pool)
     ready: torch.cuda.Event | None  # set when ``message`` was filled on a CUDA stream
     last: bool  # the transfer's final chunk
+    codec: str | None = None  # "on"/"off": the request's own choice of encoding; None: the sender's
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +90,7 @@ def layer_chunks(
             ready = torch.cuda.Event()
             ready.record()
         final = spec.last and layer == num_layers - 1 and hi == last
-        yield Chunk(header, message, ready, final)
+        yield Chunk(header, message, ready, final, spec.codec)
 
 
 @dataclass
@@ -123,6 +128,8 @@ class PeerSender:
         self._link: p2p_link.PeerLink | None = None
         self._down_until = 0.0
         self._failed_tids: set[str] = set()
+        self._codec: CodecPolicy | None = None  # made and used by the sender thread
+        self._encoding: dict[str, bool] = {}  # per open transfer: sent encoded or not
         self._thread = threading.Thread(target=self._run, name=f"duet-p2p-send-{self.peer}", daemon=True)
         self._thread.start()
 
@@ -161,6 +168,7 @@ class PeerSender:
                 self._failed_tids.add(tid)
             if chunk.last:
                 self._failed_tids.discard(tid)
+                self._encoding.pop(tid, None)
 
     def _next(self, wait: bool) -> Chunk | None:
         """The next queued chunk; None if there is none after waiting up to the keepalive
@@ -179,6 +187,7 @@ class PeerSender:
         """Keep up to ``send_depth`` sends posted: the receiver takes them in order, and this
         thread does not have to win the GIL between two messages for the link to stay busy."""
         unbind_current_thread()
+        self._codec = CodecPolicy(self._cfg.codec, self._host)
         in_flight: collections.deque[_Posted] = collections.deque()
         while True:
             chunk = self._next(wait=not in_flight)
@@ -220,6 +229,9 @@ class PeerSender:
         assert self._link is not None
         if chunk.ready is not None:
             chunk.ready.synchronize()
+        chunk = self._maybe_encoded(chunk)
+        if not in_flight:
+            self._link_rate().busy()
         posted_ns = time.monotonic_ns()
         stamp_sent(chunk.message, posted_ns)
         try:
@@ -241,8 +253,43 @@ class PeerSender:
             self._drop(chunk, f"send failed: {e}")
             self._broken(str(e), in_flight)
             return
-        self._stats.chunk_sent(chunk.header.tid, self.peer, chunk.nbytes, posted.posted_at, time.monotonic(), chunk.last)
+        now = time.monotonic()
+        header = chunk.header
+        self._stats.chunk_sent(header.tid, self.peer, chunk.nbytes, header.wire_bytes, posted.posted_at, now, chunk.last)
         self._pool.release(chunk.message)
+        self._link_rate().completed(header.wire_bytes, now)
+        if not in_flight:
+            self._link_rate().idle()
+
+    def _link_rate(self) -> LinkRate:
+        assert self._codec is not None
+        return self._codec.link
+
+    def _maybe_encoded(self, chunk: Chunk) -> Chunk:
+        """The chunk as it goes on the wire: encoded where its transfer was chosen to be (at
+        its first chunk), else as it is."""
+        assert self._codec is not None
+        h = chunk.header
+        encode = self._encoding.get(h.tid)
+        if encode is None:
+            chosen = chunk.codec == "on" if chunk.codec else self._codec.encode_transfer(h.dtype.itemsize)
+            encode = self._encoding[h.tid] = chosen
+        if chunk.last:
+            del self._encoding[h.tid]
+        group = codec.group_size(h.block_shape, h.dtype)
+        if not encode or group is None or chunk.message.is_cuda:
+            return chunk
+        started = time.perf_counter()
+        frame = codec.encode(h.payload(chunk.message), group)
+        if len(frame) >= h.payload_bytes:  # incompressible: it goes raw
+            return chunk
+        header = dataclasses.replace(h, encoded_bytes=len(frame))
+        message = self._pool.acquire(header.message_bytes)
+        header.write_into(message)
+        header.encoded_payload(message).numpy()[:] = np.frombuffer(frame, dtype=np.uint8)
+        self._codec.encoded(h.dtype.itemsize, h.payload_bytes, len(frame), time.perf_counter() - started)
+        self._pool.release(chunk.message)
+        return Chunk(header, message, None, chunk.last, chunk.codec)
 
     def _connect(self) -> bool:
         if time.monotonic() < self._down_until:

@@ -19,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 COUNTERS = (
     "sent_transfers",
     "sent_bytes",
+    "sent_wire_bytes",
+    "encoded_transfers",
     "send_failures",
     "received_transfers",
     "received_bytes",
@@ -39,6 +41,7 @@ class SendRecord:
     tid: str
     peer: str
     bytes: int = 0
+    wire_bytes: int = 0  # bytes on the wire: fewer than ``bytes`` where chunks went encoded
     chunks: int = 0
     send_start: float | None = None  # first chunk handed to the backend
     send_end: float | None = None  # last chunk's send completed
@@ -82,16 +85,20 @@ class TransferStats:
             if name.endswith("failures") or name in ("staging_drops", "expired"):
                 self._interval_failures.extend([name] * n)
 
-    def chunk_sent(self, tid: str, peer: str, nbytes: int, start: float, end: float, last: bool) -> None:
+    def chunk_sent(self, tid: str, peer: str, nbytes: int, wire_bytes: int, start: float, end: float, last: bool) -> None:
+        """A chunk of ``nbytes`` of KV left as ``wire_bytes`` (fewer: it went encoded)."""
         with self._lock:
             rec = self._open.setdefault(tid, SendRecord(tid, peer))
             rec.bytes += nbytes
+            rec.wire_bytes += wire_bytes
             rec.chunks += 1
             rec.send_start = start if rec.send_start is None else rec.send_start
             if last:
                 rec.send_end = end
                 self._counters["sent_transfers"] += 1
+                self._counters["encoded_transfers"] += rec.wire_bytes < rec.bytes
             self._counters["sent_bytes"] += nbytes
+            self._counters["sent_wire_bytes"] += wire_bytes
             self._maybe_close(rec)
 
     def forward_ended(self, tid: str, peer: str, when: float) -> None:

@@ -20,7 +20,7 @@ import torch
 HEADER_INTS = 48
 HEADER_BYTES = HEADER_INTS * 8
 _MAGIC = 0x6475_6574  # "duet"
-_FIXED = 14
+_FIXED = 16
 _SENT_NS_INDEX = 13  # the header's int64 that :func:`stamp_sent` overwrites
 MAX_TID_BYTES = (HEADER_INTS - _FIXED) * 8
 
@@ -58,6 +58,7 @@ class Header:
     block_shape: tuple[int, int, int] = (0, 0, 0)
     dtype: torch.dtype = torch.float32
     sent_ns: int = 0  # time.monotonic_ns() when the message was handed to the link
+    encoded_bytes: int = 0  # KV sent encoded (codec.py): the encoded payload's size; 0: raw
 
     def payload_shape(self) -> tuple[int, ...]:
         return (self.num_blocks, *self.block_shape)
@@ -67,8 +68,13 @@ class Header:
         return self.num_blocks * self.block_shape[0] * self.block_shape[1] * self.block_shape[2] * self.dtype.itemsize
 
     @property
+    def wire_bytes(self) -> int:
+        """Payload bytes on the wire: the encoded size, or the KV's own."""
+        return self.encoded_bytes or self.payload_bytes
+
+    @property
     def message_bytes(self) -> int:
-        return HEADER_BYTES + self.payload_bytes
+        return HEADER_BYTES + self.wire_bytes
 
     def write_into(self, message: torch.Tensor) -> None:
         """Put the encoded header at the start of a uint8 ``message`` buffer."""
@@ -79,9 +85,14 @@ class Header:
         return cls.decode(message[:HEADER_BYTES].view(torch.int64))
 
     def payload(self, message: torch.Tensor) -> torch.Tensor:
-        """The ``[num_blocks, *block_shape]`` payload inside a message this header describes."""
+        """The ``[num_blocks, *block_shape]`` payload inside a raw message this header describes."""
+        assert not self.encoded_bytes, "an encoded message's payload is read by codec.decode"
         raw = message[HEADER_BYTES : self.message_bytes]
         return raw.view(self.dtype).view(self.payload_shape())
+
+    def encoded_payload(self, message: torch.Tensor) -> torch.Tensor:
+        """The encoded payload (uint8) inside a message whose KV was sent encoded."""
+        return message[HEADER_BYTES : self.message_bytes]
 
     def encode(self) -> torch.Tensor:
         raw = self.tid.encode()
@@ -102,6 +113,8 @@ class Header:
                 _DTYPES.index(self.dtype),
                 len(raw),
                 self.sent_ns,
+                self.encoded_bytes,
+                0,  # reserved
             ],
             dtype=torch.int64,
         )
@@ -127,6 +140,7 @@ class Header:
             block_shape=(v[8], v[9], v[10]),
             dtype=_DTYPES[v[11]],
             sent_ns=v[_SENT_NS_INDEX],
+            encoded_bytes=v[14],
         )
 
 

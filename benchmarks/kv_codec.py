@@ -61,10 +61,12 @@ def measure_setting(codec: str, rates_mbit: list[float], requests: int, round_in
     out: dict[str, Any] = {}
     print(f"bench multinode --codec: round {round_index + 1}, codec {codec} ...", file=sys.stderr, flush=True)
     with serve_on_hosts(settings, LinkShape(rate_mbit=rates_mbit[0])) as cluster, cluster.client() as client:
-        for rate in rates_mbit:
+        for speed, rate in enumerate(rates_mbit):
             _reshape(cluster, rate)
             _request(client, distinct_prompt(seed=20_000 + int(rate)))  # warm-up: auto measures the link
-            runs = [_request(client, distinct_prompt(seed=1_000 * round_index + i)) for i in range(requests)]
+            # Prompts distinct across speeds and rounds (no prefix cache hits), the same for both settings.
+            seeds = [1_000 * round_index + 100 * speed + i for i in range(requests)]
+            runs = [_request(client, distinct_prompt(seed)) for seed in seeds]
             out[f"{rate / 1000:g}"] = {
                 "ttft_s": [first for first, _, _ in runs],
                 "tt2t_s": [second for _, second, _ in runs],
@@ -88,6 +90,7 @@ def hand_off(rates_mbit: list[float], requests: int, rounds: int) -> dict[str, A
             runs = [r[codec][key] for r in per_round]
             for metric in ("ttft_s", "tt2t_s", "handoff_s"):
                 row[f"{codec}_{metric}_median"] = statistics.median(x for run in runs for x in run[metric])
+        row["handoff_s_per_round"] = {codec: [r[codec][key]["handoff_s"] for r in per_round] for codec in SETTINGS}
         row["handoff_raw_over_encoded_per_round"] = [
             statistics.median(r["off"][key]["handoff_s"]) / statistics.median(r["auto"][key]["handoff_s"]) for r in per_round
         ]

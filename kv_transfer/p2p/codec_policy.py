@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 from typing import Literal
+
+import torch
+
+from duet.kv_transfer.p2p import codec
 
 CodecMode = Literal["auto", "on", "off"]
 CODEC_MODES: tuple[CodecMode, ...] = ("auto", "on", "off")
 
 # Encoding must save at least this share of the raw wire time to be chosen.
 _MARGIN = 0.9
-# Before the codec has run here: its ratio per KV element size, and bytes coded per second.
+# Before the codec has run on real KV here: its ratio per KV element size.
 _FIRST_RATIO = {4: 4.0, 2: 2.0}
-_FIRST_CODING_RATE = 300e6
+_CALIBRATION_VALUES = 1 << 18  # 1 MiB of float32, coded once when a sender starts
 _SMOOTHING = 0.5
 PROBE_EVERY = 32
 
@@ -39,7 +44,8 @@ class LinkRate:
     waits for the wire to drain as many bytes. A busy period (sends back to back) therefore
     yields a sample from its completions past ``buffer_bytes``, provided they carried at least
     ``sample_bytes``; shorter periods tell nothing about the link and leave the estimate as it
-    was. Linux's default socket buffer is at most 4 MiB (``net.ipv4.tcp_wmem``); a host tuned
+    was. The latest sample is the estimate (megabytes of back-to-back sends are a measurement,
+    not noise to smooth, and a link that changed is followed at once). Linux's default socket buffer is at most 4 MiB (``net.ipv4.tcp_wmem``); a host tuned
     for larger buffers makes the rate read high, which errs towards sending raw.
     """
 
@@ -67,7 +73,7 @@ class LinkRate:
             return
         carried, seconds = self._busy_bytes - self._mark[0], self._last - self._mark[1]
         if carried >= self._sample_bytes and seconds > 0:
-            self.bytes_per_s = _smoothed(self.bytes_per_s, carried / seconds)
+            self.bytes_per_s = carried / seconds
         self._mark = None
 
 
@@ -79,8 +85,12 @@ class CodecPolicy:
         self.peer_is_local = is_local_address(peer_host)
         self.link = LinkRate()
         self._ratio: dict[int, float] = {}  # by KV element size
-        self._coding_rate: float | None = None  # raw bytes encoded per second
         self._encoded_in_a_row = 0
+        # Seconds per raw byte to encode and to decode, measured here on synthetic values (the
+        # decode side's host is taken to be as fast); encoding real KV then updates the first.
+        self._encode_s_per_byte, self._decode_s_per_byte = 0.0, 0.0
+        if mode == "auto" and not self.peer_is_local:
+            self._encode_s_per_byte, self._decode_s_per_byte = _calibrate()
 
     def encode_transfer(self, element_size: int) -> bool:
         """Whether a transfer of KV with ``element_size``-byte values goes encoded."""
@@ -90,10 +100,9 @@ class CodecPolicy:
         if self.peer_is_local or rate is None or element_size not in _FIRST_RATIO:
             return False
         ratio = self._ratio.get(element_size, _FIRST_RATIO[element_size])
-        coding = self._coding_rate or _FIRST_CODING_RATE
         # Per raw byte: the wire's time raw, against the wire's time encoded plus encoding and
-        # decoding (taken as equally fast; they overlap the wire in practice, so this errs raw).
-        if 1 / (ratio * rate) + 2 / coding >= _MARGIN / rate:
+        # decoding (counted in full; they overlap the wire in practice, so this errs raw).
+        if 1 / (ratio * rate) + self._encode_s_per_byte + self._decode_s_per_byte >= _MARGIN / rate:
             return False
         self._encoded_in_a_row = (self._encoded_in_a_row + 1) % PROBE_EVERY
         return self._encoded_in_a_row != 0  # else: a raw probe of the link
@@ -102,7 +111,19 @@ class CodecPolicy:
         """Record one encoded chunk: its size before and after, and how long encoding took."""
         self._ratio[element_size] = _smoothed(self._ratio.get(element_size), raw_bytes / max(wire_bytes, 1))
         if seconds > 0:
-            self._coding_rate = _smoothed(self._coding_rate, raw_bytes / seconds)
+            self._encode_s_per_byte = _smoothed(self._encode_s_per_byte or None, seconds / raw_bytes)
+
+
+def _calibrate() -> tuple[float, float]:
+    """Seconds per raw byte to encode and to decode, timed on 1 MiB of float32 (a few ms)."""
+    values = torch.randn(_CALIBRATION_VALUES)
+    raw_bytes = values.numel() * values.element_size()
+    started = time.perf_counter()
+    frame = codec.encode(values, 32)
+    encoded = time.perf_counter()
+    codec.decode(torch.frombuffer(bytearray(frame), dtype=torch.uint8), 32, torch.empty_like(values))
+    decoded = time.perf_counter()
+    return (encoded - started) / raw_bytes, (decoded - encoded) / raw_bytes
 
 
 def is_local_address(host: str) -> bool:

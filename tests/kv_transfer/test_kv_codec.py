@@ -123,8 +123,18 @@ def test_while_encoding_a_transfer_now_and_then_goes_raw_to_measure_the_link():
 def test_a_slow_coder_is_not_worth_it():
     policy = CodecPolicy("auto", "10.255.0.7")
     policy.link.bytes_per_s = 12.5e6
-    policy.encoded(4, raw_bytes=4 << 20, wire_bytes=1 << 20, seconds=1.0)  # 4 MiB/s: slower than the wire
-    policy.encoded(4, raw_bytes=4 << 20, wire_bytes=1 << 20, seconds=1.0)
+    for _ in range(4):  # 4 MiB/s: slower than the wire
+        policy.encoded(4, raw_bytes=4 << 20, wire_bytes=1 << 20, seconds=1.0)
+    assert not policy.encode_transfer(4)
+
+
+def test_the_codecs_speed_is_measured_so_a_half_gigabit_link_is_worth_it():
+    """The codec's speed is measured when a sender starts (about 1 GB/s on one core here), so
+    a 0.5 Gbit/s link is worth encoding for and a 10 Gbit/s one is not."""
+    policy = CodecPolicy("auto", "10.255.0.7")
+    policy.link.bytes_per_s = 62.5e6
+    assert policy.encode_transfer(4)
+    policy.link.bytes_per_s = 1.25e9
     assert not policy.encode_transfer(4)
 
 

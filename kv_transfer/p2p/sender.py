@@ -4,9 +4,9 @@ The forward thread only gathers a layer's new blocks into message buffers behind
 (:func:`layer_chunks`) and enqueues them (:meth:`PeerSender.submit`), so sending overlaps the
 rest of the prefill forward; each chunk is one send (see wire.py), and its buffer goes back to
 the pool after it. Where the link is slow, this thread encodes a transfer's chunks before they
-go (codec.py; the choice is codec_policy.py's, per transfer). The link is built on the first chunk, kept alive with keepalives, and torn
-down on any error; queued chunks of a broken link are dropped and reported, never retried into
-a stale staging entry.
+go (codec.py; the choice is codec_policy.py's, per transfer). The link is built on the first
+chunk, kept alive with keepalives, and torn down on any error; queued chunks of a broken link
+are dropped and reported, never retried into a stale staging entry.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from duet.config import BUILTIN_MODEL, BUILTIN_MODELS
+from duet.config import BUILTIN_MODEL, BUILTIN_TEXT_MODELS
 from duet.logs import configure_logging
 from duet.router.client import DEFAULT_TARGET, DuetClient, build_request
 from duet.router.proto import duet_api_pb2 as pb
@@ -551,8 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     make.add_argument("--rank", type=int, default=8, choices=(1, 8, 16, 32, 64), help="the adapter's rank (default 8)")
     make.add_argument(
-        "--base", default=BUILTIN_MODEL, choices=BUILTIN_MODELS,
-        help="the built-in model it adapts, as model.path names it (default: builtin)",
+        "--base", default=BUILTIN_MODEL, choices=BUILTIN_TEXT_MODELS,
+        help="the built-in text model it adapts, as model.path names it (default: builtin)",
     )
     make.set_defaults(handler=_lora_make)
     load = lora_commands.add_parser(

@@ -16,9 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from duet.yaml_config import field_errors, read_yaml, validate_mapping
 
 BUILTIN_MODEL = "builtin"
-# The built-in models, by their model.path (worker_runtime/tiny_model.py makes them): the tiny
-# default, and one of another shape for deployments that serve two.
-BUILTIN_MODELS = (BUILTIN_MODEL, "builtin-wide")
+# The built-in text models, by their model.path (worker_runtime/tiny_model.py makes them): the
+# tiny default, and one of another shape for deployments that serve two.
+BUILTIN_TEXT_MODELS = (BUILTIN_MODEL, "builtin-wide")
+# The built-in vision-language model (worker_runtime/tiny_vision_model.py: a tiny Idefics3).
+BUILTIN_VISION_MODEL = "builtin-vl"
+BUILTIN_MODELS = (*BUILTIN_TEXT_MODELS, BUILTIN_VISION_MODEL)
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 # The same deployment, colocated: the baseline disaggregation is measured against.
 COLOCATED_CONFIG_PATH = DEFAULT_CONFIG_PATH.parent / "colocated.yaml"
@@ -143,7 +146,7 @@ class ModelConfig(_Strict):
     name: str = Field(default="duet-tiny-llama", min_length=1)
     """The name clients use for this model (the OpenAI API's `model`); checked against each
     request's."""
-    path: str = Field(default=BUILTIN_MODEL, description="'builtin', 'builtin-wide' or a local HF model directory")
+    path: str = Field(default=BUILTIN_MODEL, description="'builtin', 'builtin-wide', 'builtin-vl' (a tiny Idefics3 vision-language model) or a local HF model directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights' and activations' type. float32 makes disaggregated generation equal colocated
     generation token for token."""

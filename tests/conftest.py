@@ -23,7 +23,9 @@ from duet.router.client import DuetClient
 
 # Fixtures that start engines, Ray or other servers: a test that needs none of them is in the
 # quick tier (`pytest -m quick`, the inner loop: seconds, not the suite's half hour).
-_HEAVY_FIXTURES = frozenset({"ray_session", "ray_cluster", "cluster", "reference", "vllm_server", "tiny_model"})
+_HEAVY_FIXTURES = frozenset(
+    {"ray_session", "ray_cluster", "cluster", "reference", "vllm_server", "tiny_model", "vision_engine"}
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from duet.config import BUILTIN_MODELS, ModelConfig
+from duet.config import BUILTIN_TEXT_MODELS, BUILTIN_VISION_MODEL, ModelConfig
 from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE
 
 _GIB = 1 << 30
@@ -19,10 +19,14 @@ _GIB = 1 << 30
 
 def resolve_model_path(model: ModelConfig) -> Path:
     """The model directory on this machine, creating a built-in model on first use."""
-    if model.path in BUILTIN_MODELS:
+    if model.path in BUILTIN_TEXT_MODELS:
         from duet.worker_runtime.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model(shape=model.path)
+    if model.path == BUILTIN_VISION_MODEL:
+        from duet.worker_runtime.tiny_vision_model import ensure_tiny_vision_model
+
+        return ensure_tiny_vision_model()
     return Path(model.path).expanduser().resolve()
 
 

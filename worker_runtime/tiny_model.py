@@ -25,7 +25,7 @@ TINY_MODEL_NAME = "duet-tiny-llama"
 WIDE_MODEL_NAME = "duet-tiny-llama-wide"
 # Bumped whenever the recipe below changes, so that a stale cache is never served.
 _RECIPE_VERSION = 2
-_SEED = 1234
+SEED = 1234
 
 _LLAMA_CONFIG = {
     "hidden_size": 256,
@@ -83,7 +83,7 @@ def _llama_config(context: int | None, shape: str) -> dict:
 def tiny_model_dir(context: int | None = None, shape: str = "builtin") -> Path:
     """The cache path of the current recipe (the recipe is part of the name)."""
     recipe = json.dumps(
-        {"v": _RECIPE_VERSION, "seed": _SEED, "cfg": _llama_config(context, shape), "vocab": _TARGET_VOCAB_SIZE},
+        {"v": _RECIPE_VERSION, "seed": SEED, "cfg": _llama_config(context, shape), "vocab": _TARGET_VOCAB_SIZE},
         sort_keys=True,
     )
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
@@ -105,7 +105,7 @@ def ensure_tiny_model(context: int | None = None, shape: str = "builtin") -> Pat
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_tokenizer(staging, _llama_config(context, shape))
+        write_tokenizer(staging, _llama_config(context, shape))
         _write_model(staging, _llama_config(context, shape))
         try:
             staging.rename(target)
@@ -119,7 +119,7 @@ def ensure_tiny_model(context: int | None = None, shape: str = "builtin") -> Pat
 
 def _training_corpus() -> list[str]:
     """A fixed pseudo-English corpus: seeded word sequences, identical on every machine."""
-    rng = random.Random(_SEED)
+    rng = random.Random(SEED)
     lines = []
     for _ in range(20000):
         words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
@@ -128,7 +128,9 @@ def _training_corpus() -> list[str]:
     return lines
 
 
-def _write_tokenizer(out: Path, llama_config: dict) -> None:
+def write_tokenizer(out: Path, llama_config: dict, extra_special_tokens: tuple[str, ...] = ()) -> None:
+    """The built-in byte-level BPE tokenizer, trained on the fixed corpus, into ``out``
+    (``extra_special_tokens``: e.g. the vision model's ``<image>``, one id each)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -138,7 +140,7 @@ def _write_tokenizer(out: Path, llama_config: dict) -> None:
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=_TARGET_VOCAB_SIZE,
-        special_tokens=["<s>", "</s>", "<unk>"],
+        special_tokens=["<s>", "</s>", "<unk>", *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -166,7 +168,7 @@ def _write_model(out: Path, llama_config: dict) -> None:
         torch_dtype="float32",
         **llama_config,
     )
-    torch.manual_seed(_SEED)
+    torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32)
     # Larger-than-default logits make greedy picks well separated, so exactness tests compare
     # decisions, not float noise.

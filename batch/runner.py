@@ -48,6 +48,17 @@ def jsonl_lines(text: str) -> list[str]:
     return [line.removesuffix("\r") for line in text.split("\n")]
 
 
+def _succeeded(result: dict[str, Any]) -> bool:
+    """Whether a recorded result is a line's answer (not its error)."""
+    return (result["output"]["response"] or {}).get("status_code") == 200
+
+
+def _count(batch: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """Set the job's counts from its recorded results (an earlier run's included)."""
+    ok = sum(1 for result in results if _succeeded(result))
+    batch["request_counts"].update(completed=ok, failed=len(results) - ok)
+
+
 @dataclass
 class _Line:
     """One line of a job's input: its number, custom id and, once validated, its request."""
@@ -144,11 +155,12 @@ class BatchRunner:
             return self._fail(batch, "input_file_missing", f"input file {batch['input_file_id']} was deleted")
         if caller is None:
             return self._fail(batch, "invalid_api_key", f"API key {batch['duet_caller']!r} is no longer configured")
-        done = {result["line"] for result in await asyncio.to_thread(self.store.results, batch_id)}
+        recorded = await asyncio.to_thread(self.store.results, batch_id)
+        done = {result["line"] for result in recorded}
         lines = [(number, raw) for number, raw in enumerate(jsonl_lines(text), 1) if raw.strip()]
         batch.update(status="in_progress", in_progress_at=batch.get("in_progress_at") or now)
         batch["request_counts"] = {"total": len(lines), "completed": 0, "failed": 0}
-        self._count(batch)
+        _count(batch, recorded)
         self.store.save_batch(batch)
         valid: list[_Line] = []
         seen: set[str] = set()
@@ -231,12 +243,6 @@ class BatchRunner:
         ok = output["response"] is not None and output["response"]["status_code"] == 200
         batch["request_counts"]["completed" if ok else "failed"] += 1
         self.store.save_batch(batch)  # the counts a client polls
-
-    def _count(self, batch: dict[str, Any]) -> None:
-        """Set the job's counts from its results (those of an earlier run of the job included)."""
-        results = self.store.results(batch["id"])
-        ok = sum(1 for result in results if (result["output"]["response"] or {}).get("status_code") == 200)
-        batch["request_counts"].update(completed=ok, failed=len(results) - ok)
 
     async def _run_lines(self, batch: dict[str, Any], lines: list[_Line], caller: Caller) -> str | None:
         """Run ``lines`` in prefix-tree order within the window; "cancelled" or "expired" if the
@@ -349,9 +355,9 @@ class BatchRunner:
         self.store.sync_results(batch["id"])
         results = sorted(self.store.results(batch["id"]), key=lambda result: result["line"])
         if batch.get("request_counts", {}).get("total"):
-            self._count(batch)  # from the results themselves, whatever this run counted
-        succeeded = [r["output"] for r in results if (r["output"]["response"] or {}).get("status_code") == 200]
-        failed = [r["output"] for r in results if (r["output"]["response"] or {}).get("status_code") != 200]
+            _count(batch, results)  # from the results themselves, whatever this run counted
+        succeeded = [r["output"] for r in results if _succeeded(r)]
+        failed = [r["output"] for r in results if not _succeeded(r)]
         if status in ("completed", "cancelled", "expired"):
             for key, outputs, purpose in (("output_file_id", succeeded, "batch_output"), ("error_file_id", failed, "batch_output")):
                 if outputs and batch.get(key) is None:

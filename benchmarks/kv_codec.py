@@ -23,11 +23,10 @@ import copy
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from duet.benchmarks.multinode import PROMPT_TOKENS, distinct_prompt
+from duet.benchmarks.multinode import PROMPT_TOKENS, distinct_prompt, timed_request
 from duet.deploy.hosts import LinkShape
 from duet.deploy.virtual_cluster import VirtualCluster, serve_on_hosts
 
@@ -37,17 +36,8 @@ SETTINGS = ("off", "auto")
 
 
 def _request(client: Any, prompt: list[int]) -> tuple[float, float, list[int]]:
-    """Seconds to the first and second token at the client, and the tokens."""
-    from duet.router.client import build_request
-
-    start = time.perf_counter()
-    arrivals: list[float] = []
-    tokens: list[int] = []
-    request = build_request(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for message in client.generate(request, timeout=300):
-        arrivals += [time.perf_counter() - start] * len(message.token_ids)
-        tokens += list(message.token_ids)
-    return arrivals[0], arrivals[1], tokens
+    """One measured request (a 100 Mbit/s hand-off takes seconds: a longer deadline)."""
+    return timed_request(client, prompt, MAX_TOKENS, timeout_s=300)
 
 
 def _reshape(cluster: VirtualCluster, rate_mbit: float) -> None:

@@ -97,24 +97,29 @@ class LinkRun:
         }
 
 
-def _timed(client: Any, prompt: list[int]) -> tuple[float, float]:
-    """Seconds to the first and to the second token, at the client."""
+def timed_request(
+    client: Any, prompt: list[int], max_tokens: int = MAX_TOKENS, timeout_s: float = 120
+) -> tuple[float, float, list[int]]:
+    """Seconds to the first and to the second token at the client, and the tokens."""
     from duet.router.client import build_request
 
     start = time.perf_counter()
     arrivals: list[float] = []
-    for message in client.generate(build_request(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True), timeout=120):
+    tokens: list[int] = []
+    request = build_request(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True)
+    for message in client.generate(request, timeout=timeout_s):
         arrivals += [time.perf_counter() - start] * len(message.token_ids)
-    return arrivals[0], arrivals[1]
+        tokens += list(message.token_ids)
+    return arrivals[0], arrivals[1], tokens
 
 
 def measure_link(transport: str, rate_mbit: float, requests: int) -> LinkRun:
     settings = {"kv_transfer": {"transport": transport, "layerwise": False}}
     print(f"bench multinode: {transport} over {rate_mbit / 1000:g} Gbit/s ...", file=sys.stderr, flush=True)
     with serve_on_hosts(settings, LinkShape(rate_mbit=rate_mbit)) as cluster, cluster.client() as client:
-        _timed(client, distinct_prompt(seed=10_000))  # warm-up: first kernels and the engines' handshake
+        timed_request(client, distinct_prompt(seed=10_000))  # warm-up: first kernels and the engines' handshake
         before = _decode_totals(cluster, transport)
-        timings = [_timed(client, distinct_prompt(seed)) for seed in range(requests)]
+        timings = [timed_request(client, distinct_prompt(seed))[:2] for seed in range(requests)]
         time.sleep(1.0)  # the decode side records a transfer's metrics at its next engine step
         after = _decode_totals(cluster, transport)
     return LinkRun(

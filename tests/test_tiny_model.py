@@ -1,26 +1,29 @@
-"""The built-in model is deterministic, cached, and loads in transformers as in vLLM."""
+"""The built-in models are deterministic and cached; the text model loads in transformers as in
+vLLM (the vision model's own tests: test_tiny_vision_model.py)."""
 
 from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from duet.worker_runtime import tiny_model
+from duet.worker_runtime import tiny_model, tiny_vision_model
 
 
 def _digest(directory) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
-def test_creation_is_deterministic_and_cached(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ensure", [tiny_model.ensure_tiny_model, tiny_vision_model.ensure_tiny_vision_model])
+def test_creation_is_deterministic_and_cached(tmp_path, monkeypatch, ensure):
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "a"))
-    first = tiny_model.ensure_tiny_model()
+    first = ensure()
     modified = first.stat().st_mtime_ns
-    assert tiny_model.ensure_tiny_model() == first and first.stat().st_mtime_ns == modified
+    assert ensure() == first and first.stat().st_mtime_ns == modified
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "b"))
-    second = tiny_model.ensure_tiny_model()
+    second = ensure()
     assert _digest(first) == _digest(second)
 
 

@@ -21,7 +21,6 @@ import torch
 from duet.kv_transfer.p2p import codec
 
 CodecMode = Literal["auto", "on", "off"]
-CODEC_MODES: tuple[CodecMode, ...] = ("auto", "on", "off")
 
 # Encoding must save at least this share of the raw wire time to be chosen.
 _MARGIN = 0.9
@@ -45,8 +44,9 @@ class LinkRate:
     yields a sample from its completions past ``buffer_bytes``, provided they carried at least
     ``sample_bytes``; shorter periods tell nothing about the link and leave the estimate as it
     was. The latest sample is the estimate (megabytes of back-to-back sends are a measurement,
-    not noise to smooth, and a link that changed is followed at once). Linux's default socket buffer is at most 4 MiB (``net.ipv4.tcp_wmem``); a host tuned
-    for larger buffers makes the rate read high, which errs towards sending raw.
+    not noise to smooth, and a link that changed is followed at once). Linux's default socket
+    buffer is at most 4 MiB (``net.ipv4.tcp_wmem``); a host tuned for larger buffers makes the
+    rate read high, which errs towards sending raw.
     """
 
     def __init__(self, buffer_bytes: int = 4 << 20, sample_bytes: int = 4 << 20) -> None:

@@ -20,7 +20,7 @@ import torch
 HEADER_INTS = 48
 HEADER_BYTES = HEADER_INTS * 8
 _MAGIC = 0x6475_6574  # "duet"
-_FIXED = 16
+_FIXED = 15
 _SENT_NS_INDEX = 13  # the header's int64 that :func:`stamp_sent` overwrites
 MAX_TID_BYTES = (HEADER_INTS - _FIXED) * 8
 
@@ -114,7 +114,6 @@ class Header:
                 len(raw),
                 self.sent_ns,
                 self.encoded_bytes,
-                0,  # reserved
             ],
             dtype=torch.int64,
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import re
 import sys
 import tempfile
 import time
@@ -175,6 +176,23 @@ class VirtualCluster:
 
         return DuetClient(self.targets, api_key=self.secrets.api_key)
 
+    def warnings(self, lines_per_host: int = 20) -> str:
+        """The last warnings and errors each host logged (its node's output, with duet's control
+        plane on the head, and its Ray workers': front doors, engines), for a failing test's
+        report: what those processes saw goes to their hosts' logs, not to the test."""
+        report = []
+        for host in self._groups:
+            root = self.network[host].root
+            logs = [root / "logs" / "node.log", *sorted((root / "ray-tmp" / "session_latest" / "logs").glob("worker-*"))]
+            found = [
+                f"{path.name}: {line}"
+                for path in logs if path.suffix in (".log", ".out", ".err") and path.is_file()
+                for line in path.read_text(errors="replace").splitlines()
+                if _WORTH_REPORTING.search(line)
+            ]
+            report.append(f"--- {host} ---\n" + "\n".join(found[-lines_per_host:]))
+        return "\n".join(report)
+
     def _wait(self, check: Callable[[], bool], what: str, host: str, deadline: float) -> None:
         while not check():
             exited = [p for p in self.network[host].processes if p.poll() is not None]
@@ -182,6 +200,10 @@ class VirtualCluster:
                 why = f"exited with {exited[0].returncode}" if exited else "timed out"
                 raise ClusterStartError(f"{what} on {host} {why}; its log ends:\n{self.network.log(host, 'node.log')}")
             time.sleep(0.5)
+
+
+# A log line a failing test's report shows (:meth:`VirtualCluster.warnings`).
+_WORTH_REPORTING = re.compile(r"\b(WARNING|ERROR)\b|Traceback")
 
 
 def _port_open(host: str, port: int) -> bool:

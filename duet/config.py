@@ -476,6 +476,27 @@ class RouterConfig(_Strict):
     arrived by a move stays five of these intervals before rebalancing may move it again."""
 
 
+class ImagesConfig(_Strict):
+    """Bounds on a request's images (vision-language models; a text model refuses images): a
+    request past one is refused with INVALID_ARGUMENT / HTTP 400 naming the image, before any
+    worker sees it."""
+
+    max_per_request: int = Field(default=8, ge=1)
+    """Most images in one request (its messages together)."""
+    max_bytes: int = Field(default=10 * 2**20, ge=1)
+    """Largest image file, as sent (a ``data:`` URL decoded, a fetched URL's body)."""
+    max_pixels: int = Field(default=4096 * 4096, ge=1)
+    """Most pixels (width times height) in one image, read from its header before it is
+    decoded: a small file that decompresses to a huge image is refused."""
+    fetch_domains: list[str] = []
+    """Hosts whose ``http(s)`` image URLs a front door fetches (an exact host name, or
+    ``*.example.com`` for its subdomains). Empty, the default: no URL is fetched, images come
+    as ``data:`` URLs (OpenAI API) or bytes (gRPC), so a request cannot make a front door reach
+    into its network."""
+    fetch_timeout_s: float = Field(default=5.0, gt=0)
+    """How long a front door waits for one image URL's whole body."""
+
+
 class ApiConfig(_Strict):
     """Bounds on what one request may ask of the deployment, beyond what vLLM itself refuses,
     so that a single call cannot occupy it: both APIs refuse a request past them with
@@ -498,6 +519,8 @@ class ApiConfig(_Strict):
     """vLLM's tool-call parser for the model's output (``hermes``, ``llama3_json``, ...): needed
     for ``tool_choice: auto`` as in vLLM's ``--tool-call-parser``; named and required tool
     choices need none (they constrain the output to the tools' JSON schema)."""
+    images: ImagesConfig = ImagesConfig()
+    """A request's images (vision-language models)."""
 
 
 # The sections that describe one served model; ``models:`` lists them once per model.

@@ -93,6 +93,7 @@ def request_service(
     service = RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
     service.tool_parser = tool_parser_class(api.tool_call_parser, tokenizer)
     service.chat_template = chat_template(config)
+    service.image_limits = api.images
     if config.router.rebalance_kv_gap is not None:
         service.rebalancer = Rebalancer(lifecycle, config.router.rebalance_kv_gap, config.router.rebalance_interval_s)
     return service

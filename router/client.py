@@ -35,11 +35,13 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     include_stop_str_in_output: bool = False,
+    images: Iterable[bytes] = (),
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments; exactly one of prompt / prompt_token_ids.
-    Further keywords are ``SamplingParams`` fields (``presence_penalty=0.5``,
-    ``structured_output=pb.StructuredOutput(regex="[a-z]+")``...)."""
+    ``images`` are encoded image files, one per image placeholder in the prompt (a
+    vision-language model). Further keywords are ``SamplingParams`` fields
+    (``presence_penalty=0.5``, ``structured_output=pb.StructuredOutput(regex="[a-z]+")``...)."""
     request = pb.GenerateRequest(
         model=model,
         max_tokens=max_tokens,
@@ -54,6 +56,7 @@ def build_request(
         ),
     )
     request.resume_after.ids.extend(resume_after)
+    request.images.extend(pb.Image(data=data) for data in images)
     if prompt_token_ids is not None:
         request.prompt_token_ids.ids.extend(prompt_token_ids)
     elif prompt is not None:

@@ -22,6 +22,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -38,6 +39,7 @@ from duet.worker_runtime.worker_api import (
 )
 from duet.decode_worker.worker import decode_updates
 from duet.prefill_worker.worker import run_prefill
+from duet.router.image_inputs import EngineImagePrompts
 from duet.router.engine_metrics import read_engine_metrics, registry_bound_stat_logger
 from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket, WorkerGone
 
@@ -241,6 +243,11 @@ class EngineFrontEnd:
             await updates.aclose()
             self._migrated.pop(request_id, None)
             self._finished(request_id)
+
+    @cached_property
+    def image_prompts(self) -> EngineImagePrompts | None:
+        """How the engine's model takes images (None: it takes none), for validation."""
+        return EngineImagePrompts.of(self.engine)
 
     def verify_sampling(self, sampling: SamplingSpec) -> None:
         """Refuse what this engine's own input processing would refuse (vLLM's

@@ -15,6 +15,7 @@ the workers and frees its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ import ssl
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -41,6 +43,7 @@ from duet.router.openai_protocol import (
     completion_to_validated,
     detokenize,
     parse,
+    read_chat_images,
     tokenize,
 )
 from duet.router.served_models import ServedModels
@@ -258,7 +261,10 @@ class OpenAIFrontEnd:
                 parsed: Any = parse(ChatCompletionRequest, body)
                 request_id = parsed.request_id or request_id
                 tools = self._tools(body, parsed, service)
-                prompts = [chat_to_validated(parsed, limits, tokenizer, request_id, service.chat_template, verify, tools)]  # type: ignore[arg-type]
+                images = await read_chat_images(parsed.messages, service.image_check(), service.image_limits)
+                validated = partial(chat_to_validated, parsed, limits, tokenizer, request_id, service.chat_template, verify, tools, images)
+                # Opening images takes a while: off the event loop.
+                prompts = [await asyncio.to_thread(validated) if images is not None else validated()]
                 top_logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
             else:
                 parsed = parse(CompletionRequest, body)

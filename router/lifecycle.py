@@ -273,7 +273,7 @@ class RequestLifecycle:
                         if chunk.finish_reason is None:
                             yield StreamEvent(chunk.token_ids, chunk.text, None, None, chunk.logprobs, chunk.prompt_logprobs)
                             continue
-                        usage = clock.usage(len(request.prompt_token_ids), round_.prefill_worker, round_.decode_worker)
+                        usage = clock.usage(len(request.engine_prompt_ids), round_.prefill_worker, round_.decode_worker)
                         yield StreamEvent(
                             chunk.token_ids, chunk.text, chunk.finish_reason, usage, chunk.logprobs, chunk.prompt_logprobs,
                             chunk.stop_reason,

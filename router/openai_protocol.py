@@ -13,14 +13,17 @@ specification (vllm/entrypoints/openai/*/protocol.py, ``to_sampling_params``).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from duet.config import ImagesConfig
+from duet.router.image_inputs import ImageChecker, image_url_bytes
 from duet.router.proto import duet_api_pb2 as pb
 from duet.router.tool_calls import ToolCalling
 from duet.router.validation import (
-    InvalidRequest, ModelLimits, SamplingVerifier, Tokenizer, UnknownModel, ValidatedRequest, check_model, check_token_ids,
+    ImageCheck, InvalidRequest, ModelLimits, SamplingVerifier, Tokenizer, UnknownModel, ValidatedRequest, check_model, check_token_ids,
     validate,
 )
 
@@ -129,17 +132,40 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # a data: URL, or an http(s) URL on a host api.images.fetch_domains names
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     # Extra fields (tool_calls: null and the like, which chat UIs send back) are ignored.
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def parts(self) -> list[TextPart | ImagePart]:
+        """The content as parts, as vLLM reads it (text alone is one text part, none is none)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+            return list(self.content)
+        return [] if self.content is None else [TextPart(type="text", text=self.content)]
+
+
+@dataclass(frozen=True)
+class ChatImages:
+    """A chat request's images, in the order of their parts, read (router/image_inputs.py)."""
+
+    fields: list[str]  # each one's part, as errors name it ("messages.0.content.1")
+    data: list[bytes]
+    check: ImageChecker  # the model's (it knows the model's placeholder)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -283,10 +309,10 @@ def _structured_output(request: _SamplingFields) -> pb.StructuredOutput | None:
 
 def _validated(
     grpc_request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, prompt_field: str,
-    verify: SamplingVerifier | None,
+    verify: SamplingVerifier | None, check_images: ImageCheck | None = None,
 ) -> ValidatedRequest:
     try:
-        return validate(grpc_request, limits, tokenizer, verify)
+        return validate(grpc_request, limits, tokenizer, verify, check_images)
     except UnknownModel:
         raise  # answered as vLLM answers it (404), not as a bad field
     except InvalidRequest as error:
@@ -353,15 +379,17 @@ def render_chat(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = False,
+    image_placeholder: str = "",
 ) -> list[int]:
     """The prompt's token ids for ``messages``, rendered with the chat template and tokenized
-    without adding special tokens again, as vLLM does (``add_special_tokens``: /tokenize's)."""
+    without adding special tokens again, as vLLM does (``add_special_tokens``: /tokenize's);
+    each image where the template puts it, or as ``image_placeholder``."""
     template = chat_template or tokenizer.chat_template
     if not template:
         raise InvalidRequest(
             "messages", f"model {limits.name!r} has no chat template; set model.chat_template in the config"
         )
-    conversation = [{"role": message.role, "content": message.text()} for message in messages]
+    conversation = chat_conversation(messages, content_format(template), image_placeholder)
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -370,6 +398,77 @@ def render_chat(
     except Exception as error:  # a template's own raise_exception() (e.g. roles out of order)
         raise InvalidRequest("messages", f"the chat template rejected them: {error}") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[call-arg]
+
+
+def content_format(chat_template: str) -> Literal["string", "openai"]:
+    """How the template reads a message's content, as vLLM detects it: as text (``string``),
+    or iterating over parts (``openai``: text parts and ``{"type": "image"}``)."""
+    from vllm.renderers.hf import _detect_content_format
+
+    return _detect_content_format(chat_template, default="string")
+
+
+def chat_conversation(
+    messages: list[ChatMessage], content_format: Literal["string", "openai"], image_placeholder: str = ""
+) -> list[dict[str, Any]]:
+    """The messages as the chat template receives them, as vLLM's chat parsing makes them
+    (vllm/renderers/chat_utils.py): for a ``string`` template, a message's texts joined by
+    newlines, with one ``image_placeholder`` per image in front unless the text already places
+    it; for an ``openai`` one, the parts themselves."""
+    conversation = []
+    for index, message in enumerate(messages):
+        parts = message.parts()
+        if not image_placeholder and any(isinstance(part, ImagePart) for part in parts):
+            position = next(i for i, part in enumerate(parts) if isinstance(part, ImagePart))
+            raise InvalidRequest(f"messages.{index}.content.{position}", "images are taken by chat completions on a vision-language model only")
+        if content_format == "openai":
+            content: Any = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"} for part in parts]
+        else:
+            content = _string_content(parts, image_placeholder)
+        conversation.append({"role": message.role, "content": content})
+    return conversation
+
+
+def _string_content(parts: list[TextPart | ImagePart], placeholder: str) -> str:
+    text = "\n".join(part.text for part in parts if isinstance(part, TextPart))
+    images = sum(isinstance(part, ImagePart) for part in parts)
+    if not images:
+        return text
+    missing = images - text.count(placeholder)
+    if missing < 0:
+        raise InvalidRequest("messages", f"more {placeholder!r} placeholders in the text than images in the message")
+    return "\n".join([placeholder] * missing + ([text] if text else []))
+
+
+async def read_chat_images(messages: list[ChatMessage], check: ImageChecker | None, limits: ImagesConfig) -> ChatImages | None:
+    """The images of ``messages``' ``image_url`` parts, fetched or decoded from their URLs;
+    None without images. Refused naming the part: on a model that takes none (``check`` None),
+    past ``api.images.max_per_request``, or a URL it may not or cannot fetch."""
+    fields = [
+        f"messages.{index}.content.{position}"
+        for index, message in enumerate(messages) for position, part in enumerate(message.parts())
+        if isinstance(part, ImagePart)
+    ]
+    if not fields:
+        return None
+    if check is None:
+        raise InvalidRequest(fields[0], "this model takes no images (it is not a vision-language model)")
+    if len(fields) > limits.max_per_request:
+        raise InvalidRequest(fields[limits.max_per_request], f"{len(fields)} images; at most {limits.max_per_request} (api.images.max_per_request)")
+    urls = [part.image_url.url for message in messages for part in message.parts() if isinstance(part, ImagePart)]
+    data = [await image_url_bytes(url, field, limits) for url, field in zip(urls, fields)]
+    return ChatImages(fields, data, check)
+
+
+def _checked_images(images: ChatImages, prompt_ids: list[int]) -> list[int]:
+    """The prompt as the engine computes it, its images checked; a bad one refused naming its
+    part (``messages.0.content.1``), a count that does not match naming the messages."""
+    try:
+        return images.check(prompt_ids, images.data)
+    except InvalidRequest as error:
+        index = error.field.removeprefix("images.")
+        field = images.fields[int(index)] if index.isdigit() else "messages"
+        raise InvalidRequest(field, error.problem) from None
 
 
 class LoadLoraAdapterRequest(_Strict):
@@ -438,22 +537,34 @@ def chat_to_validated(
     chat_template: str | None = None,
     verify: SamplingVerifier | None = None,
     tools: ToolCalling | None = None,
+    images: ChatImages | None = None,
 ) -> ValidatedRequest:
     """The validated request for a chat request; ``tools`` (:class:`ToolCalling`, from its
-    ``tools`` and ``tool_choice``) go to the chat template and constrain the output."""
+    ``tools`` and ``tool_choice``) go to the chat template and constrain the output; its
+    ``images`` (:func:`read_chat_images`) are opened and checked, so call it off the event
+    loop when there are any."""
     _unsupported(request, {})
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs", "needs logprobs set to true")
     template_tools = tools.template_tools() if tools is not None else None
-    prompt_ids = render_chat(request.messages, tokenizer, limits, chat_template, request.add_generation_prompt, template_tools)
+    placeholder = images.check.prompts.placeholder if images is not None else ""
+    prompt_ids = render_chat(
+        request.messages, tokenizer, limits, chat_template, request.add_generation_prompt, template_tools,
+        image_placeholder=placeholder,
+    )
     if request.max_completion_tokens is not None and request.max_tokens is not None:
         raise InvalidRequest("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
     max_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    expanded = _checked_images(images, prompt_ids) if images is not None else prompt_ids
+    # Validation's image check, already made: its answer.
+    check = (lambda _ids, _data: expanded) if images is not None else None
     if max_tokens is None:
-        max_tokens = max(1, limits.max_model_len - len(prompt_ids))
+        max_tokens = max(1, limits.max_model_len - len(expanded))
     grpc_request = _grpc_request(request, max_tokens, request_id)
     grpc_request.prompt_token_ids.ids.extend(prompt_ids)
+    if images is not None:
+        grpc_request.images.extend(pb.Image(data=data) for data in images.data)
     tool_constraint = tools.constraint() if tools is not None else None
     if tool_constraint is not None:  # as vLLM: a forced tool call overrides response_format
         kind, value = tool_constraint
@@ -463,8 +574,10 @@ def chat_to_validated(
     if request.logprobs:  # vLLM: the sampled token's, and top_logprobs alternatives
         grpc_request.logprobs = request.top_logprobs or 0
     try:
-        return _validated(grpc_request, limits, tokenizer, "messages", verify)
+        return _validated(grpc_request, limits, tokenizer, "messages", verify, check)
     except InvalidRequest as error:
+        if error.field == "images":
+            raise InvalidRequest("messages", error.problem) from None
         if error.field == "max_tokens":
             raise InvalidRequest(max_field, error.problem) from None
         if error.field == "logprobs":

@@ -76,11 +76,19 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def _token_ids(self, choice: dict[str, Any], index: int, token_ids: list[int], first: bool) -> dict[str, Any]:
+        """``return_token_ids``: a choice's tokens, and a completion choice's prompt (a chat's
+        is the reply's own: :meth:`_prompt_token_ids`), as vLLM places them."""
         if self.return_token_ids:
             choice["token_ids"] = token_ids
-            if first:
-                choice["prompt_token_ids"] = self._prompt(index).prompt_token_ids
+            if first and not self.chat:
+                choice["prompt_token_ids"] = self._prompt(index).engine_prompt_ids
         return choice
+
+    def _prompt_token_ids(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A chat reply's prompt (``return_token_ids``), on the whole reply or its first chunk."""
+        if self.chat and self.return_token_ids:
+            body["prompt_token_ids"] = self.request.engine_prompt_ids
+        return body
 
     def _echoed(self, index: int, first: bool, token_ids: list[int], text: str, logprobs: list[Any] | None,
                 prompt_logprobs: list[Any] | None) -> tuple[list[int], str, list[Any] | None]:
@@ -119,7 +127,7 @@ class Reply:
                     "finish_reason": sequence.finish, "stop_reason": sequence.stop_reason,
                 }
             choices.append(self._token_ids(choice, index, sequence.token_ids, first=True))
-        body = self._envelope(self.object, choices)
+        body = self._prompt_token_ids(self._envelope(self.object, choices))
         body["usage"] = self._usage(sequences)
         return body
 
@@ -159,6 +167,8 @@ class Reply:
         """A chat choice's first chunk: the assistant's role, no content yet."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         body = self._envelope(self.object + ".chunk", [choice])
+        if index == 0:
+            self._prompt_token_ids(body)
         if with_usage_field:
             body["usage"] = None
         return body
@@ -171,7 +181,7 @@ class Reply:
     def _usage(self, sequences: dict[int, Sequence]) -> dict[str, int]:
         """vLLM's counts: each prompt once, every choice's tokens (a resumed stream's usage
         counts what that call sent)."""
-        prompt_tokens = sum(len(prompt.prompt_token_ids) for prompt in self.prompts)
+        prompt_tokens = sum(len(prompt.engine_prompt_ids) for prompt in self.prompts)
         completion_tokens = sum(
             sequence.usage.completion_tokens if sequence.usage is not None else len(sequence.token_ids)
             for sequence in sequences.values()

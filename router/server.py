@@ -30,7 +30,7 @@ from duet.router.proto import duet_api_pb2 as pb
 from duet.router.served_models import ServedModels
 from duet.router.serving import Overloaded, RequestService, Unavailable, sequences
 from duet.router.tls import grpc_server_credentials
-from duet.router.validation import InvalidRequest, validate
+from duet.router.validation import InvalidRequest
 from duet.worker_runtime.worker_api import PositionLogprobs
 from duet.router.wire import describe_decode_error
 
@@ -131,7 +131,7 @@ class DuetServicer:
             await refuse_malformed(request, context)
         try:
             service = self.models.for_model(request.model)
-            validated = validate(request, service.limits, service.tokenizer, service.verify_sampling)
+            validated = await service.validate(request)
             await service.check_constraints([validated])
         except InvalidRequest as error:
             self.service.cluster.reject("invalid")

@@ -16,13 +16,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from duet.router.auth import Caller, Gatekeeper, ModelNotAllowed, QuotaExceeded, Unauthenticated
+from duet.config import ImagesConfig
+from duet.router.image_inputs import ImageChecker
 from duet.router.lifecycle import RequestCrashesEngines, RequestFailed, RequestLifecycle, StreamEvent
 from duet.router.rebalancer import Rebalancer
 from duet.router.load_meter import LoadMeter
 from duet.router.lora_adapters import AdapterAdmin
 from duet.router.pools import NoWorkerAvailable
 from duet.router.status import ClusterView
-from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, ValidatedRequest, verify_spec
+from duet.router.proto import duet_api_pb2 as pb
+from duet.router.validation import InvalidRequest, ModelLimits, Tokenizer, ValidatedRequest, validate, verify_spec
 from duet.worker_runtime.worker_api import SamplingSpec, ServedAdapter
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,8 @@ class RequestService:
     # Set when its model is removed from a running deployment: a request that chose this
     # service a moment before is refused rather than started on workers about to go.
     retired: bool = False
+    # The config's api.images: bounds on a request's images (router/image_inputs.py).
+    image_limits: ImagesConfig = field(default_factory=ImagesConfig)
 
     def set_adapters(self, adapters: tuple[ServedAdapter, ...]) -> None:
         """Serve exactly these LoRA adapters from now on (the control plane's list)."""
@@ -80,6 +85,22 @@ class RequestService:
         process (router/engine_front_end.py), all but the structured-output constraint's
         compilation (:meth:`check_constraints`); nothing where no vLLM engine serves (SIMULATED)."""
         self._engine_verify(replace(sampling, structured_kind="", structured_value=""))
+
+    async def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
+        """A gRPC ``request`` checked (router/validation.py); one with images off the event
+        loop, as opening them takes a while."""
+        if not request.images:
+            return validate(request, self.limits, self.tokenizer, self.verify_sampling)
+        return await asyncio.to_thread(validate, request, self.limits, self.tokenizer, self.verify_sampling, self.image_check())
+
+    def image_check(self) -> ImageChecker | None:
+        """Validation's check of a prompt's images, by a worker's engine front end in this
+        process; None if the model takes no images (or no vLLM engine serves it)."""
+        for member in self.lifecycle.decode_pool.members:
+            if hasattr(member.engine, "image_prompts"):
+                prompts = member.engine.image_prompts
+                return None if prompts is None else ImageChecker(prompts, self.image_limits)
+        return None
 
     def _engine_verify(self, sampling: SamplingSpec) -> None:
         for member in self.lifecycle.decode_pool.members:

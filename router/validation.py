@@ -75,6 +75,15 @@ class ValidatedRequest:
     # A batch job's request (batch/runner.py): nobody waits for its first token, so it is never
     # prefilled on a decode worker, whose streams that would stall (conditional disaggregation).
     background: bool = False
+    # A prompt with images as the engine computes it, each image placeholder expanded into the
+    # image's tokens (the engines are sent prompt_token_ids and the images, and expand it
+    # themselves). None: a prompt without images, computed as it is.
+    expanded_prompt_ids: list[int] | None = None
+
+    @property
+    def engine_prompt_ids(self) -> list[int]:
+        """The prompt's tokens as the engine computes them: what usage counts and replies show."""
+        return self.expanded_prompt_ids if self.expanded_prompt_ids is not None else self.prompt_token_ids
 
 
 # vLLM refuses a temperature above this (SamplingParams._verify_args); refused here, naming the
@@ -86,6 +95,12 @@ MAX_TEMPERATURE = 2.0
 # the engine's front end in this process: router/engine_front_end.py); raises vLLM's
 # validation error. None where no vLLM engine serves (SIMULATED workers).
 SamplingVerifier = Callable[[SamplingSpec], None]
+
+# Checks a prompt's images (router/image_inputs.py, bound to the served model and the config's
+# api.images): given the prompt's token ids and the images' bytes, returns the prompt as the
+# engine computes it (each image placeholder expanded into the image's tokens), or raises
+# InvalidRequest naming the image. None: the model takes no images.
+ImageCheck = Callable[[list[int], list[bytes]], list[int]]
 
 # vLLM's parameter names (VLLMValidationError.parameter) as this API's field paths.
 _GRPC_FIELDS = {
@@ -99,12 +114,16 @@ _GRPC_FIELDS = {
 
 
 def validate(
-    request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, verify: SamplingVerifier | None = None
+    request: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, verify: SamplingVerifier | None = None,
+    check_images: ImageCheck | None = None,
 ) -> ValidatedRequest:
-    """Check ``request`` field by field; raise :class:`InvalidRequest` on the first problem."""
+    """Check ``request`` field by field; raise :class:`InvalidRequest` on the first problem.
+    A request with images opens each one: call it off the event loop."""
     adapter = check_model(request.model, limits)
     prompt_ids = _prompt_token_ids(request, limits, tokenizer)
-    max_tokens = _max_tokens(request.max_tokens, len(prompt_ids), limits)
+    images = [image.data for image in request.images]
+    expanded = _expanded_prompt(prompt_ids, images, limits, check_images)
+    max_tokens = _max_tokens(request.max_tokens, len(expanded if expanded is not None else prompt_ids), limits)
     resume_after = _resume_after(request, limits, max_tokens)
     n = request.n or 1
     if not 1 <= n <= limits.max_n:
@@ -162,6 +181,7 @@ def validate(
         lora_name=adapter.name if adapter else "",
         lora_id=adapter.lora_id if adapter else 0,
         lora_path=adapter.path if adapter else "",
+        images=tuple(images),
     )
     verify_spec(spec, verify)
     return ValidatedRequest(
@@ -170,6 +190,7 @@ def validate(
         sampling=spec,
         resume_after=resume_after,
         n=n,
+        expanded_prompt_ids=expanded,
     )
 
 
@@ -298,6 +319,23 @@ def _prompt_token_ids(request: pb.GenerateRequest, limits: ModelLimits, tokenize
             "(the prompt must leave room for at least one generated token)",
         )
     return ids
+
+
+def _expanded_prompt(prompt_ids: list[int], images: list[bytes], limits: ModelLimits, check: ImageCheck | None) -> list[int] | None:
+    """The prompt with its images each expanded into the image's tokens; None without images."""
+    if not images:
+        return None
+    if check is None:
+        raise InvalidRequest("images", f"model {limits.name!r} takes no images (it is not a vision-language model)")
+    expanded = check(prompt_ids, images)
+    length = len(expanded)
+    if length >= limits.max_model_len:
+        raise InvalidRequest(
+            "images",
+            f"the prompt with its images is {length} tokens, which does not fit the model's context of "
+            f"{limits.max_model_len} tokens (the prompt must leave room for at least one generated token)",
+        )
+    return expanded
 
 
 def _max_tokens(max_tokens: int, prompt_len: int, limits: ModelLimits) -> int:

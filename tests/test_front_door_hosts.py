@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -165,12 +166,16 @@ def test_front_door_killed_mid_stream_loses_no_request(cluster: VirtualCluster, 
     back_s = time.monotonic() - killed_at
     wait_for(lambda: cluster.serves(first), 60, "the replacement serving on its host's port")
     with DuetClient(first, api_key=cluster.secrets.api_key) as client:
-        got, last = client.generate_ids(build_request(prompt_token_ids=prompts[0], max_tokens=MAX_TOKENS, ignore_eos=True), timeout=300)
+        try:
+            got, last = client.generate_ids(build_request(prompt_token_ids=prompts[0], max_tokens=MAX_TOKENS, ignore_eos=True), timeout=120)
+        except grpc.RpcError as error:  # once in CI (stop 67): it hung; what the processes saw, for next time
+            pytest.fail(f"the replacement front door did not serve: {error.code()}\n{cluster.warnings()}")
         status = client.status()
     assert got == expected[0], "the replacement front door did not serve exactly"
     restarts_after = {w.name: w.restarts for pool in status.pools for w in pool.workers}
     assert restarts_after == restarts_before, "an engine was restarted"
     assert status.front_ends[victim.index - 1].restarts == 1
+    assert f"front door {victim.index} (pid {victim.pid}) died" in cluster.warnings(), "the report has the control plane's warning"
     print(
         f"front door on {victim.host} killed under {STREAMS} streams: {resumed} resumed on the other host "
         f"(longest pause {pause_s:.2f} s), all {STREAMS} token-identical; OpenAI streams: "

@@ -1,5 +1,5 @@
 """The built-in models are deterministic and cached; the text model loads in transformers as in
-vLLM (the vision model's own tests: test_tiny_vision_model.py)."""
+vLLM (the vision model's own tests: test_vision_language.py)."""
 
 from __future__ import annotations
 

@@ -151,10 +151,20 @@ class SamplingSpec:
     lora_name: str = ""
     lora_id: int = 0
     lora_path: str = ""
+    # The prompt's images (encoded files, one per image placeholder in the prompt, in order):
+    # they ride with the sampling for the same reason, every engine must see them
+    # (worker_runtime/images.py).
+    images: tuple[bytes, ...] = ()
 
     def lora_request(self) -> Any:
         """vLLM's ``LoRARequest`` for the adapter, or None for the base model."""
         return vllm_lora_request(self.lora_name, self.lora_id, self.lora_path) if self.lora_name else None
+
+    def engine_prompt(self, prompt_token_ids: list[int]) -> dict[str, Any]:
+        """vLLM's prompt for ``prompt_token_ids`` with this request's images."""
+        from duet.worker_runtime.images import engine_prompt
+
+        return engine_prompt(prompt_token_ids, self.images)
 
     def for_prefill(self) -> "SamplingSpec":
         """The prefill half: the same sampling, one token (so the first token is sampled under

@@ -74,6 +74,7 @@ def sampling_from_wire(fields: list[Any]) -> SamplingSpec:
         logit_bias=tuple((int(token), float(bias)) for token, bias in spec.logit_bias),
         bad_words=tuple(spec.bad_words),
         allowed_token_ids=tuple(spec.allowed_token_ids),
+        images=tuple(spec.images),
     )
 
 

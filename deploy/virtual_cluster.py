@@ -177,13 +177,15 @@ class VirtualCluster:
         return DuetClient(self.targets, api_key=self.secrets.api_key)
 
     def warnings(self, lines_per_host: int = 20) -> str:
-        """The last warnings and errors each host logged (its node's output, with duet's control
-        plane on the head, and its Ray workers': front doors, engines), for a failing test's
-        report: what those processes saw goes to their hosts' logs, not to the test."""
+        """The last of duet's warnings and every error each host logged (its node's output, and
+        its Ray workers': the control plane on the head, front doors, engines), for a failing
+        test's report: what those processes saw goes to their hosts' logs, not to the test."""
         report = []
         for host in self._groups:
             root = self.network[host].root
-            logs = [root / "logs" / "node.log", *sorted((root / "ray-tmp" / "session_latest" / "logs").glob("worker-*"))]
+            # Ray's session_latest links to /tmp/ray as the host's own mounts see it: read the
+            # session folder itself.
+            logs = [root / "logs" / "node.log", *sorted(root.glob("ray-tmp/session_2*/logs/worker-*"))]
             found = [
                 f"{path.name}: {line}"
                 for path in logs if path.suffix in (".log", ".out", ".err") and path.is_file()
@@ -202,8 +204,9 @@ class VirtualCluster:
             time.sleep(0.5)
 
 
-# A log line a failing test's report shows (:meth:`VirtualCluster.warnings`).
-_WORTH_REPORTING = re.compile(r"\b(WARNING|ERROR)\b|Traceback")
+# A log line a failing test's report shows (:meth:`VirtualCluster.warnings`): duet's own
+# warnings, and every error (vLLM's start-up warnings would crowd them out).
+_WORTH_REPORTING = re.compile(r"\bWARNING duet\.|\bERROR\b|Traceback")
 
 
 def _port_open(host: str, port: int) -> bool:

@@ -120,9 +120,12 @@ async def image_url_bytes(url: str, field: str, limits: ImagesConfig) -> bytes:
     if url.startswith("data:"):
         return data_url_bytes(url, field)
     if not fetchable(url, limits):
+        parts = urlsplit(url)
         if not limits.fetch_domains:
             raise InvalidRequest(field, "this server fetches no image URLs: send the image as a data: URL (api.images.fetch_domains)")
-        raise InvalidRequest(field, f"{urlsplit(url).hostname or url!r} is not a host this server fetches images from (api.images.fetch_domains)")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidRequest(field, "must be a data: URL or an http(s) URL on a host api.images.fetch_domains names")
+        raise InvalidRequest(field, f"{parts.hostname!r} is not a host this server fetches images from (api.images.fetch_domains)")
     return await _fetch(url, field, limits)
 
 

@@ -421,8 +421,10 @@ def chat_conversation(
         if not image_placeholder and any(isinstance(part, ImagePart) for part in parts):
             position = next(i for i, part in enumerate(parts) if isinstance(part, ImagePart))
             raise InvalidRequest(f"messages.{index}.content.{position}", "images are taken by chat completions on a vision-language model only")
-        if content_format == "openai":
-            content: Any = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"} for part in parts]
+        if content_format == "openai" and message.role == "tool" and all(isinstance(part, TextPart) for part in parts):
+            content: Any = "\n".join(part.text for part in parts)  # vLLM gives a tool's result as text
+        elif content_format == "openai":
+            content = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"} for part in parts]
         else:
             content = _string_content(parts, image_placeholder)
         conversation.append({"role": message.role, "content": content})

@@ -57,7 +57,8 @@ async def decode_updates(
     skip_first = first_token_id is not None
     prompt_logprobs_due = sampling.prompt_logprobs is not None
     async for output in engine.generate(
-        sampling.engine_prompt(prompt_token_ids), params, request_id, lora_request=sampling.lora_request()
+        sampling.engine_prompt(prompt_token_ids), params, request_id, lora_request=sampling.lora_request(),
+        priority=sampling.priority,
     ):
         completion = output.outputs[0]
         token_ids, text = list(completion.token_ids), completion.text

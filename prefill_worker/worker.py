@@ -46,7 +46,8 @@ async def run_prefill(
     params = make_params(sampling.for_prefill(), transfer_params, False)
     final: Any = None
     async for output in engine.generate(
-        sampling.engine_prompt(prompt_token_ids), params, request_id, lora_request=sampling.lora_request()
+        sampling.engine_prompt(prompt_token_ids), params, request_id, lora_request=sampling.lora_request(),
+        priority=sampling.priority,
     ):
         final = output
     completion = final.outputs[0]

@@ -51,6 +51,7 @@ from duet.router.serving import Overloaded, RequestService, Unavailable, sequenc
 from duet.router.openai_replies import Reply, Sequence
 from duet.router.tool_calls import ToolCalling
 from duet.router.validation import InvalidRequest, UnknownModel, ValidatedRequest
+from duet.worker_runtime.worker_api import BATCH_PRIORITY
 
 logger = logging.getLogger(__name__)
 
@@ -318,8 +319,11 @@ class PreparedRequest:
         return [sequence for prompt in self.prompts for sequence in sequences(prompt)]
 
     def in_background(self) -> None:
-        """Make it a batch job's request (:attr:`ValidatedRequest.background`)."""
-        self.prompts = [replace(prompt, background=True) for prompt in self.prompts]
+        """Make it a batch job's request (:attr:`ValidatedRequest.background`), which every
+        engine serves after online ones (:data:`BATCH_PRIORITY`)."""
+        self.prompts = [
+            replace(prompt, background=True, sampling=replace(prompt.sampling, priority=BATCH_PRIORITY)) for prompt in self.prompts
+        ]
 
 
 def _accumulate(sequence: Sequence, event: StreamEvent) -> None:

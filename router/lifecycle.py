@@ -167,6 +167,13 @@ class _Round:
     handed_off_at: float = 0.0
     # A batch job's request: prefilled on the prefill pool whatever its queue (ValidatedRequest.background).
     background: bool = False
+    # Tokens its images add to its prompt in the engine (each placeholder expanded).
+    image_tokens: int = 0
+
+    @property
+    def context_tokens(self) -> int:
+        """Its prompt's length as the engine computes it: what it costs a worker."""
+        return len(self.prompt_token_ids) + self.image_tokens
 
 
 @dataclass(frozen=True)
@@ -340,6 +347,7 @@ class RequestLifecycle:
             sampling=_rest_of(request.sampling, len(sent)) if sent else request.sampling,
             moved=moved,
             background=request.background,
+            image_tokens=len(request.engine_prompt_ids) - len(request.prompt_token_ids),
         )
 
     def decoding(self) -> list[Decoding]:
@@ -402,7 +410,7 @@ class RequestLifecycle:
         )
         if round_.moved is not None:
             return self._moved_round(round_, decode_worker, round_.moved)
-        if self.prefill_pool is None or not (round_.background or self._prefill_remotely(decode_worker, len(prompt))):
+        if self.prefill_pool is None or not (round_.background or self._prefill_remotely(decode_worker, round_.context_tokens)):
             round_.prefill_worker = round_.decode_worker = decode_worker.name
             return self._decode(decode_worker, round_, None, kv_transfer_params=None)
         return self._disaggregated_round(round_, decode_worker)
@@ -431,7 +439,7 @@ class RequestLifecycle:
         guard, assigned_to, request_id = self.local_prefill_guard, decode_worker.name, round_.request_id
         guard.stream_assigned(assigned_to, request_id, round_.sampling.max_tokens)
         try:
-            with decode_worker.assign(len(prompt)):  # counted there from now, not once its KV arrives
+            with decode_worker.assign(round_.context_tokens):  # counted there from now, not once its KV arrives
                 prefill_worker = await self.prefill_pool.acquire(
                     self.policy.worker_wait_s, prompt, adapter=round_.sampling.lora_name
                 )
@@ -509,17 +517,17 @@ class RequestLifecycle:
         engine = _engine_of(self.prefill_pool, worker)
         alone, started = worker.outstanding_tokens == 0, time.perf_counter()
         worker.inflight += 1
-        worker.outstanding_tokens += len(round_.prompt_token_ids)
+        worker.outstanding_tokens += round_.context_tokens
         try:
             result = await engine.prefill(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
             if alone:  # nothing queued with it: what a prompt costs (the guard's estimate)
-                self.local_prefill_guard.prefilled(len(round_.prompt_token_ids), time.perf_counter() - started)
+                self.local_prefill_guard.prefilled(round_.context_tokens, time.perf_counter() - started)
             return result
         except (EngineLost, EngineRejected) as error:
             raise self._worker_failure(self.prefill_pool, worker, engine, error) from error
         finally:
             worker.inflight -= 1
-            worker.outstanding_tokens -= len(round_.prompt_token_ids)
+            worker.outstanding_tokens -= round_.context_tokens
 
     async def _decode(
         self,
@@ -531,13 +539,13 @@ class RequestLifecycle:
         """Start the request on ``worker`` and relay its tokens as they arrive from it."""
         engine = _engine_of(self.decode_pool, worker)
         worker.inflight += 1
-        worker.outstanding_tokens += len(round_.prompt_token_ids)
+        worker.outstanding_tokens += round_.context_tokens
         self._decoding[round_.request_id] = Decoding(
-            round_.request_id, worker, engine, len(round_.prompt_token_ids),
+            round_.request_id, worker, engine, round_.context_tokens,
             moved_in_at=time.monotonic() if round_.moved is not None else None,
         )
         # Without transfer parameters the worker computes the prompt itself, until its first token.
-        prefilling = len(round_.prompt_token_ids) if kv_transfer_params is None else 0
+        prefilling = round_.context_tokens if kv_transfer_params is None else 0
         worker.local_prefill_tokens += prefilling
         chunks = engine.decode(
             round_.request_id,
@@ -567,7 +575,7 @@ class RequestLifecycle:
             self._decoding.pop(round_.request_id, None)
             guard.stream_ended(worker.name, round_.request_id)
             worker.inflight -= 1
-            worker.outstanding_tokens -= len(round_.prompt_token_ids)
+            worker.outstanding_tokens -= round_.context_tokens
             worker.local_prefill_tokens -= prefilling
             await chunks.aclose()  # aborts the request in the engine unless it finished
 

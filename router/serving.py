@@ -162,7 +162,7 @@ class RequestService:
                 self.cluster.reject("overloaded", model)
                 raise Overloaded(f"{self.cluster.inflight} requests in flight (limit {self.max_inflight}); retry later")
             self.cluster.admit(model)
-            handle = self.load.arrived(len(request.prompt_token_ids))
+            handle = self.load.arrived(len(request.engine_prompt_ids))
             outcome, usage, first = "failed", None, True
             try:
                 # aclosing: a consumer that stops early aborts the request on its workers now,

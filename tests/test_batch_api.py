@@ -251,3 +251,30 @@ def test_duet_batch_writes_the_results_beside_the_file(deployment, model, tmp_pa
     nobody = subprocess.run([sys.executable, "-m", "duet.cli", "batch", str(source), "--url", "http://127.0.0.1:9"],
                             capture_output=True, text=True, timeout=60)
     assert nobody.returncode == 2 and "no duet HTTP API at http://127.0.0.1:9" in nobody.stderr
+
+
+def test_engines_serve_online_prompts_before_a_batch_jobs(reference):
+    """duet's engines schedule by priority (worker_runtime/engine.py), and a batch line is a
+    request of BATCH_PRIORITY: a batch prompt still waiting in the engine's queue waits behind
+    an online one that arrived after it (first come, first served would compute it first). The
+    engine is the suite's colocated reference, which has duet's engine settings.
+
+    Four 1,100-token prompts, three batch then one online; a step's budget (2,048 tokens) holds
+    one whole and part of another. The engine starts on the first as soon as it arrives, and
+    the second may join that step; the third (the last batch prompt) is still waiting when the
+    online one arrives, and its prefill cannot end in the step where the online one's does."""
+    from vllm import SamplingParams
+
+    from duet.router.http_server import PreparedRequest
+    from duet.router.validation import ValidatedRequest
+    from duet.worker_runtime.worker_api import BATCH_PRIORITY, SamplingSpec
+
+    line = PreparedRequest(None, None, [ValidatedRequest("r", [5, 6], SamplingSpec(max_tokens=2))], None)  # type: ignore[arg-type]
+    line.in_background()
+    assert line.prompts[0].background and line.prompts[0].sampling.priority == BATCH_PRIORITY
+    prompts = [{"prompt_token_ids": [(31 * index + offset) % 650 + 3 for offset in range(1100)]} for index in range(4)]
+    outputs = reference.llm.generate(
+        prompts, SamplingParams(max_tokens=1), priority=[BATCH_PRIORITY] * 3 + [0], use_tqdm=False
+    )
+    first_token_at = [output.metrics.first_token_ts for output in outputs]
+    assert first_token_at[3] < first_token_at[2], first_token_at

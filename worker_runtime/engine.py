@@ -53,6 +53,10 @@ def engine_kwargs(
         "pipeline_parallel_size": pipeline_parallel,
         "kv_cache_memory_bytes": int(kv_cache_gib * _GIB),
         "disable_log_stats": False,  # the workers read vLLM's metrics for status and tests
+        # Requests carry a priority (SamplingSpec.priority): a batch job's wait behind online
+        # requests in every engine's queue, and are preempted first when KV runs out. Requests
+        # of one priority are served in arrival order, as vLLM's default policy serves them.
+        "scheduling_policy": "priority",
     }
     if model.max_model_len is not None:
         kwargs["max_model_len"] = model.max_model_len

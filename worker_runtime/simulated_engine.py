@@ -162,10 +162,11 @@ class SimulatedEngine:
     # ---- the AsyncLLM interface the workers use -------------------------------------------
 
     async def generate(
-        self, inputs: dict[str, Any], params: SimulatedParams, request_id: str, lora_request: Any = None
+        self, inputs: dict[str, Any], params: SimulatedParams, request_id: str, lora_request: Any = None, priority: int = 0
     ) -> AsyncIterator[_Output]:
-        """``AsyncLLM.generate``'s shape; ``lora_request`` is accepted and ignored (no model is
-        computed here, so an adapter changes nothing a simulation measures)."""
+        """``AsyncLLM.generate``'s shape; ``lora_request`` and ``priority`` are accepted and
+        ignored (no model is computed here, so an adapter changes nothing a simulation measures;
+        its queue is first come, first served)."""
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="simulated-engine")
         prompt = list(inputs["prompt_token_ids"])

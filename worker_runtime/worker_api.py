@@ -14,6 +14,10 @@ from typing import Any, Literal
 FinishReason = Literal["length", "stop", "abort", "error"]
 
 
+# The priority of a batch job's requests (batch/runner.py): after every online request.
+BATCH_PRIORITY = 1
+
+
 class EngineAborted(RuntimeError):
     """The engine ended a request as aborted: it was cancelled, or its worker was found dead."""
 
@@ -155,6 +159,9 @@ class SamplingSpec:
     # they ride with the sampling for the same reason, every engine must see them
     # (worker_runtime/images.py).
     images: tuple[bytes, ...] = ()
+    # vLLM's request priority, lower first (engines run the "priority" scheduling policy): a
+    # batch job's requests have BATCH_PRIORITY, so every engine serves online ones first.
+    priority: int = 0
 
     def lora_request(self) -> Any:
         """vLLM's ``LoRARequest`` for the adapter, or None for the base model."""

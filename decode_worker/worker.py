@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from duet.worker_runtime.engine_host import EngineCoreHost
 from duet.worker_runtime.simulated_host import SimulatedHost
+from duet.worker_runtime.images import opened_prompt
 from duet.worker_runtime.worker_api import DecodeChunk, SamplingSpec, logprobs_of
 from duet.worker_runtime.worker_channel import Message
 from duet.prefill_worker.worker import ParamsFactory
@@ -57,7 +58,7 @@ async def decode_updates(
     skip_first = first_token_id is not None
     prompt_logprobs_due = sampling.prompt_logprobs is not None
     async for output in engine.generate(
-        sampling.engine_prompt(prompt_token_ids), params, request_id, lora_request=sampling.lora_request(),
+        await opened_prompt(prompt_token_ids, sampling.images), params, request_id, lora_request=sampling.lora_request(),
         priority=sampling.priority,
     ):
         completion = output.outputs[0]

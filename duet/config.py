@@ -484,7 +484,9 @@ class ImagesConfig(_Strict):
     max_per_request: int = Field(default=8, ge=1)
     """Most images in one request (its messages together)."""
     max_bytes: int = Field(default=10 * 2**20, ge=1)
-    """Largest image file, as sent (a ``data:`` URL decoded, a fetched URL's body)."""
+    """Largest image file, as sent (a ``data:`` URL decoded, a fetched URL's body). The whole
+    request is bounded as well: by ``server.http_max_body_bytes`` over HTTP (base64 makes an
+    image a third larger) and by gRPC's 4 MiB message limit."""
     max_pixels: int = Field(default=4096 * 4096, ge=1)
     """Most pixels (width times height) in one image, read from its header before it is
     decoded: a small file that decompresses to a huge image is refused."""

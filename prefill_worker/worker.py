@@ -18,6 +18,7 @@ from typing import Any, Callable
 from duet.config import KVTransferConfig
 from duet.worker_runtime.engine_host import EngineCoreHost
 from duet.worker_runtime.simulated_host import SimulatedHost
+from duet.worker_runtime.images import opened_prompt
 from duet.worker_runtime.worker_api import EngineAborted, PrefillResult, SamplingSpec, logprobs_of
 from duet.kv_transfer.config import prefill_request_params
 
@@ -46,7 +47,7 @@ async def run_prefill(
     params = make_params(sampling.for_prefill(), transfer_params, False)
     final: Any = None
     async for output in engine.generate(
-        sampling.engine_prompt(prompt_token_ids), params, request_id, lora_request=sampling.lora_request(),
+        await opened_prompt(prompt_token_ids, sampling.images), params, request_id, lora_request=sampling.lora_request(),
         priority=sampling.priority,
     ):
         final = output

@@ -262,7 +262,7 @@ class OpenAIFrontEnd:
                 parsed: Any = parse(ChatCompletionRequest, body)
                 request_id = parsed.request_id or request_id
                 tools = self._tools(body, parsed, service)
-                images = await read_chat_images(parsed.messages, service.image_check(), service.image_limits)
+                images = await read_chat_images(parsed.messages, service.image_check, service.image_limits)
                 validated = partial(chat_to_validated, parsed, limits, tokenizer, request_id, service.chat_template, verify, tools, images)
                 # Opening images takes a while: off the event loop.
                 prompts = [await asyncio.to_thread(validated) if images is not None else validated()]

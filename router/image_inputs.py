@@ -5,8 +5,8 @@ parts (``data:`` URLs; ``http(s)`` URLs only from the hosts ``api.images.fetch_d
 the gRPC API as bytes. Each image is bounded in count, bytes and pixels (``api.images``), opened
 to prove it is one, and counted against the prompt's image placeholders; the prompt is then
 expanded as the engine will expand it, each placeholder into the image's tokens, by vLLM's own
-processor: its length is what the context must hold and what usage counts. A bad image is refused naming it (``images.1``, ``messages.0.content.2``), as any
-other bad field is.
+processor: its length is what the context must hold and what usage counts. A bad image is
+refused naming it (``images.1``, ``messages.0.content.2``), as any other bad field is.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import asyncio
 import base64
 import binascii
 import fnmatch
-from typing import Any, Protocol
 from dataclasses import dataclass
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from duet.config import ImagesConfig
@@ -133,7 +133,7 @@ async def _fetch(url: str, field: str, limits: ImagesConfig) -> bytes:
     import httpx
 
     try:
-        async with asyncio.timeout(limits.fetch_timeout_s), httpx.AsyncClient(follow_redirects=False) as http:
+        async with asyncio.timeout(limits.fetch_timeout_s), httpx.AsyncClient(follow_redirects=False, trust_env=False) as http:
             async with http.stream("GET", url) as response:
                 if response.status_code != 200:
                     raise InvalidRequest(field, f"fetching {url} answered HTTP {response.status_code}")
@@ -145,7 +145,7 @@ async def _fetch(url: str, field: str, limits: ImagesConfig) -> bytes:
                 return bytes(body)
     except (TimeoutError, httpx.TimeoutException):
         raise InvalidRequest(field, f"{url} did not answer within {limits.fetch_timeout_s:g} s (api.images.fetch_timeout_s)") from None
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
         raise InvalidRequest(field, f"{url} could not be fetched: {error}") from None
 
 
@@ -164,11 +164,22 @@ class EngineImagePrompts:
 
     @classmethod
     def of(cls, engine: Any) -> "EngineImagePrompts | None":
-        """The engine's image handling; None if its model takes no images."""
-        return cls(engine) if engine.model_config.is_multimodal_model else None
+        """The engine's image handling; None if its model takes no images (a text model, or a
+        multimodal one without images, such as an audio model)."""
+        if not engine.model_config.is_multimodal_model:
+            return None
+        try:
+            return cls(engine)
+        except ValueError:  # the model has no image placeholder
+            return None
 
     def expand(self, prompt_token_ids: list[int], images: list[Any], digests: list[str]) -> list[int]:
-        processed = self._renderer._process_multimodal(
-            list(prompt_token_ids), {"image": images}, {"image": digests}, None, skip_mm_cache=True
-        )
+        """Blocks until done: call it off the event loop. It runs on the renderer's one
+        multimodal thread, as the engine's own input processing does, since vLLM's processor
+        must never run twice at once."""
+        renderer = self._renderer
+        processed = renderer._mm_executor.submit(
+            renderer._process_multimodal, list(prompt_token_ids), {"image": images}, {"image": digests}, None,
+            skip_mm_cache=True,
+        ).result()
         return list(processed["prompt_token_ids"])

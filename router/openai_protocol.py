@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Callable, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -442,10 +442,13 @@ def _string_content(parts: list[TextPart | ImagePart], placeholder: str) -> str:
     return "\n".join([placeholder] * missing + ([text] if text else []))
 
 
-async def read_chat_images(messages: list[ChatMessage], check: ImageChecker | None, limits: ImagesConfig) -> ChatImages | None:
+async def read_chat_images(
+    messages: list[ChatMessage], image_check: Callable[[], ImageChecker | None], limits: ImagesConfig
+) -> ChatImages | None:
     """The images of ``messages``' ``image_url`` parts, fetched or decoded from their URLs;
-    None without images. Refused naming the part: on a model that takes none (``check`` None),
-    past ``api.images.max_per_request``, or a URL it may not or cannot fetch."""
+    None without images (``image_check``, the model's, is asked for only then). Refused naming
+    the part: on a model that takes none, past ``api.images.max_per_request``, or a URL it may
+    not or cannot fetch."""
     fields = [
         f"messages.{index}.content.{position}"
         for index, message in enumerate(messages) for position, part in enumerate(message.parts())
@@ -453,6 +456,7 @@ async def read_chat_images(messages: list[ChatMessage], check: ImageChecker | No
     ]
     if not fields:
         return None
+    check = image_check()
     if check is None:
         raise InvalidRequest(fields[0], "this model takes no images (it is not a vision-language model)")
     if len(fields) > limits.max_per_request:

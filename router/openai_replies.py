@@ -85,7 +85,8 @@ class Reply:
         return choice
 
     def _prompt_token_ids(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A chat reply's prompt (``return_token_ids``), on the whole reply or its first chunk."""
+        """A chat reply's prompt (``return_token_ids``), on the whole reply or each choice's
+        first chunk."""
         if self.chat and self.return_token_ids:
             body["prompt_token_ids"] = self.request.engine_prompt_ids
         return body
@@ -166,9 +167,7 @@ class Reply:
     def role_chunk(self, index: int, with_usage_field: bool) -> dict[str, Any]:
         """A chat choice's first chunk: the assistant's role, no content yet."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        body = self._envelope(self.object + ".chunk", [choice])
-        if index == 0:
-            self._prompt_token_ids(body)
+        body = self._prompt_token_ids(self._envelope(self.object + ".chunk", [choice]))
         if with_usage_field:
             body["usage"] = None
         return body

@@ -175,7 +175,7 @@ def test_front_door_killed_mid_stream_loses_no_request(cluster: VirtualCluster, 
     restarts_after = {w.name: w.restarts for pool in status.pools for w in pool.workers}
     assert restarts_after == restarts_before, "an engine was restarted"
     assert status.front_ends[victim.index - 1].restarts == 1
-    assert f"front door {victim.index} (pid {victim.pid}) died" in cluster.warnings(), "the report has the control plane's warning"
+    assert f"front door {victim.index} (pid {victim.pid}) died" in cluster.warnings(1000), "the report has the control plane's warning"
     print(
         f"front door on {victim.host} killed under {STREAMS} streams: {resumed} resumed on the other host "
         f"(longest pause {pause_s:.2f} s), all {STREAMS} token-identical; OpenAI streams: "

@@ -95,3 +95,26 @@ def test_parts_for_a_template_that_iterates_them_and_images_refused_where_not_ta
     with pytest.raises(InvalidRequest) as refused:
         chat_conversation([_message({"type": "text", "text": "<image> <image>"}, IMAGE)], "string", "<image>")
     assert refused.value.field == "messages"
+
+
+def test_images_are_decoded_as_vllms_server_decodes_them():
+    """Transparency on white, EXIF orientation applied, and only the formats vLLM serves (an
+    EPS file would reach Ghostscript): vLLM's own loader is the oracle."""
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    from duet.worker_runtime.images import BadImage, open_image
+
+    transparent = io.BytesIO()
+    Image.new("RGBA", (6, 4), (200, 10, 10, 80)).save(transparent, format="PNG")
+    rotated = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
+    Image.new("RGB", (8, 3), (10, 200, 30)).save(rotated, format="JPEG", exif=exif)
+    palette = io.BytesIO()
+    Image.new("P", (5, 5), 0).save(palette, format="PNG", transparency=0)
+    for data in (transparent.getvalue(), rotated.getvalue(), palette.getvalue()):
+        ours, theirs = open_image(data), ImageMediaIO(image_mode="RGB").load_bytes(data).media
+        assert (ours.mode, ours.size, ours.tobytes()) == (theirs.mode, theirs.size, theirs.tobytes())
+    assert open_image(rotated.getvalue()).size == (3, 8)
+    with pytest.raises(BadImage, match="not an image"):
+        open_image(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n")

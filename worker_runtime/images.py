@@ -9,6 +9,7 @@ front door's process) turns it into the model's pixel values.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 from typing import Any
@@ -25,27 +26,32 @@ def image_digest(data: bytes) -> str:
 
 
 def open_image(data: bytes, max_pixels: int | None = None) -> Any:
-    """The image ``data`` holds, decoded, in RGB (as vLLM's media loader converts it).
+    """The image ``data`` holds, decoded as vLLM's server decodes one (``ImageMediaIO``): only
+    the formats vLLM serves (an EPS file never reaches Ghostscript), turned by its EXIF
+    orientation, in RGB with any transparency on white.
 
     The size is read from the header and checked against ``max_pixels`` before any pixel is
     decoded, so a small file that decompresses to a huge image costs nothing."""
     from PIL import Image, UnidentifiedImageError
+    from vllm.multimodal.image import convert_image_mode, normalize_image
+    from vllm.multimodal.image import open_image as open_allowed_format
 
     try:
-        image = Image.open(io.BytesIO(data))
+        image = open_allowed_format(io.BytesIO(data))
         width, height = image.size
         if max_pixels is not None and width * height > max_pixels:
             raise BadImage(f"is {width}x{height} pixels; at most {max_pixels:,} (api.images.max_pixels)")
+        image = normalize_image(image)
         image.load()
+        return convert_image_mode(image, "RGB")
     except BadImage:
         raise
     except Image.DecompressionBombError as error:
         raise BadImage(f"is too large: {error}") from None
     except UnidentifiedImageError:
-        raise BadImage("is not an image (PNG, JPEG, WebP, GIF, BMP...)") from None
+        raise BadImage("is not an image in a format served (PNG, JPEG, WebP, GIF, BMP...)") from None
     except (OSError, ValueError, SyntaxError) as error:  # truncated or damaged file
         raise BadImage(f"could not be decoded: {error}") from None
-    return image.convert("RGB")
 
 
 def engine_prompt(prompt_token_ids: list[int], images: tuple[bytes, ...]) -> dict[str, Any]:
@@ -56,3 +62,11 @@ def engine_prompt(prompt_token_ids: list[int], images: tuple[bytes, ...]) -> dic
         prompt["multi_modal_data"] = {"image": [open_image(data) for data in images]}
         prompt["multi_modal_uuids"] = {"image": [image_digest(data) for data in images]}
     return prompt
+
+
+async def opened_prompt(prompt_token_ids: list[int], images: tuple[bytes, ...]) -> dict[str, Any]:
+    """:func:`engine_prompt`, with the images opened off the event loop: the engines' front
+    ends share the router's loop, and decoding a large image takes a while."""
+    if not images:
+        return engine_prompt(prompt_token_ids, images)
+    return await asyncio.to_thread(engine_prompt, prompt_token_ids, images)

@@ -167,12 +167,6 @@ class SamplingSpec:
         """vLLM's ``LoRARequest`` for the adapter, or None for the base model."""
         return vllm_lora_request(self.lora_name, self.lora_id, self.lora_path) if self.lora_name else None
 
-    def engine_prompt(self, prompt_token_ids: list[int]) -> dict[str, Any]:
-        """vLLM's prompt for ``prompt_token_ids`` with this request's images."""
-        from duet.worker_runtime.images import engine_prompt
-
-        return engine_prompt(prompt_token_ids, self.images)
-
     def for_prefill(self) -> "SamplingSpec":
         """The prefill half: the same sampling, one token (so the first token is sampled under
         the same constraints a single engine applies to it: a ``min_tokens`` of at least 1 keeps

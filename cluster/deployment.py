@@ -35,6 +35,8 @@ from duet.cluster.actor_names import named_actors
 from duet.cluster.model_serving import ModelServing
 from duet.cluster.pool_manager import PoolManager, root_cause
 from duet.cluster.ray_runtime import start_ray
+from duet.encode_worker.worker import EncodeWorker
+from duet.kv_transfer.encoder_cache import default_root, with_encoder_cache_folder
 from duet.decode_worker.worker import ColocatedWorker, DecodeWorker, SimulatedColocatedWorker, SimulatedDecodeWorker
 from duet.kv_transfer.ports import free_port, is_bindable
 from duet.prefill_worker.worker import PrefillWorker, SimulatedPrefillWorker
@@ -55,7 +57,9 @@ from duet.yaml_config import field_errors, validate_mapping
 logger = logging.getLogger(__name__)
 
 # Each role's worker actor: one that hosts a vLLM engine core, or one that runs a SIMULATED engine.
-_VLLM_WORKERS: dict[str, type] = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
+_VLLM_WORKERS: dict[str, type] = {
+    "prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker, "encode": EncodeWorker,
+}
 _SIMULATED_WORKERS: dict[str, type] = {
     "prefill": SimulatedPrefillWorker, "decode": SimulatedDecodeWorker, "colocated": SimulatedColocatedWorker,
 }
@@ -111,8 +115,11 @@ class Deployment:
     _autoscaler_metrics: AutoscalerMetrics | None = None  # one set of families, a label per model
 
     def __post_init__(self) -> None:
+        # Where each model's encoder cache lives when its config names no folder (E+P+D): the
+        # same for a control plane that takes the deployment over.
+        self._cache_key = self.deployment_id or f"{os.getpid()}-{secrets.token_hex(4)}"
         self.models = [
-            ModelServing(served, default=index == 0)
+            ModelServing(with_encoder_cache_folder(served, self._cache_key), default=index == 0)
             for index, served in enumerate(self.config.served())
         ]
 
@@ -251,6 +258,8 @@ class Deployment:
         roles = {"colocated": served.config.colocated} if served.colocated else {
             "prefill": served.config.prefill, "decode": served.config.decode,
         }
+        if served.encodes:
+            roles["encode"] = served.config.encode
         served.managers = {
             role: self._manager(served, role, served.decode if role == "colocated" else getattr(served, role), pool_config)
             for role, pool_config in roles.items()
@@ -263,7 +272,8 @@ class Deployment:
         first_worker = (served.prefill.members + served.decode.members)[0]
         engine_limits = await first_worker.engine.model_limits()
         served.service = request_service(
-            served.config, None if served.colocated else served.prefill, served.decode, engine_limits, self.cluster, self._gatekeeper
+            served.config, None if served.colocated else served.prefill, served.decode, engine_limits, self.cluster, self._gatekeeper,
+            served.encode if served.encodes else None,
         )
         served.service.adapter_admin = self  # loads and unloads across every model's names
         several = len(self.models) > 1
@@ -436,7 +446,7 @@ class Deployment:
         """A served model for ``config`` (one model's view of the deployment's), beside the
         others: its pools are in status, health watching and metrics from now on."""
         assert self.cluster is not None
-        served = ModelServing(config, front_doors=self.front_doors)
+        served = ModelServing(with_encoder_cache_folder(config, self._cache_key), front_doors=self.front_doors)
         self.models.append(served)
         self.cluster.pools.extend(served.pools)
         return served
@@ -546,6 +556,7 @@ class Deployment:
             await self._control_server.stop(grace=None)
         if self._control_dir is not None:
             shutil.rmtree(self._control_dir, ignore_errors=True)
+        shutil.rmtree(default_root(self._cache_key), ignore_errors=True)  # the encoder caches duet named, if any
         if self.front_ends is not None:
             await self.front_ends.stop()
         if self._metrics_server is not None:

@@ -453,7 +453,7 @@ def _snapshot(member: PoolMember, pool: WorkerPool, index: int) -> WorkerSnapsho
     return WorkerSnapshot(
         name=member.name,
         model=pool.model,
-        pool="prefill" if pool.role == "prefill" else "decode",
+        pool=pool.role if pool.role in ("prefill", "encode") else "decode",
         actor=member.actor,
         state="draining" if member.state == "draining" else "ready",
         kv_endpoint=member.kv_endpoint,

@@ -34,6 +34,9 @@ class ModelServing:
     prefill: WorkerPool = field(default_factory=lambda: WorkerPool("prefill"))
     # Colocated, this pool holds the workers that run whole requests and prefill stays empty.
     decode: WorkerPool = field(default_factory=lambda: WorkerPool("decode"))
+    # E+P+D: image encoders of their own, whose outputs the prefill engines load (empty unless
+    # the config's encode.replicas is above 0 at start).
+    encode: WorkerPool = field(default_factory=lambda: WorkerPool("encode"))
     managers: dict[str, PoolManager] = field(default_factory=dict)
     service: RequestService | None = None
     autoscaler: LiveAutoscaler | None = None
@@ -46,7 +49,7 @@ class ModelServing:
     def __post_init__(self) -> None:
         if self.colocated:
             self.decode.role = "colocated"
-        for pool in (self.prefill, self.decode):
+        for pool in (self.prefill, self.decode, self.encode):
             pool.model = self.name
         self.adapters = AdapterRegistry(self.config.model)  # each new engine loads them before serving
 
@@ -70,9 +73,16 @@ class ModelServing:
         return self.config.mode == "colocated"
 
     @property
+    def encodes(self) -> bool:
+        """Whether it has an encode pool (E+P+D): configured with encode workers at start."""
+        return not self.colocated and self.config.encode.replicas > 0
+
+    @property
     def pools(self) -> list[WorkerPool]:
-        """The pools that serve it: the colocated one, or prefill and decode."""
-        return [self.decode] if self.colocated else [self.prefill, self.decode]
+        """The pools that serve it: the colocated one, or prefill and decode (and encode)."""
+        if self.colocated:
+            return [self.decode]
+        return [self.prefill, self.decode, self.encode] if self.encodes else [self.prefill, self.decode]
 
     def units_held(self) -> int:
         """Units (GPUs, or cores on CPU) its workers hold or are starting to hold; a draining

@@ -232,6 +232,12 @@ class PoolManager:
 
     # ---- scaling ------------------------------------------------------------------------
 
+    @property
+    def min_replicas(self) -> int:
+        """The fewest workers the pool serves with: an encode pool may have none (its prefill
+        engines encode then), every other pool needs one."""
+        return 0 if self.pool.role == "encode" else 1
+
     def active(self) -> list[PoolMember]:
         """Members that count towards the pool's size (everything not leaving or failed)."""
         return [m for m in self.pool.members if m.state in ("starting", "ready", "restarting")]
@@ -242,7 +248,7 @@ class PoolManager:
         Growing checks the cluster's free resources first and fails fast naming the one that is
         short; new workers start in the background. Shrinking drains the newest workers.
         """
-        if replicas < 1:
+        if replicas < self.min_replicas:
             raise ScaleError(f"replicas: the {self.pool.role} pool needs at least 1 worker, got {replicas}")
         active = self.active()
         if replicas > len(active):
@@ -290,7 +296,7 @@ class PoolManager:
             raise ScaleError(f"worker: no {self.pool.role} worker named {name!r} (this pool has: {known})")
         if member.state == "draining":
             return f"{name}: already draining"
-        if member.state in ("ready", "restarting", "starting") and len(self.active()) <= 1:
+        if member.state in ("ready", "restarting", "starting") and len(self.active()) <= self.min_replicas:
             raise ScaleError(f"worker: {name} is the last active {self.pool.role} worker; scale up before draining it")
         self.pool.start_draining(member)
         if self.front_doors is not None:

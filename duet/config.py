@@ -244,6 +244,24 @@ class PoolConfig(_Strict):
         return self
 
 
+class EncodePoolConfig(PoolConfig):
+    """The encode pool of a vision-language model (E+P+D): workers whose vLLM engines run only
+    the image encoder and write each image's output to the encoder cache, from which prefill
+    engines read it instead of encoding the image themselves (docs/concepts/images.md). With
+    no encode workers the prefill engines encode (EP+D)."""
+
+    replicas: int = Field(default=0, ge=0)
+    """Encode workers (0: none; each prefill engine encodes its own prompts' images)."""
+    kv_cache_gib: float = Field(default=0.25, gt=0)
+    """Unused by an encoder-only engine, which keeps no KV cache."""
+    cache_gib: float = Field(default=1.0, gt=0)
+    """Encoder outputs the encoder cache keeps, in GiB; the least recently used go when it is full."""
+    cache_path: str | None = None
+    """The encoder cache's folder, which every encode and prefill worker must reach (one host's
+    disk; on a cluster a path shared by every node). null: a folder of this deployment's under
+    the system's temporary directory, removed when it stops."""
+
+
 class KVTransferConfig(_Strict):
     """How KV moves from prefill to decode workers."""
 
@@ -526,7 +544,7 @@ class ApiConfig(_Strict):
 
 
 # The sections that describe one served model; ``models:`` lists them once per model.
-MODEL_SECTIONS = ("model", "mode", "prefill", "decode", "colocated", "autoscale")
+MODEL_SECTIONS = ("model", "mode", "prefill", "decode", "encode", "colocated", "autoscale")
 
 
 class ServedModelConfig(_Strict):
@@ -541,6 +559,8 @@ class ServedModelConfig(_Strict):
     """Its prefill pool (mode: disaggregated)."""
     decode: PoolConfig = PoolConfig(cpu_cores=[1])
     """Its decode pool (mode: disaggregated)."""
+    encode: EncodePoolConfig = EncodePoolConfig()
+    """Its encode pool (a vision-language model in mode disaggregated; none by default)."""
     colocated: PoolConfig = PoolConfig(replicas=2, cpu_cores=[0, 1])
     """Its pool of whole-request workers (mode: colocated)."""
     autoscale: str | None = None
@@ -562,6 +582,9 @@ class DuetConfig(_Strict):
     """The prefill pool (mode: disaggregated)."""
     decode: PoolConfig = PoolConfig(cpu_cores=[1])
     """The decode pool (mode: disaggregated)."""
+    encode: EncodePoolConfig = EncodePoolConfig()
+    """The encode pool of a vision-language model (mode: disaggregated): image encoders of their
+    own (E+P+D). None by default: the prefill engines encode (EP+D)."""
     colocated: PoolConfig = PoolConfig(replicas=2, cpu_cores=[0, 1])
     """The one pool of whole-request workers (mode: colocated)."""
     kv_transfer: KVTransferConfig = KVTransferConfig()
@@ -605,6 +628,18 @@ class DuetConfig(_Strict):
     def _autoscale_disaggregated(self) -> "DuetConfig":
         if self.autoscale is not None and self.mode == "colocated":
             raise ValueError("autoscale: the autoscaler sizes prefill and decode pools; a colocated deployment has neither")
+        return self
+
+    @model_validator(mode="after")
+    def _encode_pool_feeds_prefill(self) -> "DuetConfig":
+        if not self.encode.replicas:
+            return self
+        if self.mode == "colocated":
+            raise ValueError("encode.replicas: an encode pool feeds prefill workers; a colocated deployment has none (set it to 0)")
+        if self.model.path in BUILTIN_TEXT_MODELS:
+            raise ValueError(f"encode.replicas: model {self.model.path!r} takes no images; encode workers serve a vision-language model")
+        if self.encode.engine == "simulated" or self.prefill.engine == "simulated":
+            raise ValueError("encode.engine: encode workers run vLLM's encoder; SIMULATED engines have no images (set encode.replicas to 0)")
         return self
 
     @model_validator(mode="after")

@@ -12,7 +12,9 @@ from pathlib import Path
 from duet.config import DuetConfig
 from duet.worker_runtime.engine import resolve_model_path
 from duet.kv_transfer.config import TRANSPORTS
+from duet.kv_transfer.encoder_cache import SHARED_IN_USE_S, EncoderCacheFolder
 from duet.router.auth import Gatekeeper
+from duet.router.encoding import EncodeStep
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.lora_adapters import served_adapters
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
@@ -54,10 +56,11 @@ def request_service(
     engine_limits: tuple[int, int, int],
     cluster: ClusterView,
     gatekeeper: Gatekeeper,
+    encode: WorkerPool | None = None,
 ) -> RequestService:
-    """The serving path over ``prefill`` (None: colocated) and ``decode``, routing with the
-    configured policies; ``engine_limits`` is the engine's (max_model_len, vocab_size,
-    block_size)."""
+    """The serving path over ``prefill`` (None: colocated), ``decode`` and, for E+P+D,
+    ``encode``, routing with the configured policies; ``engine_limits`` is the engine's
+    (max_model_len, vocab_size, block_size)."""
     from transformers import AutoTokenizer
 
     max_model_len, vocab_size, block_size = engine_limits
@@ -78,6 +81,9 @@ def request_service(
         local_prefill_tpot_s=config.router.local_prefill_tpot_s,
     )
     lifecycle.on_move = cluster.moved
+    if encode is not None:
+        lifecycle.encoder = EncodeStep(encode, encoder_cache_folder(config), cluster.metrics)
+        cluster.encoders[config.model.name] = lifecycle.encoder
     if prefill is not None and config.router.drain_moves_kv:
         # A draining decode worker hands its requests on with their KV, as prefill hands its
         # own (pulled with nixl, pushed with nccl); colocated workers finish them in place.
@@ -97,6 +103,17 @@ def request_service(
     if config.router.rebalance_kv_gap is not None:
         service.rebalancer = Rebalancer(lifecycle, config.router.rebalance_kv_gap, config.router.rebalance_interval_s)
     return service
+
+
+def encoder_cache_folder(config: DuetConfig) -> EncoderCacheFolder:
+    """This front door's index of the model's encoder cache: its share of the capacity, with
+    files the other front doors use left alone (kv_transfer/encoder_cache.py)."""
+    encode, server = config.encode, config.server
+    assert encode.cache_path is not None
+    front_doors = server.front_ends if server.front_doors_apart else 1
+    return EncoderCacheFolder(
+        encode.cache_path, int(encode.cache_gib * (1 << 30) / front_doors), SHARED_IN_USE_S if front_doors > 1 else 0.0
+    )
 
 
 def chat_template(config: DuetConfig) -> str | None:

@@ -23,7 +23,8 @@ import socket
 import time
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -38,6 +39,7 @@ from duet.worker_runtime.worker_api import (
     vllm_lora_request,
 )
 from duet.decode_worker.worker import decode_updates
+from duet.encode_worker.worker import run_encode
 from duet.prefill_worker.worker import run_prefill
 from duet.router.image_inputs import EngineImagePrompts
 from duet.router.engine_metrics import read_engine_metrics, registry_bound_stat_logger
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
     from duet.router.pools import PoolMember
 
 logger = logging.getLogger(__name__)
+
+_Result = TypeVar("_Result")
 
 # How long an engine's unexplained abort waits for its actor to say it is alive: a live actor
 # answers once its current watch call returns.
@@ -192,12 +196,27 @@ class EngineFrontEnd:
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None
     ) -> PrefillResult:
+        return await self._one_output(
+            request_id,
+            lambda: run_prefill(
+                self.engine, _vllm_params, self.transfer, self.name, request_id, prompt_token_ids, sampling, decode_endpoint
+            ),
+        )
+
+    async def encode(self, request_id: str, images: tuple[bytes, ...]) -> None:
+        """Encode ``images`` on this encode worker's engine, into the encoder cache."""
+        prompts = self.image_prompts
+        if prompts is None:
+            raise EngineRejected(f"{self.name}'s model takes no images")
+        await self._one_output(request_id, lambda: run_encode(self.engine, request_id, prompts.placeholder_ids, images))
+
+    async def _one_output(self, request_id: str, run: Callable[[], Awaitable[_Result]]) -> _Result:
+        """Run a request that ends in one output (a prefill, an encode) on the engine, its
+        failures told apart as :meth:`decode` tells them."""
         self._check_alive()
         self._requests.add(request_id)
         try:
-            result = await run_prefill(
-                self.engine, _vllm_params, self.transfer, self.name, request_id, prompt_token_ids, sampling, decode_endpoint
-            )
+            result = await run()
             self._output_at = time.monotonic()
             return result
         except EngineAborted as error:

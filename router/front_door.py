@@ -68,7 +68,7 @@ class WorkerSnapshot:
 
     name: str
     model: str  # the served model whose pool it is in
-    pool: str  # "prefill", or "decode" (also a colocated deployment's pool)
+    pool: str  # "prefill", "encode", or "decode" (also a colocated deployment's pool)
     actor: Any
     state: str
     kv_endpoint: str
@@ -106,12 +106,12 @@ class _DoorModel:
     """One served model as a front door holds it: its pools, and its serving path once served."""
 
     config: DuetConfig  # the model's view of the deployment's config (DuetConfig.served)
-    pools: dict[str, WorkerPool]  # by role: "decode" (colocated: the colocated pool), "prefill"
+    pools: dict[str, WorkerPool]  # by role: "decode" (colocated: the colocated pool), "prefill", "encode"
     service: RequestService | None = None
 
     @property
     def ordered_pools(self) -> list[WorkerPool]:
-        return [self.pools[role] for role in ("prefill", "decode") if role in self.pools]
+        return [self.pools[role] for role in ("prefill", "decode", "encode") if role in self.pools]
 
 
 class FrontDoor:
@@ -153,6 +153,8 @@ class FrontDoor:
         pools = {"decode": WorkerPool("colocated" if colocated else "decode")}
         if not colocated:
             pools["prefill"] = WorkerPool("prefill")
+        if not colocated and served.encode.replicas:
+            pools["encode"] = WorkerPool("encode")
         for pool in pools.values():
             pool.model, pool.restart = served.model.name, self._await_replacement
         model = self.models[served.model.name] = _DoorModel(served, pools)
@@ -162,7 +164,9 @@ class FrontDoor:
     def _serve_model(self, model: _DoorModel, limits: tuple[int, int, int], adapters: tuple[ServedAdapter, ...]) -> None:
         """Serve ``model``'s name (and its ``adapters``') from now on."""
         prefill = model.pools.get("prefill")
-        service = request_service(model.config, prefill, model.pools["decode"], limits, self.cluster, self._gatekeeper)
+        service = request_service(
+            model.config, prefill, model.pools["decode"], limits, self.cluster, self._gatekeeper, model.pools.get("encode")
+        )
         service.set_adapters(adapters)
         service.adapter_admin = ControlPlaneAdapters(lambda: self.cluster.control)
         model.service = service

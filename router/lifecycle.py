@@ -26,10 +26,12 @@ import itertools
 import logging
 import secrets
 import time
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PositionLogprobs, PrefillResult, SamplingSpec
+from duet.router.encoding import EncodeStep
 from duet.router.local_prefill import LocalPrefillGuard
 from duet.router.pools import NoWorkerAvailable, PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
@@ -252,6 +254,8 @@ class RequestLifecycle:
         self._decoding: dict[str, Decoding] = {}
         # Told of every request that continued on another decode worker (status, metrics).
         self.on_move: Callable[[Move], None] | None = None
+        # E+P+D: encodes a prompt's images on the encode pool before its prefill.
+        self.encoder: EncodeStep | None = None
 
     async def run(self, request: ValidatedRequest) -> AsyncIterator[StreamEvent]:
         clock = _Clock()
@@ -440,12 +444,15 @@ class RequestLifecycle:
         guard.stream_assigned(assigned_to, request_id, round_.sampling.max_tokens)
         try:
             with decode_worker.assign(round_.context_tokens):  # counted there from now, not once its KV arrives
-                prefill_worker = await self.prefill_pool.acquire(
-                    self.policy.worker_wait_s, prompt, adapter=round_.sampling.lora_name
-                )
-                round_.prefill_worker = prefill_worker.name
-                guard.queued_behind(assigned_to, request_id, prefill_worker.outstanding_tokens)
-                result = await self._prefill(prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None)
+                async with self._images_encoded(round_):
+                    prefill_worker = await self.prefill_pool.acquire(
+                        self.policy.worker_wait_s, prompt, adapter=round_.sampling.lora_name
+                    )
+                    round_.prefill_worker = prefill_worker.name
+                    guard.queued_behind(assigned_to, request_id, prefill_worker.outstanding_tokens)
+                    result = await self._prefill(
+                        prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None
+                    )
             guard.first_token(assigned_to, request_id)
             yield DecodeChunk(
                 [result.first_token_id], result.first_text, result.finish_reason, result.first_logprobs, result.prompt_logprobs,
@@ -458,6 +465,13 @@ class RequestLifecycle:
                 yield chunk
         finally:
             guard.stream_ended(assigned_to, request_id)
+
+    def _images_encoded(self, round_: _Round) -> AbstractAsyncContextManager[None]:
+        """E+P+D: the round's images in the encoder cache, for its prefill engine to load
+        (router/encoding.py); nothing to do without images or an encode pool."""
+        if self.encoder is None or not round_.sampling.images:
+            return nullcontext()
+        return self.encoder.encoded(round_.request_id, round_.sampling.images)
 
     async def _moved_round(
         self, round_: _Round, decode_worker: PoolMember, ticket: MigrationTicket

@@ -65,6 +65,14 @@ class RouterMetrics:
         self.e2e = Histogram(
             "duet_e2e_seconds", "Request latency, arrival to last token.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=registry
         )
+        self.images = Counter(
+            "duet_images",
+            "Images of requests to a model with an encode pool (E+P+D), by outcome: encoded (by the encode pool), "
+            "cache_hit (its encoder output already in the encoder cache, or being written for another request), "
+            "fallback (left to the prefill engine's encoder: no encode worker was ready, or it failed).",
+            ["outcome", "model_name"],
+            registry=registry,
+        )
         self.migrations = Counter(
             "duet_migrations",
             "Requests that moved between decode workers (a drain, a scale-down, a death), by worker, direction "

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from duet.worker_runtime.worker_api import WorkerStatus
 from duet.kv_transfer.metrics import transfer_totals
+from duet.router.encoding import EncodeStep
 from duet.router.lifecycle import Move, Usage
 from duet.router.metrics import RouterMetrics
 from duet.router.pools import PoolMember, WorkerPool
@@ -50,6 +51,8 @@ class ClusterView:
         # This front door's requests that moved between decode workers, by (worker, direction
         # "out" or "in", method "kv" or "replay").
         self.migrations: Counter[tuple[str, str, str]] = Counter()
+        # The encode step of each model with an encode pool (E+P+D), by model name.
+        self.encoders: dict[str, EncodeStep] = {}
 
     @property
     def lora_adapters(self) -> tuple[str, ...]:
@@ -117,6 +120,7 @@ class ClusterView:
             routing=[self._routing_line(pool) for pool in self.pools] + self.routing_notes,
             front_ends=front_ends,
             models=_sum_models(front_ends),
+            encoder_caches=_sum_encoder_caches(front_ends),
             control_plane_pid=os.getpid() if not self.forwards_status else 0,
             deployment_id=self.deployment_id,
         )
@@ -148,6 +152,7 @@ class ClusterView:
                 )
                 for model in sorted(self.model_inflight)
             ],
+            encoder_caches=[_encoder_cache(model, self.encoders[model]) for model in sorted(self.encoders)],
         )
 
     def _routing_line(self, pool: WorkerPool) -> str:
@@ -169,6 +174,26 @@ def _sum_models(front_ends: list[pb.FrontEnd]) -> list[pb.ModelRequests]:
             model.requests_served += counted.requests_served
             model.requests_inflight += counted.requests_inflight
             model.requests_failed += counted.requests_failed
+    return [total[model] for model in sorted(total)]
+
+
+def _encoder_cache(model: str, step: EncodeStep) -> pb.EncoderCache:
+    cache, counts = step.cache, step.counts
+    return pb.EncoderCache(
+        model=model, images_encoded=counts["encoded"], cache_hits=counts["cache_hit"], fallbacks=counts["fallback"],
+        images_held=len(cache), bytes_held=cache.bytes, capacity_bytes=cache.capacity_bytes, evictions=cache.evictions,
+    )
+
+
+def _sum_encoder_caches(front_ends: list[pb.FrontEnd]) -> list[pb.EncoderCache]:
+    """Every front door's encode counts by model, summed (each front door indexes the images it
+    used of the shared folder, so an image two of them used counts in both)."""
+    total: dict[str, pb.EncoderCache] = {}
+    for door in front_ends:
+        for counted in door.encoder_caches:
+            model = total.setdefault(counted.model, pb.EncoderCache(model=counted.model))
+            for field in ("images_encoded", "cache_hits", "fallbacks", "images_held", "bytes_held", "capacity_bytes", "evictions"):
+                setattr(model, field, getattr(model, field) + getattr(counted, field))
     return [total[model] for model in sorted(total)]
 
 

@@ -160,8 +160,9 @@ def image_server() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def vision_deployment(running_deployment) -> Iterator[Any]:
-    """configs/vision.yaml (prefill and decode, the encoder in the prefill engine) on free
-    ports, with bounds on images small enough to test and URLs allowed from loopback."""
+    """configs/vision.yaml (E+P+D: an encode worker, a prefill worker that loads the images'
+    encoder outputs, a decode worker) on free ports, with bounds on images small enough to test
+    and URLs allowed from loopback."""
     from duet.config import load_config, parse_config
 
     data = load_config("configs/vision.yaml").model_dump()
@@ -242,6 +243,98 @@ def test_grpc_takes_images_as_bytes(vision_deployment, vision_engine):
         plain, _ = client.generate_ids(build_request("no picture here", max_tokens=MAX_TOKENS, ignore_eos=True))
     assert got == as_ids == list(expected.outputs[0].token_ids)
     assert plain == list(text_only.outputs[0].token_ids)
+
+
+# ---- E+P+D: the encode pool and the encoder cache ------------------------------------------------
+
+
+def _encoder_counts(port: int) -> dict[str, int]:
+    from duet.router.client import DuetClient
+
+    with DuetClient(f"127.0.0.1:{port}") as client:
+        (cache,) = client.status().encoder_caches
+    return {"encoded": cache.images_encoded, "hits": cache.cache_hits, "fallbacks": cache.fallbacks, "held": cache.images_held}
+
+
+def _chat_tokens(sdk: openai.OpenAI, messages: list[dict]) -> list[int]:
+    reply = sdk.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True}, timeout=300,
+    )
+    return reply.choices[0].model_extra["token_ids"]
+
+
+def _ask(*images: bytes) -> list[dict]:
+    return [{"role": "user", "content": [*(_image_part(data) for data in images), {"type": "text", "text": "what"}]}]
+
+
+def test_each_distinct_image_is_encoded_once_by_the_encode_pool(vision_deployment, vision_engine, sdk):
+    """Images new to the deployment go to the encode worker, once each; an image sent again
+    (alone, or beside another) is a cache hit; a text-only chat skips the step. Every answer is
+    vLLM's own."""
+    first, second = _png(70, 50, 101), _png(50, 70, 102)
+    before = _encoder_counts(vision_deployment.port)
+    for images, encoded, hits in (((first,), 1, 0), ((second,), 2, 0), ((first, second), 2, 2), ((first,), 2, 3)):
+        assert _chat_tokens(sdk, _ask(*images)) == _reference_chat(vision_engine, _ask(*images))[1]
+        counts = _encoder_counts(vision_deployment.port)
+        assert (counts["encoded"] - before["encoded"], counts["hits"] - before["hits"]) == (encoded, hits), images
+    _chat_tokens(sdk, [{"role": "user", "content": "no picture"}])
+    assert _encoder_counts(vision_deployment.port) == counts
+    assert counts["fallbacks"] == before["fallbacks"] and counts["held"] >= 2
+
+
+def test_the_prefill_engine_reads_the_encode_pools_output(vision_deployment, vision_engine, sdk):
+    """The prefill engine computes from the encoder output in the cache, not with its own
+    encoder: an image whose folder holds another image's output (as if another front door had
+    left it there) is answered as that other image is, and not encoded again."""
+    import shutil
+
+    from duet.worker_runtime.images import image_digest
+
+    shown, named = _png(60, 60, 103), _png(60, 60, 104)
+    expected = _reference_chat(vision_engine, _ask(shown))[1]
+    assert expected != _reference_chat(vision_engine, _ask(named))[1]
+    assert _chat_tokens(sdk, _ask(shown)) == expected
+    folder = vision_deployment.models[0].config.encode.cache_path
+    shutil.copytree(os.path.join(folder, image_digest(shown)), os.path.join(folder, image_digest(named)))
+    before = _encoder_counts(vision_deployment.port)
+    assert _chat_tokens(sdk, _ask(named)) == expected, "the prefill engine encoded the image itself"
+    after = _encoder_counts(vision_deployment.port)
+    assert (after["encoded"], after["hits"]) == (before["encoded"], before["hits"] + 1)
+
+
+def test_an_encode_worker_killed_mid_request_loses_no_request(vision_deployment, vision_engine, sdk):
+    """The encode worker's engine hangs with a request's image in it and is then killed: the
+    request is answered, vLLM's tokens, its prefill engine encoding the image (EP+D); the
+    worker is replaced and encodes new images again."""
+    import signal
+    import threading
+
+    import ray
+
+    encode = vision_deployment.models[0].encode.members[0]
+    restarts = encode.restarts
+    pid = ray.get(encode.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+    image, later = _png(90, 40, 104), _png(40, 90, 105)
+    before = _encoder_counts(vision_deployment.port)
+    answers: list[list[int]] = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        asking = threading.Thread(target=lambda: answers.append(_chat_tokens(sdk, _ask(image))))
+        asking.start()
+        time.sleep(2)
+        assert not answers, "the request did not wait for its image's encoding"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    asking.join(timeout=300)
+    assert answers == [_reference_chat(vision_engine, _ask(image))[1]]
+    assert _encoder_counts(vision_deployment.port)["fallbacks"] == before["fallbacks"] + 1
+    deadline = time.monotonic() + 300
+    while not (encode.restarts > restarts and encode.state == "ready"):
+        assert time.monotonic() < deadline, f"{encode.name} was not replaced: {encode.state} {encode.error}"
+        time.sleep(0.5)
+    assert _chat_tokens(sdk, _ask(later)) == _reference_chat(vision_engine, _ask(later))[1]
+    assert _encoder_counts(vision_deployment.port)["encoded"] == before["encoded"] + 1
 
 
 def _noise_png(width: int, height: int) -> bytes:

@@ -39,6 +39,7 @@ def engine_kwargs(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     kv_transfer_config: dict[str, Any] | None = None,
+    ec_transfer_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.AsyncEngineArgs`` / ``vllm.LLM``."""
     kwargs: dict[str, Any] = {
@@ -71,6 +72,8 @@ def engine_kwargs(
         )
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
+    if ec_transfer_config is not None:  # an encode or prefill engine of E+P+D (kv_transfer/encoder_cache.py)
+        kwargs["ec_transfer_config"] = ec_transfer_config
     return kwargs
 
 

@@ -44,6 +44,7 @@ from duet.kv_transfer.config import (
     kv_transfer_config,
     listen_host,
 )
+from duet.kv_transfer.encoder_cache import engine_ec_config
 from duet.kv_transfer.ports import PortReservation, reserve_ports
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class EngineCoreExited(RuntimeError):
 class WorkerHost:
     """What every worker actor has: its name, role, pool configuration and reported state."""
 
-    role: Role | Literal["colocated"]
+    role: Role | Literal["colocated", "encode"]
     max_concurrency: int  # the actor's Ray ``max_concurrency``: each kind of host says why
 
     def __init__(self, name: str, config: DuetConfig, cpu_core: int | None) -> None:
@@ -79,7 +80,8 @@ class WorkerHost:
 
     @property
     def pool(self) -> PoolConfig:
-        return {"prefill": self.config.prefill, "decode": self.config.decode}.get(self.role, self.config.colocated)
+        pools = {"prefill": self.config.prefill, "decode": self.config.decode, "encode": self.config.encode}
+        return pools.get(self.role, self.config.colocated)
 
     def _failed(self, error: Exception) -> None:
         """Record why the engine did not start (reported to the launcher, which names the worker)."""
@@ -130,7 +132,7 @@ class EngineCoreHost(WorkerHost):
         from vllm.v1.executor import Executor
 
         transfer = self.config.kv_transfer
-        transfers_kv = self.role != "colocated"
+        transfers_kv = self.role not in ("colocated", "encode")
         endpoint = None
         if transfers_kv and self.role in TRANSPORTS[transfer.transport].listening_roles:
             # vLLM offsets each rank's port from the base: one port per rank.
@@ -158,7 +160,8 @@ class EngineCoreHost(WorkerHost):
             max_num_batched_tokens=self.pool.max_num_batched_tokens,
             tensor_parallel=self.pool.tensor_parallel,
             pipeline_parallel=self.pool.pipeline_parallel,
-            kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint) if transfers_kv else None,
+            kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint) if transfers_kv else None,  # type: ignore[arg-type]
+            ec_transfer_config=engine_ec_config(self.role, self.config, on_cpu),
         )
         self.vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
         addresses = EngineZmqAddresses(

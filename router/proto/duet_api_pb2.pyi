@@ -310,7 +310,7 @@ class Pool(_message.Message):
     def __init__(self, role: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint", "routing", "front_ends", "control_plane_pid", "deployment_id", "lora_adapters", "models", "served_models")
+    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint", "routing", "front_ends", "control_plane_pid", "deployment_id", "lora_adapters", "models", "served_models", "encoder_caches")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +325,7 @@ class ClusterStatus(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODELS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHES_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     requests_served: int
@@ -339,7 +340,8 @@ class ClusterStatus(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     models: _containers.RepeatedCompositeFieldContainer[ModelRequests]
     served_models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ..., served_models: _Optional[_Iterable[str]] = ...) -> None: ...
+    encoder_caches: _containers.RepeatedCompositeFieldContainer[EncoderCache]
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ..., served_models: _Optional[_Iterable[str]] = ..., encoder_caches: _Optional[_Iterable[_Union[EncoderCache, _Mapping]]] = ...) -> None: ...
 
 class ModelRequests(_message.Message):
     __slots__ = ("model", "requests_served", "requests_inflight", "requests_failed")
@@ -354,7 +356,7 @@ class ModelRequests(_message.Message):
     def __init__(self, model: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ...) -> None: ...
 
 class FrontEnd(_message.Message):
-    __slots__ = ("index", "pid", "host", "state", "restarts", "requests_served", "requests_inflight", "requests_failed", "error", "migrations", "models")
+    __slots__ = ("index", "pid", "host", "state", "restarts", "requests_served", "requests_inflight", "requests_failed", "error", "migrations", "models", "encoder_caches")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +368,7 @@ class FrontEnd(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHES_FIELD_NUMBER: _ClassVar[int]
     index: int
     pid: int
     host: str
@@ -377,7 +380,28 @@ class FrontEnd(_message.Message):
     error: str
     migrations: _containers.RepeatedCompositeFieldContainer[WorkerMigrations]
     models: _containers.RepeatedCompositeFieldContainer[ModelRequests]
-    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., error: _Optional[str] = ..., migrations: _Optional[_Iterable[_Union[WorkerMigrations, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ...) -> None: ...
+    encoder_caches: _containers.RepeatedCompositeFieldContainer[EncoderCache]
+    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., error: _Optional[str] = ..., migrations: _Optional[_Iterable[_Union[WorkerMigrations, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ..., encoder_caches: _Optional[_Iterable[_Union[EncoderCache, _Mapping]]] = ...) -> None: ...
+
+class EncoderCache(_message.Message):
+    __slots__ = ("model", "images_encoded", "cache_hits", "fallbacks", "images_held", "bytes_held", "capacity_bytes", "evictions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_HELD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    images_encoded: int
+    cache_hits: int
+    fallbacks: int
+    images_held: int
+    bytes_held: int
+    capacity_bytes: int
+    evictions: int
+    def __init__(self, model: _Optional[str] = ..., images_encoded: _Optional[int] = ..., cache_hits: _Optional[int] = ..., fallbacks: _Optional[int] = ..., images_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class WorkerMigrations(_message.Message):
     __slots__ = ("worker", "out_kv", "out_replay", "in_kv", "in_replay")

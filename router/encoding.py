@@ -1,0 +1,110 @@
+"""The encode step of E+P+D: a request's images encoded by the encode pool before its prompt is
+computed, once per distinct image across the deployment.
+
+Before a prefill worker computes a prompt with images, the router looks each image up in the
+encoder cache (kv_transfer/encoder_cache.py) by its digest. The images not there go to an
+encode worker, in one request, and the prefill waits for it; an image another request is
+encoding already is waited for, not encoded again. The prefill engine then loads every image's
+output from the cache instead of running the encoder. Text-only requests skip the step.
+
+Nothing here can fail a request: if the encode pool has no worker ready, or the worker dies or
+refuses, the prefill engine finds no output for those images and runs the encoder itself, as in
+EP+D (the dead worker is taken out of rotation and replaced as in every pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from duet.kv_transfer.encoder_cache import EncoderCacheFolder
+from duet.router.metrics import RouterMetrics
+from duet.router.pools import NoWorkerAvailable, WorkerPool
+from duet.router.worker_engines import EngineLost, EngineRejected
+from duet.worker_runtime.images import image_digest
+
+logger = logging.getLogger(__name__)
+
+
+class EncodeStep:
+    """Has the encode pool encode a request's images into the encoder cache."""
+
+    def __init__(self, pool: WorkerPool, cache: EncoderCacheFolder, metrics: RouterMetrics | None = None) -> None:
+        self.pool = pool
+        self.cache = cache
+        # Images by outcome, for status and metrics: "encoded" by the encode pool, "cache_hit"
+        # (in the cache, or being encoded for another request), "fallback" (left to the prefill
+        # engine because no encode worker could take them).
+        self.counts: Counter[str] = Counter()
+        self.metrics = metrics
+        self._encoding: dict[str, asyncio.Future[bool]] = {}  # digest -> whether its output was written
+
+    @asynccontextmanager
+    async def encoded(self, request_id: str, images: tuple[bytes, ...]) -> AsyncIterator[None]:
+        """The request's images encoded into the cache (where an encode worker could) and kept
+        there while the body runs: the prefill that loads them."""
+        digests = [image_digest(data) for data in images]
+        with self.cache.hold(digests):
+            await self._encode_missing(request_id, dict(zip(digests, images)))
+            yield
+
+    async def _encode_missing(self, request_id: str, images: dict[str, bytes]) -> None:
+        waits, missing = [], {}
+        for digest, data in images.items():
+            if digest in self._encoding:
+                waits.append(self._encoding[digest])
+                self._count("cache_hit", 1)
+            elif self.cache.holds(digest):
+                self._count("cache_hit", 1)
+            else:
+                missing[digest] = data
+        if missing:
+            done = asyncio.get_running_loop().create_future()
+            for digest in missing:
+                self._encoding[digest] = done
+            try:
+                written = await self._encode(request_id, tuple(missing.values()))
+                done.set_result(written)
+            finally:
+                if not done.done():  # cancelled: the requests waiting on it go on without it
+                    done.set_result(False)
+                for digest in missing:
+                    del self._encoding[digest]
+            if written:
+                self.cache.added(missing)
+        if waits:
+            await asyncio.gather(*(asyncio.shield(wait) for wait in waits))
+
+    async def _encode(self, request_id: str, images: tuple[bytes, ...]) -> bool:
+        """Encode ``images`` on an encode worker; False (the prefill engine encodes them) if
+        none is ready or it failed."""
+        try:
+            worker = self.pool.pick()
+        except NoWorkerAvailable:
+            self._count("fallback", len(images))
+            return False
+        engine = worker.engine
+        if engine is None:  # removed since it was picked
+            self._count("fallback", len(images))
+            return False
+        worker.inflight += 1
+        try:
+            await engine.encode(f"{request_id}-encode", images)
+        except (EngineLost, EngineRejected) as error:
+            if isinstance(error, EngineLost):
+                self.pool.mark_failed(worker, error, engine)
+            logger.warning("request %s: encode worker %s failed (%s); its prefill encodes its images", request_id, worker.name, error)
+            self._count("fallback", len(images))
+            return False
+        finally:
+            worker.inflight -= 1
+        self._count("encoded", len(images))
+        return True
+
+    def _count(self, outcome: str, images: int) -> None:
+        self.counts[outcome] += images
+        if self.metrics is not None:
+            self.metrics.images.labels(outcome, self.pool.model).inc(images)

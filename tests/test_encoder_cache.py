@@ -1,0 +1,113 @@
+"""The encoder cache's folder as the router keeps it (E+P+D, kv_transfer/encoder_cache.py): the
+least recently used images removed past the capacity, never one a request holds or another
+front door used a moment ago; and which engines write it and which read it. The encode pool on
+real engines is tested in test_vision_language.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from duet.config import ConfigError, load_config, parse_config
+from duet.kv_transfer.encoder_cache import EncoderCacheFolder, engine_ec_config, with_encoder_cache_folder
+
+
+def _write(folder: str, identifier: str, size: int) -> None:
+    """An encoder output as vLLM's connector leaves it: {folder}/{identifier}/encoder_cache.safetensors."""
+    os.makedirs(os.path.join(folder, identifier), exist_ok=True)
+    with open(os.path.join(folder, identifier, "encoder_cache.safetensors"), "wb") as file:
+        file.write(b"\0" * size)
+
+
+def test_the_least_recently_used_images_go_past_the_capacity(tmp_path):
+    cache = EncoderCacheFolder(str(tmp_path), capacity_bytes=300)
+    for name in ("a", "b", "c"):
+        _write(str(tmp_path), name, 100)
+    cache.added(["a", "b", "c"])
+    assert (len(cache), cache.bytes, cache.evictions) == (3, 300, 0)
+    assert cache.holds("a")  # used again: now the most recent
+    _write(str(tmp_path), "d", 100)
+    cache.added(["d"])
+    assert not cache.holds("b") and not os.path.exists(tmp_path / "b")
+    assert all(cache.holds(name) for name in ("a", "c", "d")) and cache.evictions == 1
+    assert not cache.holds("never-written")
+
+
+def test_an_image_a_request_holds_is_kept(tmp_path):
+    cache = EncoderCacheFolder(str(tmp_path), capacity_bytes=100)
+    _write(str(tmp_path), "a", 100)
+    cache.added(["a"])
+    with cache.hold(["a"]):
+        _write(str(tmp_path), "b", 100)
+        cache.added(["b"])  # over the capacity: "a" is older, but being read, so "b" goes
+        assert cache.holds("a") and not cache.holds("b")
+    _write(str(tmp_path), "c", 100)
+    cache.added(["c"])
+    assert not cache.holds("a") and cache.holds("c")
+
+
+def test_another_front_doors_recent_files_are_kept_and_found(tmp_path):
+    """Front doors apart share the folder: each finds what the others wrote, and leaves alone
+    what any of them used within in_use_s."""
+    first = EncoderCacheFolder(str(tmp_path), capacity_bytes=100, in_use_s=60)
+    second = EncoderCacheFolder(str(tmp_path), capacity_bytes=100, in_use_s=60)
+    _write(str(tmp_path), "a", 100)
+    first.added(["a"])
+    assert second.holds("a")
+    _write(str(tmp_path), "b", 100)
+    first.added(["b"])
+    assert first.holds("a"), "used a moment ago by the other front door"
+    old = time.time() - 120
+    os.utime(tmp_path / "a" / "encoder_cache.safetensors", (old, old))
+    _write(str(tmp_path), "c", 100)
+    first.added(["c"])
+    assert not second.holds("a")
+
+
+def test_a_new_index_finds_what_the_folder_holds_oldest_first(tmp_path):
+    """A replacement front door, or a control plane that took the deployment over, indexes the
+    folder as it finds it."""
+    for age, name in ((300, "old"), (100, "newer")):
+        _write(str(tmp_path), name, 50)
+        stamp = time.time() - age
+        os.utime(tmp_path / name / "encoder_cache.safetensors", (stamp, stamp))
+    os.makedirs(tmp_path / "empty")  # a folder vLLM's connector made for an image it never wrote
+    cache = EncoderCacheFolder(str(tmp_path), capacity_bytes=100)
+    assert (len(cache), cache.bytes) == (2, 100)
+    _write(str(tmp_path), "new", 50)
+    cache.added(["new"])
+    assert not os.path.exists(tmp_path / "old") and cache.holds("newer")
+
+
+def test_encode_engines_write_the_cache_and_prefill_engines_read_it():
+    config = with_encoder_cache_folder(load_config("configs/vision.yaml"), "key")
+    assert config.encode.replicas == 1
+    folder = config.encode.cache_path
+    assert folder == with_encoder_cache_folder(load_config("configs/vision.yaml"), "key").encode.cache_path
+    assert engine_ec_config("encode", config, on_cpu=True) == {
+        "ec_connector": "ECExampleConnector", "ec_role": "ec_producer", "ec_buffer_device": "cpu",
+        "ec_connector_extra_config": {"shared_storage_path": folder},
+    }
+    assert engine_ec_config("prefill", config, on_cpu=True)["ec_role"] == "ec_consumer"
+    assert engine_ec_config("decode", config, on_cpu=True) is None  # it encodes what it computes itself
+    without = parse_config({**load_config("configs/vision.yaml").model_dump(), "encode": {"replicas": 0}})
+    assert with_encoder_cache_folder(without, "key") == without
+    assert engine_ec_config("prefill", without, on_cpu=True) is None
+    named = parse_config({**load_config("configs/vision.yaml").model_dump(), "encode": {"replicas": 1, "cache_path": "/shared/ec"}})
+    assert with_encoder_cache_folder(named, "key").encode.cache_path == "/shared/ec"
+
+
+@pytest.mark.parametrize(
+    "data, says",
+    [
+        ({"mode": "colocated", "encode": {"replicas": 1}}, "colocated"),
+        ({"encode": {"replicas": 1}}, "takes no images"),  # the built-in text model
+        ({"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1, "engine": "simulated"}}, "SIMULATED"),
+    ],
+)
+def test_an_encode_pool_where_it_cannot_serve_is_refused(data, says):
+    with pytest.raises(ConfigError, match="encode.replicas|encode.engine") as raised:
+        parse_config(data)
+    assert says in str(raised.value)

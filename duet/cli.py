@@ -322,6 +322,13 @@ def _print_status(status: pb.ClusterStatus) -> None:
                 f"  {model.model}: {model.requests_served} served, {model.requests_inflight} in flight, "
                 f"{model.requests_failed} failed"
             )
+    for cache in status.encoder_caches:
+        console.print(
+            f"images{f' ({cache.model})' if several else ''}: {cache.images_encoded} encoded by the encode pool, "
+            f"{cache.cache_hits} encoder-cache hits, {cache.fallbacks} left to prefill; encoder cache "
+            f"{cache.images_held} images, {cache.bytes_held / 2**20:.1f} of {cache.capacity_bytes / 2**20:.0f} MiB, "
+            f"{cache.evictions} evicted"
+        )
     if status.deployment_id:
         console.print(f"deployment: {status.deployment_id}")
     if len(status.front_ends) > 1:
@@ -592,6 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     remove.set_defaults(handler=_model_remove)
 
     from duet.benchmarks.chaos import register_command as register_bench_chaos
+    from duet.benchmarks.encoder_cache import register_command as register_bench_images
     from duet.benchmarks.front_door_cost import register_command as register_bench_front_door
     from duet.benchmarks.front_end_cost import register_command as register_bench_front_end
     from duet.benchmarks.fuzz import register_command as register_bench_fuzz
@@ -625,6 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_batch(benches)  # bench batch
     register_bench_lora_affinity(benches)  # bench lora-affinity
     register_bench_multi_model(benches)  # bench multi-model
+    register_bench_images(benches)  # bench images
     register_bench_local_prefill(benches)  # bench local-prefill
     register_bench_router(benches)  # bench router
     register_bench_autoscale(benches)  # bench autoscale

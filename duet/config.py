@@ -21,7 +21,10 @@ BUILTIN_MODEL = "builtin"
 BUILTIN_TEXT_MODELS = (BUILTIN_MODEL, "builtin-wide")
 # The built-in vision-language model (worker_runtime/tiny_vision_model.py: a tiny Idefics3).
 BUILTIN_VISION_MODEL = "builtin-vl"
-BUILTIN_MODELS = (*BUILTIN_TEXT_MODELS, BUILTIN_VISION_MODEL)
+# The built-in vision-language models (worker_runtime/tiny_vision_model.py): the default, and
+# one with an encoder heavy enough to measure what encoding costs (`duet bench images`).
+BUILTIN_VISION_MODELS = (BUILTIN_VISION_MODEL, "builtin-vl-large")
+BUILTIN_MODELS = (*BUILTIN_TEXT_MODELS, *BUILTIN_VISION_MODELS)
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 # The same deployment, colocated: the baseline disaggregation is measured against.
 COLOCATED_CONFIG_PATH = DEFAULT_CONFIG_PATH.parent / "colocated.yaml"
@@ -146,7 +149,7 @@ class ModelConfig(_Strict):
     name: str = Field(default="duet-tiny-llama", min_length=1)
     """The name clients use for this model (the OpenAI API's `model`); checked against each
     request's."""
-    path: str = Field(default=BUILTIN_MODEL, description="'builtin', 'builtin-wide', 'builtin-vl' (a tiny Idefics3 vision-language model) or a local HF model directory")
+    path: str = Field(default=BUILTIN_MODEL, description="'builtin', 'builtin-wide', 'builtin-vl' (a tiny Idefics3 vision-language model), 'builtin-vl-large' (the same with a heavier image encoder) or a local HF model directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights' and activations' type. float32 makes disaggregated generation equal colocated
     generation token for token."""

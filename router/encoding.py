@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ class EncodeStep:
         # engine because no encode worker could take them).
         self.counts: Counter[str] = Counter()
         self.metrics = metrics
+        self.encode_seconds = 0.0  # waited on the encode pool, summed over requests
         self._encoding: dict[str, asyncio.Future[bool]] = {}  # digest -> whether its output was written
 
     @asynccontextmanager
@@ -73,8 +75,13 @@ class EncodeStep:
                     done.set_result(False)
                 for digest in missing:
                     del self._encoding[digest]
-            if written:
-                self.cache.added(missing)
+            # An image whose output the encode engine still held in memory from an earlier
+            # request (its file since removed to make room) is answered without being written
+            # again (vLLM's ECExampleConnector saves only what it computes): its prefill encodes it.
+            present = [digest for digest in missing if written and self.cache.holds(digest)]
+            self.cache.added(present)
+            self._count("encoded", len(present))
+            self._count("fallback", len(missing) - len(present))
         if waits:
             await asyncio.gather(*(asyncio.shield(wait) for wait in waits))
 
@@ -84,27 +91,27 @@ class EncodeStep:
         try:
             worker = self.pool.pick()
         except NoWorkerAvailable:
-            self._count("fallback", len(images))
             return False
         engine = worker.engine
         if engine is None:  # removed since it was picked
-            self._count("fallback", len(images))
             return False
         worker.inflight += 1
+        started = time.perf_counter()
         try:
             await engine.encode(f"{request_id}-encode", images)
         except (EngineLost, EngineRejected) as error:
             if isinstance(error, EngineLost):
                 self.pool.mark_failed(worker, error, engine)
             logger.warning("request %s: encode worker %s failed (%s); its prefill encodes its images", request_id, worker.name, error)
-            self._count("fallback", len(images))
             return False
         finally:
             worker.inflight -= 1
-        self._count("encoded", len(images))
+            self.encode_seconds += time.perf_counter() - started
         return True
 
     def _count(self, outcome: str, images: int) -> None:
+        if not images:
+            return
         self.counts[outcome] += images
         if self.metrics is not None:
             self.metrics.images.labels(outcome, self.pool.model).inc(images)

@@ -182,6 +182,7 @@ def _encoder_cache(model: str, step: EncodeStep) -> pb.EncoderCache:
     return pb.EncoderCache(
         model=model, images_encoded=counts["encoded"], cache_hits=counts["cache_hit"], fallbacks=counts["fallback"],
         images_held=len(cache), bytes_held=cache.bytes, capacity_bytes=cache.capacity_bytes, evictions=cache.evictions,
+        encode_seconds=step.encode_seconds,
     )
 
 
@@ -192,7 +193,9 @@ def _sum_encoder_caches(front_ends: list[pb.FrontEnd]) -> list[pb.EncoderCache]:
     for door in front_ends:
         for counted in door.encoder_caches:
             model = total.setdefault(counted.model, pb.EncoderCache(model=counted.model))
-            for field in ("images_encoded", "cache_hits", "fallbacks", "images_held", "bytes_held", "capacity_bytes", "evictions"):
+            for field in (
+                "images_encoded", "cache_hits", "fallbacks", "images_held", "bytes_held", "capacity_bytes", "evictions", "encode_seconds",
+            ):
                 setattr(model, field, getattr(model, field) + getattr(counted, field))
     return [total[model] for model in sorted(total)]
 

@@ -28,8 +28,9 @@ from duet.worker_runtime import tiny_vision_model as vision
 from duet.worker_runtime.tiny_vision_model import IMAGE_TOKEN, TOKENS_PER_IMAGE
 
 
-def test_an_image_is_sixteen_tokens_and_changes_the_output():
-    path = vision.ensure_tiny_vision_model()
+@pytest.mark.parametrize("shape", sorted(vision.VISION_SHAPES))
+def test_an_image_is_sixteen_tokens_and_changes_the_output(shape):
+    path = vision.ensure_tiny_vision_model(shape)
     processor = AutoProcessor.from_pretrained(path)
     model, loading = Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
     assert not any(loading.values()), loading  # every weight saved is loaded, none missing
@@ -268,10 +269,12 @@ def _ask(*images: bytes) -> list[dict]:
     return [{"role": "user", "content": [*(_image_part(data) for data in images), {"type": "text", "text": "what"}]}]
 
 
-def test_each_distinct_image_is_encoded_once_by_the_encode_pool(vision_deployment, vision_engine, sdk):
+def test_each_distinct_image_is_encoded_once_by_the_encode_pool(vision_deployment, vision_engine, sdk, capsys):
     """Images new to the deployment go to the encode worker, once each; an image sent again
     (alone, or beside another) is a cache hit; a text-only chat skips the step. Every answer is
-    vLLM's own."""
+    vLLM's own; `duet status` shows the encode pool and the counts."""
+    from duet.cli import main as duet_main
+
     first, second = _png(70, 50, 101), _png(50, 70, 102)
     before = _encoder_counts(vision_deployment.port)
     for images, encoded, hits in (((first,), 1, 0), ((second,), 2, 0), ((first, second), 2, 2), ((first,), 2, 3)):
@@ -281,6 +284,10 @@ def test_each_distinct_image_is_encoded_once_by_the_encode_pool(vision_deploymen
     _chat_tokens(sdk, [{"role": "user", "content": "no picture"}])
     assert _encoder_counts(vision_deployment.port) == counts
     assert counts["fallbacks"] == before["fallbacks"] and counts["held"] >= 2
+    capsys.readouterr()
+    assert duet_main(["status", "--target", f"127.0.0.1:{vision_deployment.port}"]) == 0
+    printed = capsys.readouterr().out
+    assert "encode-0" in printed and f"images: {counts['encoded']} encoded by the encode pool" in printed, printed
 
 
 def test_the_prefill_engine_reads_the_encode_pools_output(vision_deployment, vision_engine, sdk):

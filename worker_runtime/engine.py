@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from duet.config import BUILTIN_TEXT_MODELS, BUILTIN_VISION_MODEL, ModelConfig
+from duet.config import BUILTIN_TEXT_MODELS, BUILTIN_VISION_MODELS, ModelConfig
 from duet.worker_runtime.gloo_device import ENV_SHARED_GLOO_DEVICE
 
 _GIB = 1 << 30
@@ -23,10 +23,10 @@ def resolve_model_path(model: ModelConfig) -> Path:
         from duet.worker_runtime.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model(shape=model.path)
-    if model.path == BUILTIN_VISION_MODEL:
+    if model.path in BUILTIN_VISION_MODELS:
         from duet.worker_runtime.tiny_vision_model import ensure_tiny_vision_model
 
-        return ensure_tiny_vision_model()
+        return ensure_tiny_vision_model(model.path)
     return Path(model.path).expanduser().resolve()
 
 

@@ -9,8 +9,8 @@ builds and break transformers; see ../shared/ENVIRONMENT.md), while Idefics3's i
 has a PIL form.
 
 The shape: the built-in text model's Llama as the language model, with Idefics3's tokens added
-to its tokenizer; a 2-layer SigLIP tower on 112x112 images in 14-pixel patches (64 patches),
-pixel-shuffled by 2, so every image is 16 tokens; images are not split into tiles.
+to its tokenizer; a SigLIP tower on square images in 14-pixel patches, pixel-shuffled so that
+every image is 16 tokens (:data:`VISION_SHAPES`); images are not split into tiles.
 """
 
 from __future__ import annotations
@@ -26,39 +26,54 @@ from duet.worker_runtime import tiny_model
 VISION_MODEL_NAME = "duet-tiny-idefics3"
 IMAGE_TOKEN = "<image>"
 _SPECIAL_TOKENS = (IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>", "<end_of_utterance>")
-IMAGE_SIZE = 112
+# Each built-in vision model's shape: its image size, its SigLIP tower and its pixel shuffle.
+# builtin-vl: a 2-layer tower on 112x112 images (64 patches, shuffled by 2). builtin-vl-large: a
+# 6-layer tower four times as wide on 224x224 images (256 patches, shuffled by 4), whose encoder
+# costs tens of milliseconds an image on one core, as a real model's costs more than its
+# prompt's share of prefill (`duet bench images`). Both make 16 tokens an image.
 PATCH_SIZE = 14
-SCALE_FACTOR = 2
-TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2
-_RECIPE_VERSION = 1
-_VISION_CONFIG = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "image_size": IMAGE_SIZE,
-    "patch_size": PATCH_SIZE,
+VISION_SHAPES: dict[str, dict] = {
+    "builtin-vl": {"image_size": 112, "scale_factor": 2, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
+    "builtin-vl-large": {
+        "image_size": 224, "scale_factor": 4, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 6,
+    },
 }
+TOKENS_PER_IMAGE = 16
+_RECIPE_VERSION = 1
 
 
-def tiny_vision_model_dir() -> Path:
-    """The cache path of the current recipe (the recipe is part of the name)."""
+def _vision_config(shape: str) -> dict:
+    """The SigLIP tower's config of ``shape``."""
+    spec = VISION_SHAPES[shape]
+    return {
+        "hidden_size": spec["hidden_size"],
+        "intermediate_size": spec["intermediate_size"],
+        "num_hidden_layers": spec["num_hidden_layers"],
+        "num_attention_heads": 4,
+        "image_size": spec["image_size"],
+        "patch_size": PATCH_SIZE,
+    }
+
+
+def tiny_vision_model_dir(shape: str = "builtin-vl") -> Path:
+    """The cache path of the current recipe of ``shape`` (the recipe is part of the name)."""
     recipe = json.dumps(
-        {"v": _RECIPE_VERSION, "text": tiny_model.BUILTIN_SHAPES["builtin"][1], "vision": _VISION_CONFIG}, sort_keys=True
+        {"v": _RECIPE_VERSION, "text": tiny_model.BUILTIN_SHAPES["builtin"][1], "vision": _vision_config(shape)}, sort_keys=True
     )
-    return tiny_model.cache_dir() / f"{VISION_MODEL_NAME}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    name = VISION_MODEL_NAME if shape == "builtin-vl" else f"{VISION_MODEL_NAME}-{shape.removeprefix('builtin-vl-')}"
+    return tiny_model.cache_dir() / f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
 
 
-def ensure_tiny_vision_model() -> Path:
+def ensure_tiny_vision_model(shape: str = "builtin-vl") -> Path:
     """The built-in vision-language model's directory, made on first use (atomically, as the
     text model's: concurrent callers never see a half-written one)."""
-    target = tiny_vision_model_dir()
+    target = tiny_vision_model_dir(shape)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write(staging)
+        _write(staging, shape)
         try:
             staging.rename(target)
         except OSError:
@@ -69,7 +84,7 @@ def ensure_tiny_vision_model() -> Path:
     return target
 
 
-def _write(out: Path) -> None:
+def _write(out: Path, shape: str) -> None:
     import torch
     from transformers import (
         AutoTokenizer,
@@ -91,9 +106,9 @@ def _write(out: Path) -> None:
             eos_token_id=tokenizer.eos_token_id,
             **text,
         ),
-        vision_config=Idefics3VisionConfig(**_VISION_CONFIG),
+        vision_config=Idefics3VisionConfig(**_vision_config(shape)),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        scale_factor=SCALE_FACTOR,
+        scale_factor=VISION_SHAPES[shape]["scale_factor"],
         tie_word_embeddings=False,
     )
     torch.manual_seed(tiny_model.SEED)
@@ -104,8 +119,8 @@ def _write(out: Path) -> None:
     processor = Idefics3Processor(
         image_processor=Idefics3ImageProcessorPil(
             do_image_splitting=False,
-            size={"longest_edge": IMAGE_SIZE},
-            max_image_size={"longest_edge": IMAGE_SIZE},
+            size={"longest_edge": VISION_SHAPES[shape]["image_size"]},
+            max_image_size={"longest_edge": VISION_SHAPES[shape]["image_size"]},
         ),
         tokenizer=tokenizer,
         image_seq_len=TOKENS_PER_IMAGE,

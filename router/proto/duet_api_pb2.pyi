@@ -384,7 +384,7 @@ class FrontEnd(_message.Message):
     def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., error: _Optional[str] = ..., migrations: _Optional[_Iterable[_Union[WorkerMigrations, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ..., encoder_caches: _Optional[_Iterable[_Union[EncoderCache, _Mapping]]] = ...) -> None: ...
 
 class EncoderCache(_message.Message):
-    __slots__ = ("model", "images_encoded", "cache_hits", "fallbacks", "images_held", "bytes_held", "capacity_bytes", "evictions")
+    __slots__ = ("model", "images_encoded", "cache_hits", "fallbacks", "images_held", "bytes_held", "capacity_bytes", "evictions", "encode_seconds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,7 @@ class EncoderCache(_message.Message):
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     images_encoded: int
     cache_hits: int
@@ -401,7 +402,8 @@ class EncoderCache(_message.Message):
     bytes_held: int
     capacity_bytes: int
     evictions: int
-    def __init__(self, model: _Optional[str] = ..., images_encoded: _Optional[int] = ..., cache_hits: _Optional[int] = ..., fallbacks: _Optional[int] = ..., images_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    encode_seconds: float
+    def __init__(self, model: _Optional[str] = ..., images_encoded: _Optional[int] = ..., cache_hits: _Optional[int] = ..., fallbacks: _Optional[int] = ..., images_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., encode_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerMigrations(_message.Message):
     __slots__ = ("worker", "out_kv", "out_replay", "in_kv", "in_replay")

@@ -38,19 +38,19 @@ VISION_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "vision.yam
 CONDITIONS = ("cache", "no cache")
 
 
-def _pictures(count: int, seed: int) -> list[Any]:
+def pictures(count: int, seed: int) -> list[Any]:
     """``count`` pictures of random size (48-224 pixels a side) and random pixels."""
     from PIL import Image
 
     rng = random.Random(seed)
-    pictures = []
+    made = []
     for _ in range(count):
         width, height = rng.randint(48, 224), rng.randint(48, 224)
-        pictures.append(Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3)))
-    return pictures
+        made.append(Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3)))
+    return made
 
 
-def _png(picture: Any, tag: str) -> bytes:
+def png(picture: Any, tag: str) -> bytes:
     """``picture`` as a PNG file carrying ``tag`` in a text chunk: files with other tags are
     other files (another digest, so nothing of one is cached for another) of the same pixels."""
     from PIL.PngImagePlugin import PngInfo
@@ -62,26 +62,24 @@ def _png(picture: Any, tag: str) -> bytes:
     return out.getvalue()
 
 
-def _sends(pictures: list[Any], tag: str, cached: bool, seed: int) -> list[bytes]:
+def _sends(shown: list[Any], tag: str, cached: bool, seed: int) -> list[bytes]:
     """Each picture sent twice, each repeat at a random place after its first send. ``cached``:
     the repeat is the same file; otherwise a new file of the same pixels (what a client that
     encodes its image again sends), which no cache keyed by the file can save."""
     rng = random.Random(seed)
-    firsts = [_png(picture, f"{tag}-{index}") for index, picture in enumerate(pictures)]
+    firsts = [png(picture, f"{tag}-{index}") for index, picture in enumerate(shown)]
     sends = list(firsts)
     for index, first in enumerate(firsts):
-        again = first if cached else _png(pictures[index], f"{tag}-{index}-again")
+        again = first if cached else png(shown[index], f"{tag}-{index}-again")
         sends.insert(rng.randint(sends.index(first) + 1, len(sends)), again)
     return sends
 
 
-async def _chat(session: Any, url: str, model: str, image: bytes, max_tokens: int) -> tuple[float, list[int]]:
-    """One streamed chat with ``image``: (TTFT seconds, the generated token ids)."""
+def image_chat(model: str, image: bytes, max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed chat request with ``image`` and a question."""
     import base64
 
-    from duet.benchmarks.openai_replay import sse_data
-
-    body = {
+    return {
         "model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
         "return_token_ids": True,
         "messages": [{"role": "user", "content": [
@@ -89,16 +87,26 @@ async def _chat(session: Any, url: str, model: str, image: bytes, max_tokens: in
             {"type": "text", "text": "describe this"},
         ]}],
     }
-    started, ttft, tokens = time.perf_counter(), None, []
+
+
+async def streamed(session: Any, url: str, body: dict[str, Any]) -> tuple[float, float | None, list[int]]:
+    """Send ``body`` (a streamed OpenAI request) to ``url``: its TTFT, its TPOT (None for one
+    token) and its token ids, as the client saw them."""
+    from duet.benchmarks.openai_replay import sse_data
+
+    started, first, last, tokens = time.perf_counter(), None, 0.0, []
     async with session.post(url, json=body) as reply:
         if reply.status != 200:
             raise RuntimeError(f"HTTP {reply.status}: {await reply.text()}")
         async for event in sse_data(reply.content):
             for choice in event.get("choices") or []:
-                if ttft is None:
-                    ttft = time.perf_counter() - started
+                last = time.perf_counter()
+                first = first or last
                 tokens.extend(choice.get("token_ids") or [])
-    return ttft or 0.0, tokens
+    if first is None:
+        raise RuntimeError("the stream carried no token")
+    tpot = (last - first) / (len(tokens) - 1) if len(tokens) > 1 else None
+    return first - started, tpot, tokens
 
 
 async def _condition(deployment: Any, sends: list[bytes], rate: float, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -119,11 +127,11 @@ async def _condition(deployment: Any, sends: list[bytes], rate: float, max_token
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         tasks = []
         for image in sends:
-            tasks.append(asyncio.create_task(_chat(session, url, model, image, max_tokens)))
+            tasks.append(asyncio.create_task(streamed(session, url, image_chat(model, image, max_tokens))))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
     after = await asyncio.to_thread(counts)
-    ttfts = sorted(ttft for ttft, _ in results)
+    ttfts = sorted(ttft for ttft, _, _ in results)
     return {
         "requests": len(sends),
         "images_encoded": after.images_encoded - before.images_encoded,
@@ -132,16 +140,24 @@ async def _condition(deployment: Any, sends: list[bytes], rate: float, max_token
         "encode_seconds": after.encode_seconds - before.encode_seconds,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
-        "tokens": [tokens for _, tokens in results],
+        "tokens": [tokens for _, _, tokens in results],
     }
 
 
-def _config(cores: int, model_path: str) -> Any:
-    from duet.config import load_config, parse_config
+def vision_config(model_path: str) -> dict[str, Any]:
+    """configs/vision.yaml serving the built-in vision model ``model_path``, no metrics port."""
+    from duet.config import load_config
 
     data = load_config(VISION_CONFIG).model_dump(exclude_unset=True)
     data["server"].update(metrics_port=None)
     data["model"].update(max_model_len=1024, path=model_path, name=f"duet-tiny-idefics3{model_path.removeprefix('builtin-vl')}")
+    return data
+
+
+def _config(cores: int, model_path: str) -> Any:
+    from duet.config import parse_config
+
+    data = vision_config(model_path)
     spread = list(range(cores))
     data["prefill"].update(replicas=2, num_cpus=0, cpu_cores=[spread[0], spread[-1]], kv_cache_gib=0.5)
     data["decode"].update(num_cpus=0, cpu_cores=[spread[-1]], kv_cache_gib=0.5)
@@ -155,14 +171,14 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     deployment = await Deployment(config).start(port=0, http_port=0)
     runs = []
     try:
-        warm_up = _sends(_pictures(4, seed=1), "warm-up", cached=True, seed=1)
+        warm_up = _sends(pictures(4, seed=1), "warm-up", cached=True, seed=1)
         await _condition(deployment, warm_up, args.rate, args.max_tokens, seed=0)  # every engine's first steps
         for round_index in range(args.rounds):
-            pictures = _pictures(args.images, seed=1000 + round_index)
+            shown = pictures(args.images, seed=1000 + round_index)
             order = CONDITIONS[round_index % 2:] + CONDITIONS[: round_index % 2]
             measured = {}
             for condition in order:
-                sends = _sends(pictures, f"{round_index}-{condition}", cached=condition == "cache", seed=round_index)
+                sends = _sends(shown, f"{round_index}-{condition}", cached=condition == "cache", seed=round_index)
                 measured[condition] = await _condition(deployment, sends, args.rate, args.max_tokens, seed=round_index)
             identical = measured["cache"].pop("tokens") == measured["no cache"].pop("tokens")
             for condition in order:

@@ -600,6 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from duet.benchmarks.chaos import register_command as register_bench_chaos
     from duet.benchmarks.encoder_cache import register_command as register_bench_images
+    from duet.benchmarks.image_load import register_command as register_bench_image_load
     from duet.benchmarks.front_door_cost import register_command as register_bench_front_door
     from duet.benchmarks.front_end_cost import register_command as register_bench_front_end
     from duet.benchmarks.fuzz import register_command as register_bench_fuzz
@@ -634,6 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_lora_affinity(benches)  # bench lora-affinity
     register_bench_multi_model(benches)  # bench multi-model
     register_bench_images(benches)  # bench images
+    register_bench_image_load(benches)  # bench image-load
     register_bench_local_prefill(benches)  # bench local-prefill
     register_bench_router(benches)  # bench router
     register_bench_autoscale(benches)  # bench autoscale

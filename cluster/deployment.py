@@ -310,6 +310,8 @@ class Deployment:
             self._autoscaler_metrics = AutoscalerMetrics(self._metrics_registry)
         metrics = self._autoscaler_metrics.for_model(served.name, policy.slo_profile()) if self._autoscaler_metrics else None
         pools = {"prefill": served.prefill, "decode": served.decode}
+        if served.encodes:
+            pools["encode"] = served.encode
         load = self.front_doors.load_of(served.name) if self.front_doors is not None else served.service.load
         served.autoscaler = LiveAutoscaler(policy, pools, load, served, metrics, budget_left=self._budget_left(served))
         served.autoscaler.start()
@@ -317,7 +319,9 @@ class Deployment:
         self.cluster.routing_notes.append(
             (f"{served.name}: " if len(self.models) > 1 else "")
             + f"autoscaling: policy {policy_name} (SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s at {slo.attainment:.0%}; "
-            f"prefill {policy.prefill.min}-{policy.prefill.max}, decode {policy.decode.min}-{policy.decode.max} workers)"
+            f"prefill {policy.prefill.min}-{policy.prefill.max}, decode {policy.decode.min}-{policy.decode.max}"
+            + (f", encode {policy.encode.min}-{policy.encode.max}" if served.encodes else "")
+            + " workers)"
         )
 
     def _budget_left(self, served: ModelServing) -> Callable[[], BudgetShare] | None:

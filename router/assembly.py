@@ -97,6 +97,8 @@ def request_service(
         adapters=served_adapters(config.model), block_size=block_size,
     )
     service = RequestService(lifecycle, limits, tokenizer, cluster, gatekeeper, config.server.max_inflight_requests)
+    if lifecycle.encoder is not None:
+        lifecycle.encoder.load = service.load
     service.tool_parser = tool_parser_class(api.tool_call_parser, tokenizer)
     service.chat_template = chat_template(config)
     service.image_limits = api.images

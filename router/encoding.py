@@ -20,12 +20,16 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from duet.kv_transfer.encoder_cache import EncoderCacheFolder
 from duet.router.metrics import RouterMetrics
 from duet.router.pools import NoWorkerAvailable, WorkerPool
 from duet.router.worker_engines import EngineLost, EngineRejected
 from duet.worker_runtime.images import image_digest
+
+if TYPE_CHECKING:  # the load meter reads the lifecycle's usage type, and the lifecycle this step
+    from duet.router.load_meter import LoadMeter
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,9 @@ class EncodeStep:
         self.counts: Counter[str] = Counter()
         self.metrics = metrics
         self.encode_seconds = 0.0  # waited on the encode pool, summed over requests
+        # The serving path's load meter, told each encode's wait and fallbacks (the autoscaler
+        # sizes the encode pool by them: cluster/autoscaler/encode_pool.py).
+        self.load: LoadMeter | None = None
         self._encoding: dict[str, asyncio.Future[bool]] = {}  # digest -> whether its output was written
 
     @asynccontextmanager
@@ -67,6 +74,7 @@ class EncodeStep:
             done = asyncio.get_running_loop().create_future()
             for digest in missing:
                 self._encoding[digest] = done
+            started = time.perf_counter()
             try:
                 written = await self._encode(request_id, tuple(missing.values()))
                 done.set_result(written)
@@ -75,6 +83,7 @@ class EncodeStep:
                     done.set_result(False)
                 for digest in missing:
                     del self._encoding[digest]
+            waited = time.perf_counter() - started
             # An image whose output the encode engine still held in memory from an earlier
             # request (its file since removed to make room) is answered without being written
             # again (vLLM's ECExampleConnector saves only what it computes): its prefill encodes it.
@@ -82,6 +91,9 @@ class EncodeStep:
             self.cache.added(present)
             self._count("encoded", len(present))
             self._count("fallback", len(missing) - len(present))
+            self.encode_seconds += waited
+            if self.load is not None:
+                self.load.encoded(waited, len(missing) - len(present))
         if waits:
             await asyncio.gather(*(asyncio.shield(wait) for wait in waits))
 
@@ -96,7 +108,6 @@ class EncodeStep:
         if engine is None:  # removed since it was picked
             return False
         worker.inflight += 1
-        started = time.perf_counter()
         try:
             await engine.encode(f"{request_id}-encode", images)
         except (EngineLost, EngineRejected) as error:
@@ -106,7 +117,6 @@ class EncodeStep:
             return False
         finally:
             worker.inflight -= 1
-            self.encode_seconds += time.perf_counter() - started
         return True
 
     def _count(self, outcome: str, images: int) -> None:

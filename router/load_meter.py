@@ -25,6 +25,11 @@ class LoadWindow:
     ttfts_s: list[float] = field(default_factory=list)
     # (TPOT, output tokens) of each request that finished.
     finished: list[tuple[float, int]] = field(default_factory=list)
+    # E+P+D: seconds requests waited on the encode pool, summed (the mean number of encodes in
+    # flight is this over the window's length), and images left to the prefill engines because
+    # no encode worker could take them.
+    encode_wait_s: float = 0.0
+    image_fallbacks: int = 0
 
     def add(self, other: "LoadWindow") -> None:
         """Count ``other``'s requests too (another front door's window of the same interval)."""
@@ -33,6 +38,8 @@ class LoadWindow:
         self.prompt_tokens_sq += other.prompt_tokens_sq
         self.ttfts_s.extend(other.ttfts_s)
         self.finished.extend(other.finished)
+        self.encode_wait_s += other.encode_wait_s
+        self.image_fallbacks += other.image_fallbacks
 
 
 class LoadMeter:
@@ -62,6 +69,12 @@ class LoadMeter:
         self._waiting_first.pop(handle, None)
         if usage is not None and usage.completion_tokens:
             self._current.finished.append((usage.tpot_s, usage.completion_tokens))
+
+    def encoded(self, wait_s: float, fallbacks: int) -> None:
+        """A request's images went through the encode step: it waited ``wait_s`` on the encode
+        pool, and ``fallbacks`` of its images were left to its prefill engine."""
+        self._current.encode_wait_s += wait_s
+        self._current.image_fallbacks += fallbacks
 
     def waiting_longer_than(self, seconds: float) -> int:
         """Admitted requests still without a first token after ``seconds``."""

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from duet.cluster.autoscaler.capacity import CapacityModel
 from duet.cluster.autoscaler.core import Autoscaler, Decision, Observation, PoolObservation
+from duet.cluster.autoscaler.encode_pool import encode_decision
 from duet.cluster.autoscaler.metrics import ModelAutoscalerMetrics
 from duet.cluster.autoscaler.policy import ROLES, AutoscalePolicy
 from duet.cluster.autoscaler.shared_budget import BudgetShare
@@ -99,6 +100,8 @@ class LiveAutoscaler:
         self._last_tick = now
         decisions = self.autoscaler.decide(observation)
         holding = not observation.fresh or observation.metrics_age_s > self.policy.stale_after_s
+        if "encode" in self.pools and not holding:
+            decisions.append(self._encode_decision(window, observation.window_s))
         for decision in decisions:
             if decision.direction != "hold":
                 self._apply(decision)
@@ -127,11 +130,16 @@ class LiveAutoscaler:
             output_tokens=sum(tokens for _, tokens in window.finished),
             tpot_met=tpot_met,
             ttft_overdue=ttft_overdue,
-            pools={role: _pool_observation(self.pools[role]) for role in ROLES},
+            pools={role: _pool_observation(self.pools[role]) for role in ROLES},  # the encode pool is sized apart
             metrics_age_s=self._metrics_age(now),
             budget_units=None if share is None else max(0, share.units),
             budget_to="" if share is None else share.to_model,
         )
+
+    def _encode_decision(self, window: LoadWindow, window_s: float) -> Decision:
+        pool = self.pools["encode"]
+        active = sum(1 for member in pool.members if member.state in ("starting", "ready", "restarting"))
+        return encode_decision(self.policy.encode, active, window.encode_wait_s, window.image_fallbacks, window_s)
 
     def _metrics_age(self, now: float) -> float:
         """Age of the oldest health report among ready workers (their KV usage and load)."""

@@ -67,7 +67,9 @@ class ModelAutoscalerMetrics:
 
 def reason_kind(reason: str) -> str:
     """A low-cardinality label for a decision's reason (the full text goes to the log)."""
-    for kind in ("attainment", "waiting", "KV", "forecast", "no traffic", "budget"):
+    for kind in ("attainment", "waiting", "KV", "forecast", "no traffic", "budget", "encode"):
         if kind in reason:
-            return {"attainment": "slo_missed", "waiting": "queue", "KV": "kv_full", "no traffic": "idle"}.get(kind, kind)
+            return {
+                "attainment": "slo_missed", "waiting": "queue", "KV": "kv_full", "no traffic": "idle", "encode": "encode_load",
+            }.get(kind, kind)
     return "other"

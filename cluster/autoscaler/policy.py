@@ -60,6 +60,25 @@ class PoolLimits(_Strict):
         return self.tensor_parallel * self.pipeline_parallel
 
 
+class EncodeLimits(_Strict):
+    """Bounds on the encode pool (E+P+D, a vision-language model's image encoders), sized by
+    how many encodes are in flight rather than by the SLO's latency model
+    (cluster/autoscaler/encode_pool.py)."""
+
+    min: int = Field(default=0, ge=0)
+    """Fewest encode workers (0: the prefill engines encode while images are rare)."""
+    max: int = Field(default=4, ge=0)
+    """Most encode workers."""
+    in_flight_per_worker: float = Field(default=1.0, gt=0)
+    """Encode requests in flight (on average over an interval) that one encode worker is sized for."""
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> EncodeLimits:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        return self
+
+
 class ScaleDown(_Strict):
     """Scale-down is slow on purpose: a worker removed in a lull must be restarted (minutes on
     a GPU) when the next burst comes, and every removal drains first."""
@@ -81,6 +100,8 @@ class AutoscalePolicy(_Strict):
     """Bounds on the prefill pool."""
     decode: PoolLimits = PoolLimits()
     """Bounds on the decode pool."""
+    encode: EncodeLimits = EncodeLimits()
+    """Bounds on the encode pool, for a model that has one (E+P+D)."""
     budget: int | None = Field(default=None, ge=1)
     """Total units (GPUs, or cores on CPU) both pools may hold, starting workers included."""
     headroom: float = Field(default=0.8, gt=0, le=1)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from duet.benchmarks.arguments import write_results
+from duet.config import BUILTIN_VISION_MODELS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "encoder_cache.json"
 VISION_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "vision.yaml"
@@ -75,14 +76,17 @@ def _sends(shown: list[Any], tag: str, cached: bool, seed: int) -> list[bytes]:
     return sends
 
 
-def image_chat(model: str, image: bytes, max_tokens: int) -> dict[str, Any]:
-    """A greedy streamed chat request with ``image`` and a question."""
+def image_chat(model: str, image: bytes, max_tokens: int, label: str) -> dict[str, Any]:
+    """A greedy streamed chat request: ``label``, then ``image``, then a question. The label
+    comes first so that no two requests share a cached prefix: a repeat of an image is saved
+    its encoder pass by the encoder cache, not its whole prompt by an engine's prefix cache."""
     import base64
 
     return {
         "model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
         "return_token_ids": True,
         "messages": [{"role": "user", "content": [
+            {"type": "text", "text": label},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}},
             {"type": "text", "text": "describe this"},
         ]}],
@@ -124,10 +128,11 @@ async def _condition(deployment: Any, sends: list[bytes], rate: float, max_token
     rng = random.Random(seed)
     url = f"http://127.0.0.1:{deployment.http_port}/v1/chat/completions"
     model = deployment.models[0].name
+    bodies = [image_chat(model, image, max_tokens, f"request {index}") for index, image in enumerate(sends)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         tasks = []
-        for image in sends:
-            tasks.append(asyncio.create_task(streamed(session, url, image_chat(model, image, max_tokens))))
+        for body in bodies:
+            tasks.append(asyncio.create_task(streamed(session, url, body)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
     after = await asyncio.to_thread(counts)
@@ -236,7 +241,7 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s (Poisson)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     parser.add_argument(
-        "--model", default="builtin-vl-large", choices=["builtin-vl", "builtin-vl-large"],
+        "--model", default="builtin-vl-large", choices=BUILTIN_VISION_MODELS,
         help="the built-in vision model: builtin-vl-large's encoder costs about 40 ms an image on one core, builtin-vl's a few",
     )
     parser.add_argument("--out", help=f"where the results go (JSON; default {RESULTS.name} in benchmarks/results)")

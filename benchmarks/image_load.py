@@ -1,9 +1,9 @@
 """Text requests beside image requests: what the image encoder costs text prompts in E+P+D, EP+D
 and colocated serving (``duet bench image-load``).
 
-A Poisson stream of text-only chats (``--text-rate``, prompts of about ``--text-words`` words,
-``--output-tokens`` tokens) runs for ``--duration`` seconds, alone or beside a Poisson stream of
-image chats (``--image-rate``, each a new image, so every one is encoded). The model is
+A Poisson stream of text-only chats (``--text-rate``, prompts of ``--text-words`` random words,
+``--output-tokens`` tokens) of ``--duration`` seconds' worth of requests, alone or beside a Poisson
+stream of image chats (``--image-rate``, each a new image, so every one is encoded). The model is
 ``builtin-vl-large`` by default, whose image encoder costs about 40 ms an image on one core.
 
 Two deployments, one after the other, on this machine's two cores:
@@ -30,6 +30,7 @@ from typing import Any
 
 from duet.benchmarks.arguments import write_results
 from duet.benchmarks.encoder_cache import image_chat, pictures, png, streamed, vision_config
+from duet.config import BUILTIN_VISION_MODELS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "image_load.json"
 _WORDS = ("red", "green", "blue", "cat", "dog", "tree", "house", "river", "stone", "cloud", "light", "road")
@@ -43,13 +44,12 @@ def _text_chat(model: str, rng: random.Random, words: int, max_tokens: int) -> d
     }
 
 
-async def _stream_of(session: Any, url: str, bodies: Any, rate: float, duration_s: float, seed: int) -> list[Any]:
-    """Send ``bodies`` (an iterator) open-loop at ``rate`` for ``duration_s``; every result."""
+async def _stream_of(session: Any, url: str, bodies: list[dict[str, Any]], rate: float, seed: int) -> list[Any]:
+    """Send ``bodies`` open-loop at ``rate`` (Poisson); every result."""
     rng = random.Random(seed)
-    loop = asyncio.get_running_loop()
-    end, tasks = loop.time() + duration_s, []
-    while loop.time() < end:
-        tasks.append(asyncio.create_task(streamed(session, url, next(bodies))))
+    tasks = []
+    for body in bodies:
+        tasks.append(asyncio.create_task(streamed(session, url, body)))
         await asyncio.sleep(rng.expovariate(rate))
     return await asyncio.gather(*tasks)
 
@@ -59,14 +59,16 @@ async def _condition(deployment: Any, args: argparse.Namespace, images: bool, ta
 
     url = f"http://127.0.0.1:{deployment.http_port}/v1/chat/completions"
     model = deployment.models[0].name
-    text_rng = random.Random(seed)
-    texts = iter(lambda: _text_chat(model, text_rng, args.text_words, args.output_tokens), None)
-    shown = iter(pictures(int(args.image_rate * args.duration * 2) + 8, seed=seed))
-    files = (image_chat(model, png(picture, f"{tag}-{index}"), args.output_tokens) for index, picture in enumerate(shown))
+    # Every request made before the clock starts (encoding images is client work), each text
+    # its own (no condition's prompts are cached by another's).
+    text_rng = random.Random(f"{tag}-text")
+    texts = [_text_chat(model, text_rng, args.text_words, args.output_tokens) for _ in range(round(args.text_rate * args.duration))]
+    shown = pictures(round(args.image_rate * args.duration), seed=seed) if images else []
+    files = [image_chat(model, png(picture, f"{tag}-{index}"), args.output_tokens, tag) for index, picture in enumerate(shown)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        streams = [_stream_of(session, url, texts, args.text_rate, args.duration, seed)]
+        streams = [_stream_of(session, url, texts, args.text_rate, seed)]
         if images:
-            streams.append(_stream_of(session, url, files, args.image_rate, args.duration, seed + 1))
+            streams.append(_stream_of(session, url, files, args.image_rate, seed + 1))
         results = await asyncio.gather(*streams)
     text = results[0]
     measured = {
@@ -174,6 +176,6 @@ def register_command(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--text-words", type=int, default=200, help="words in a text prompt")
     parser.add_argument("--image-rate", type=float, default=6.0, help="image requests/s (Poisson), each a new image")
     parser.add_argument("--output-tokens", type=int, default=16, help="tokens generated per request")
-    parser.add_argument("--model", default="builtin-vl-large", choices=["builtin-vl", "builtin-vl-large"], help="the built-in vision model")
+    parser.add_argument("--model", default="builtin-vl-large", choices=BUILTIN_VISION_MODELS, help="the built-in vision model")
     parser.add_argument("--out", help=f"where the results go (JSON; default {RESULTS.name} in benchmarks/results)")
     parser.set_defaults(handler=_command)

@@ -537,9 +537,13 @@ class Deployment:
         notes = self.cluster.routing_notes
         notes[:] = [note for note in notes if not note.startswith(f"{served.name}: ")]
         self.models.remove(served)
+        self.cluster.encoders.pop(served.name, None)
         if self.front_doors is not None:  # every front door forgets it too
             await self.front_doors.set_models([model.config for model in self.models])
         await served.stop()
+        cache = served.config.encode.cache_path
+        if served.encodes and cache is not None and cache.startswith(default_root(self._cache_key)):
+            shutil.rmtree(cache, ignore_errors=True)  # a model added again under its name encodes anew
 
     async def _wait_ready(self, only: ModelServing | None = None) -> None:
         """Start every worker created (of ``only``'s pools, if given); WorkerStartError naming each that failed."""
@@ -560,7 +564,6 @@ class Deployment:
             await self._control_server.stop(grace=None)
         if self._control_dir is not None:
             shutil.rmtree(self._control_dir, ignore_errors=True)
-        shutil.rmtree(default_root(self._cache_key), ignore_errors=True)  # the encoder caches duet named, if any
         if self.front_ends is not None:
             await self.front_ends.stop()
         if self._metrics_server is not None:
@@ -568,6 +571,7 @@ class Deployment:
         if self.health is not None:
             self.health.stop()
         await asyncio.gather(*(served.stop() for served in self.models))
+        shutil.rmtree(default_root(self._cache_key), ignore_errors=True)  # the encoder caches duet named, if any
 
 
 def _control_dir(deployment_id: str | None) -> str:

@@ -249,7 +249,7 @@ class PoolManager:
         short; new workers start in the background. Shrinking drains the newest workers.
         """
         if replicas < self.min_replicas:
-            raise ScaleError(f"replicas: the {self.pool.role} pool needs at least 1 worker, got {replicas}")
+            raise ScaleError(f"replicas: the {self.pool.role} pool needs at least {self.min_replicas} worker, got {replicas}")
         active = self.active()
         if replicas > len(active):
             added = self.add(replicas - len(active))

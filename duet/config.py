@@ -643,6 +643,17 @@ class DuetConfig(_Strict):
             raise ValueError(f"encode.replicas: model {self.model.path!r} takes no images; encode workers serve a vision-language model")
         if self.encode.engine == "simulated" or self.prefill.engine == "simulated":
             raise ValueError("encode.engine: encode workers run vLLM's encoder; SIMULATED engines have no images (set encode.replicas to 0)")
+        if self.encode.tensor_parallel * self.encode.pipeline_parallel > 1:
+            raise ValueError("encode.tensor_parallel: an encode worker runs on one device (its ranks would write the same files)")
+        several_hosts = (
+            self.ray.address != "local" or self.server.front_end_placement == "nodes"
+            or any(pool.nodes for pool in (self.prefill, self.encode))
+        )
+        if self.encode.cache_path is None and several_hosts:
+            raise ValueError(
+                "encode.cache_path: on a Ray cluster name a folder every node mounts (the default is a temporary "
+                "folder of one host, which the workers on other hosts would not see)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -688,6 +699,9 @@ class DuetConfig(_Strict):
         doubled = [name for name in MODEL_SECTIONS if getattr(self, name) != type(self).model_fields[name].default]
         if doubled:
             raise ValueError(f"models: lists each model's own {', '.join(doubled)}; leave the top-level one(s) out")
+        folders = [served.encode.cache_path for served in self.models if served.encode.replicas and served.encode.cache_path]
+        if len(folders) != len(set(folders)):
+            raise ValueError("models: each model's encode.cache_path apart (each removes the least recently used of its own)")
         names = [name for served in self.models for name in (served.model.name, *served.model.adapter_names())]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

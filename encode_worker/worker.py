@@ -3,8 +3,9 @@
 An encode worker's vLLM engine is encoder-only (``ec_role: ec_producer``): it keeps no KV cache,
 computes no token, and leaves each image's encoder output in the encoder cache
 (kv_transfer/encoder_cache.py), from which the prefill engine of the request loads it (E+P+D:
-docs/concepts/images.md). Its prompt is one image placeholder per image: the encoder's output
-for an image depends on the image alone, and the text would only cost input processing.
+docs/concepts/images.md). Its prompt is one image placeholder per image: vLLM keys an image's
+encoder output by the image alone (its identifier), reusing it across prompts in its own encoder
+cache, and the text would only cost input processing.
 
 :func:`run_encode` is the one implementation; the router runs it against the engine's front end
 in its own process (router/engine_front_end.py), as it runs prefill. :class:`EncodeWorker` is the

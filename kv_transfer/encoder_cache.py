@@ -5,8 +5,9 @@ each image it encodes to a folder; a prefill engine (``ec_consumer``) that finds
 output there loads it instead of running the encoder, and runs the encoder itself when it does
 not (vLLM's scheduler asks its connector per image). vLLM's ``ECExampleConnector`` is the
 connector that runs on CPU: one file per image, at ``{folder}/{identifier}/encoder_cache.safetensors``,
-the identifier being the image's digest (worker_runtime/images.py). Its other connectors need a
-CUDA op (``ECCPUConnector``) or RDMA (``ECMooncakeConnector``).
+the identifier being the image's digest (worker_runtime/images.py); duet's engines load it with
+its writes made atomic (kv_transfer/ec_connector.py). vLLM's other connectors need a CUDA op
+(``ECCPUConnector``) or RDMA (``ECMooncakeConnector``).
 
 vLLM's connector never deletes a file, so the folder would grow with every distinct image.
 :class:`EncoderCacheFolder` is the router's index of it: which images are there, how many bytes
@@ -41,8 +42,11 @@ SHARED_IN_USE_S = 60.0
 def ec_transfer_config(role: Literal["encode", "prefill"], folder: str, on_cpu: bool) -> dict[str, Any]:
     """vLLM's ``ec_transfer_config`` for an encode engine (writes outputs) or a prefill engine
     (reads them) over ``folder``."""
+    from duet.kv_transfer.ec_connector import CONNECTOR_NAME, MODULE_PATH
+
     return {
-        "ec_connector": "ECExampleConnector",
+        "ec_connector": CONNECTOR_NAME,
+        "ec_connector_module_path": MODULE_PATH,
         "ec_role": "ec_producer" if role == "encode" else "ec_consumer",
         "ec_buffer_device": "cpu" if on_cpu else "cuda",
         "ec_connector_extra_config": {"shared_storage_path": folder},
@@ -67,7 +71,9 @@ def with_encoder_cache_folder(config: DuetConfig, deployment_key: str) -> DuetCo
     encode = config.encode
     if not encode.replicas or encode.cache_path is not None:
         return config
-    model_key = hashlib.sha256(config.model.name.encode()).hexdigest()[:12]
+    # The model's name and path: a model removed and added again from another checkpoint
+    # under the same name must not read the old encoder's outputs.
+    model_key = hashlib.sha256(f"{config.model.name}\0{config.model.path}".encode()).hexdigest()[:12]
     folder = os.path.join(default_root(deployment_key), model_key)
     return config.model_copy(update={"encode": encode.model_copy(update={"cache_path": folder})})
 
@@ -91,6 +97,7 @@ class EncoderCacheFolder:
         self.in_use_s = in_use_s
         self._sizes: OrderedDict[str, int] = OrderedDict()  # identifier -> bytes, least recently used first
         self._held: dict[str, int] = {}
+        self._touched: dict[str, float] = {}  # identifier -> when this index last stamped its file
         self.evictions = 0
         os.makedirs(folder, exist_ok=True)
         self._index_existing()
@@ -123,10 +130,13 @@ class EncoderCacheFolder:
         image counts as just used."""
         path = self._file(identifier)
         try:
-            os.utime(path)  # used now: no front door removes it for a while
+            if self.in_use_s:  # used now: no other front door removes it for a while
+                os.utime(path)
+                self._touched[identifier] = os.stat(path).st_mtime
             size = os.stat(path).st_size
         except OSError:
             self._sizes.pop(identifier, None)  # removed by another front door
+            self._touched.pop(identifier, None)
             return False
         self._sizes[identifier] = size
         self._sizes.move_to_end(identifier)
@@ -158,16 +168,23 @@ class EncoderCacheFolder:
         for identifier in list(self._sizes):
             if total <= self.capacity_bytes:
                 return
-            if identifier in self._held or (self.in_use_s and self._used_since(identifier, recent)):
+            if identifier in self._held or (self.in_use_s and self._used_elsewhere_since(identifier, recent)):
                 continue
             total -= self._sizes.pop(identifier)
+            self._touched.pop(identifier, None)
             shutil.rmtree(os.path.join(self.folder, identifier), ignore_errors=True)
             self.evictions += 1
         if total > self.capacity_bytes:
-            logger.debug("encoder cache over its capacity (%d of %d bytes): every image is in use", total, self.capacity_bytes)
+            logger.warning(
+                "encoder cache over its capacity (%d of %d bytes): every image in it is being read, or was used by "
+                "another front door in the last %.0f s", total, self.capacity_bytes, self.in_use_s,
+            )
 
-    def _used_since(self, identifier: str, since: float) -> bool:
+    def _used_elsewhere_since(self, identifier: str, since: float) -> bool:
+        """Whether another front door used the image's file since ``since`` (its stamp is newer
+        than this index's own)."""
         try:
-            return os.stat(self._file(identifier)).st_mtime > since
+            stamped = os.stat(self._file(identifier)).st_mtime
         except OSError:
             return False
+        return stamped > since and stamped > self._touched.get(identifier, 0.0)

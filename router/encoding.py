@@ -49,64 +49,70 @@ class EncodeStep:
         # The serving path's load meter, told each encode's wait and fallbacks (the autoscaler
         # sizes the encode pool by them: cluster/autoscaler/encode_pool.py).
         self.load: LoadMeter | None = None
-        self._encoding: dict[str, asyncio.Future[bool]] = {}  # digest -> whether its output was written
+        self._encoding: dict[str, asyncio.Future[bool]] = {}  # digest -> whether any output was written
 
     @asynccontextmanager
     async def encoded(self, request_id: str, images: tuple[bytes, ...]) -> AsyncIterator[None]:
         """The request's images encoded into the cache (where an encode worker could) and kept
         there while the body runs: the prefill that loads them."""
-        digests = [image_digest(data) for data in images]
+        digests = await asyncio.to_thread(lambda: [image_digest(data) for data in images])  # up to 80 MiB to hash
         with self.cache.hold(digests):
             await self._encode_missing(request_id, dict(zip(digests, images)))
             yield
 
     async def _encode_missing(self, request_id: str, images: dict[str, bytes]) -> None:
-        waits, missing = [], {}
+        waits, missing, found = [], {}, 0
         for digest, data in images.items():
             if digest in self._encoding:
-                waits.append(self._encoding[digest])
-                self._count("cache_hit", 1)
+                waits.append((digest, self._encoding[digest]))
             elif self.cache.holds(digest):
-                self._count("cache_hit", 1)
+                found += 1
             else:
                 missing[digest] = data
+        self._count("cache_hit", found)
         if missing:
-            done = asyncio.get_running_loop().create_future()
-            for digest in missing:
-                self._encoding[digest] = done
-            started = time.perf_counter()
-            try:
-                written = await self._encode(request_id, tuple(missing.values()))
-                done.set_result(written)
-            finally:
-                if not done.done():  # cancelled: the requests waiting on it go on without it
-                    done.set_result(False)
-                for digest in missing:
-                    del self._encoding[digest]
-            waited = time.perf_counter() - started
-            # An image whose output the encode engine still held in memory from an earlier
-            # request (its file since removed to make room) is answered without being written
-            # again (vLLM's ECExampleConnector saves only what it computes): its prefill encodes it.
-            present = [digest for digest in missing if written and self.cache.holds(digest)]
-            self.cache.added(present)
-            self._count("encoded", len(present))
-            self._count("fallback", len(missing) - len(present))
-            self.encode_seconds += waited
-            if self.load is not None:
-                self.load.encoded(waited, len(missing) - len(present))
-        if waits:
-            await asyncio.gather(*(asyncio.shield(wait) for wait in waits))
+            await self._encode_now(request_id, missing)
+        for digest, wait in waits:  # another request is encoding it: a hit once it is written
+            written = await asyncio.shield(wait)
+            self._count("cache_hit" if written and self.cache.holds(digest) else "fallback", 1)
 
-    async def _encode(self, request_id: str, images: tuple[bytes, ...]) -> bool:
-        """Encode ``images`` on an encode worker; False (the prefill engine encodes them) if
+    async def _encode_now(self, request_id: str, missing: dict[str, bytes]) -> None:
+        """Encode ``missing`` for this request, the requests that want the same images waiting
+        on it; count what reached the cache."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        for digest in missing:
+            self._encoding[digest] = done
+        started = time.perf_counter()
+        try:
+            await self._encode(request_id, tuple(missing.values()))
+        finally:
+            # Whatever became of it (cancelled too), index what the encode worker wrote, and
+            # let the requests waiting on it go on.
+            present = [digest for digest in missing if self.cache.holds(digest)]
+            done.set_result(bool(present))
+            for digest in missing:
+                del self._encoding[digest]
+            self.cache.added(present)
+            waited = time.perf_counter() - started
+            self.encode_seconds += waited
+        # What is not in the cache now its prefill encodes: the encode worker failed, or it held
+        # the image's output in memory from an earlier request (its file since removed to make
+        # room) and answered without writing it again (vLLM's connector saves what it computes).
+        self._count("encoded", len(present))
+        self._count("fallback", len(missing) - len(present))
+        if self.load is not None:
+            self.load.encoded(waited, len(missing) - len(present))
+
+    async def _encode(self, request_id: str, images: tuple[bytes, ...]) -> None:
+        """Encode ``images`` on an encode worker; nothing (the prefill engine encodes them) if
         none is ready or it failed."""
         try:
             worker = self.pool.pick()
         except NoWorkerAvailable:
-            return False
+            return
         engine = worker.engine
         if engine is None:  # removed since it was picked
-            return False
+            return
         worker.inflight += 1
         try:
             await engine.encode(f"{request_id}-encode", images)
@@ -114,10 +120,8 @@ class EncodeStep:
             if isinstance(error, EngineLost):
                 self.pool.mark_failed(worker, error, engine)
             logger.warning("request %s: encode worker %s failed (%s); its prefill encodes its images", request_id, worker.name, error)
-            return False
         finally:
             worker.inflight -= 1
-        return True
 
     def _count(self, outcome: str, images: int) -> None:
         if not images:

@@ -203,6 +203,7 @@ class FrontDoor:
         """Forget model ``name`` and its pools (retired first, if it was not)."""
         model = self.models.pop(name)
         self._retire(model)
+        self.cluster.encoders.pop(name, None)
         for pool in model.ordered_pools:
             self.cluster.pools.remove(pool)
             for member in pool.members:

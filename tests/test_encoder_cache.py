@@ -87,8 +87,8 @@ def test_encode_engines_write_the_cache_and_prefill_engines_read_it():
     folder = config.encode.cache_path
     assert folder == with_encoder_cache_folder(load_config("configs/vision.yaml"), "key").encode.cache_path
     assert engine_ec_config("encode", config, on_cpu=True) == {
-        "ec_connector": "ECExampleConnector", "ec_role": "ec_producer", "ec_buffer_device": "cpu",
-        "ec_connector_extra_config": {"shared_storage_path": folder},
+        "ec_connector": "DuetFolderECConnector", "ec_connector_module_path": "duet.kv_transfer.ec_connector",
+        "ec_role": "ec_producer", "ec_buffer_device": "cpu", "ec_connector_extra_config": {"shared_storage_path": folder},
     }
     assert engine_ec_config("prefill", config, on_cpu=True)["ec_role"] == "ec_consumer"
     assert engine_ec_config("decode", config, on_cpu=True) is None  # it encodes what it computes itself
@@ -105,9 +105,48 @@ def test_encode_engines_write_the_cache_and_prefill_engines_read_it():
         ({"mode": "colocated", "encode": {"replicas": 1}}, "colocated"),
         ({"encode": {"replicas": 1}}, "takes no images"),  # the built-in text model
         ({"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1, "engine": "simulated"}}, "SIMULATED"),
+        ({"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1, "tensor_parallel": 2}}, "one device"),
+        ({"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1}, "ray": {"address": "auto"}}, "every node mounts"),
     ],
 )
 def test_an_encode_pool_where_it_cannot_serve_is_refused(data, says):
-    with pytest.raises(ConfigError, match="encode.replicas|encode.engine") as raised:
+    with pytest.raises(ConfigError, match="encode.replicas|encode.engine|encode.tensor_parallel|encode.cache_path") as raised:
         parse_config(data)
     assert says in str(raised.value)
+
+
+def _connector(folder: str, producer: bool) -> object:
+    """duet's connector over ``folder`` with only what its file handling reads (the rest of it
+    is vLLM's, exercised by the engines in test_vision_language.py)."""
+    from duet.kv_transfer.ec_connector import DuetFolderECConnector
+
+    connector = object.__new__(DuetFolderECConnector)
+    connector._storage_path, connector._is_producer, connector._is_consumer = folder, producer, not producer
+    return connector
+
+
+def test_an_encoder_output_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A writer that dies mid-write leaves no file a reader would take for an output, and asking
+    about an image creates nothing."""
+    import safetensors.torch
+    import torch
+
+    writer, reader = _connector(str(tmp_path), True), _connector(str(tmp_path), False)
+    assert not reader.has_cache_item("abc") and not os.listdir(tmp_path)
+    output = {"abc": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    real_save = safetensors.torch.save_file
+
+    def dies_mid_write(tensors: dict, path: str) -> None:
+        with open(path, "wb") as file:
+            file.write(b"half a file")
+        raise OSError("killed")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_mid_write)
+    with pytest.raises(OSError):
+        writer.save_caches(output, "abc")
+    assert not reader.has_cache_item("abc") and os.listdir(tmp_path / "abc") == []
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    writer.save_caches(output, "abc")
+    assert reader.has_cache_item("abc")
+    loaded = safetensors.torch.load_file(str(tmp_path / "abc" / "encoder_cache.safetensors"))["ec_cache"]
+    assert torch.equal(loaded, output["abc"])

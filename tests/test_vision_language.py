@@ -344,6 +344,21 @@ def test_an_encode_worker_killed_mid_request_loses_no_request(vision_deployment,
     assert _encoder_counts(vision_deployment.port)["encoded"] == before["encoded"] + 1
 
 
+def test_images_computed_whole_on_one_worker_answer_the_same(vision_deployment, vision_engine, sdk):
+    """Colocated serving's path: with every prompt computed by the decode worker itself (as a
+    colocated worker computes it, local prefill forced on), the decode engine encodes the
+    images, nothing goes through the encode step, and the answers are vLLM's."""
+    lifecycle = vision_deployment.models[0].service.lifecycle
+    before = _encoder_counts(vision_deployment.port)
+    lifecycle.local_prefill_max_tokens = 1 << 20
+    try:
+        for messages in (_ask(_png(30, 90, 106)), _ask(_png(90, 30, 107), _png(64, 64, 108))):
+            assert _chat_tokens(sdk, messages) == _reference_chat(vision_engine, messages)[1]
+    finally:
+        lifecycle.local_prefill_max_tokens = 0
+    assert _encoder_counts(vision_deployment.port) == before
+
+
 def _noise_png(width: int, height: int) -> bytes:
     rng = random.Random(width * height)
     image = Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from duet.benchmarks.arguments import write_results
+from duet.benchmarks.loadgen import nearest_rank
 from duet.config import BUILTIN_VISION_MODELS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "encoder_cache.json"
@@ -96,6 +97,7 @@ def image_chat(model: str, image: bytes, max_tokens: int, label: str) -> dict[st
 async def streamed(session: Any, url: str, body: dict[str, Any]) -> tuple[float, float | None, list[int]]:
     """Send ``body`` (a streamed OpenAI request) to ``url``: its TTFT, its TPOT (None for one
     token) and its token ids, as the client saw them."""
+    from duet.benchmarks.loadgen import client_tpot
     from duet.benchmarks.openai_replay import sse_data
 
     started, first, last, tokens = time.perf_counter(), None, 0.0, []
@@ -109,8 +111,7 @@ async def streamed(session: Any, url: str, body: dict[str, Any]) -> tuple[float,
                 tokens.extend(choice.get("token_ids") or [])
     if first is None:
         raise RuntimeError("the stream carried no token")
-    tpot = (last - first) / (len(tokens) - 1) if len(tokens) > 1 else None
-    return first - started, tpot, tokens
+    return first - started, client_tpot(first, last, len(tokens)) if len(tokens) > 1 else None, tokens
 
 
 async def _condition(deployment: Any, sends: list[bytes], rate: float, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -136,7 +137,7 @@ async def _condition(deployment: Any, sends: list[bytes], rate: float, max_token
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
     after = await asyncio.to_thread(counts)
-    ttfts = sorted(ttft for ttft, _, _ in results)
+    ttfts = [ttft for ttft, _, _ in results]
     return {
         "requests": len(sends),
         "images_encoded": after.images_encoded - before.images_encoded,
@@ -144,7 +145,7 @@ async def _condition(deployment: Any, sends: list[bytes], rate: float, max_token
         "fallbacks": after.fallbacks - before.fallbacks,
         "encode_seconds": after.encode_seconds - before.encode_seconds,
         "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
+        "ttft_p90_s": nearest_rank(ttfts, 0.9),
         "tokens": [tokens for _, _, tokens in results],
     }
 

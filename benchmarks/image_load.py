@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from duet.benchmarks.arguments import write_results
+from duet.benchmarks.loadgen import nearest_rank
 from duet.benchmarks.encoder_cache import image_chat, pictures, png, streamed, vision_config
 from duet.config import BUILTIN_VISION_MODELS
 
@@ -74,7 +75,7 @@ async def _condition(deployment: Any, args: argparse.Namespace, images: bool, ta
     measured = {
         "text_requests": len(text),
         "text_ttft_p50_s": statistics.median(ttft for ttft, _, _ in text),
-        "text_ttft_p90_s": sorted(ttft for ttft, _, _ in text)[int(0.9 * (len(text) - 1))],
+        "text_ttft_p90_s": nearest_rank([ttft for ttft, _, _ in text], 0.9),
         "text_tpot_p50_s": statistics.median(tpot for _, tpot, _ in text if tpot is not None),
     }
     if images:

@@ -101,6 +101,12 @@ def build_requests(trace: Trace, model: str = "", seed: int = 0, mix: str = "pla
     ]
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (at least one), as the value at rank ``q x (n - 1)``."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
 def client_tpot(first_s: float, last_s: float, tokens: int) -> float:
     """Mean gap between streamed tokens as the client saw them; 0 for a single token."""
     return (last_s - first_s) / (tokens - 1) if tokens > 1 else 0.0

@@ -71,7 +71,7 @@ def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]], 
 
 
 async def _run(deployment: Any, workload: Workload, models: list[str], policy: Any, round_index: int) -> dict[str, Any]:
-    from duet.benchmarks.loadgen import connected_stubs, open_loop, send_one
+    from duet.benchmarks.loadgen import connected_stubs, nearest_rank, open_loop, send_one
     from duet.cluster.placement.trace import Trace
     from duet.router.client import build_request
 
@@ -105,7 +105,7 @@ async def _run(deployment: Any, workload: Workload, models: list[str], policy: A
         "prefill_adapter_activations": _delta(prefill_after, prefill_before, "activated"),
         "decode_adapter_reads": _delta(decode_after, decode_before, "read"),
         "decode_adapter_activations": _delta(decode_after, decode_before, "activated"),
-        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else float("nan"),
+        "ttft_p90_s": nearest_rank(ttft, 0.9) if ttft else float("nan"),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
     }
 

@@ -85,7 +85,7 @@ async def _run(
 ) -> dict[str, Any]:
     """Replay ``workload`` with ``policy`` routing the prefill pool (with front doors of their
     own, each routes with its own policy from the config: pass the deployment's own)."""
-    from duet.benchmarks.loadgen import connected_stubs, open_loop, send_one
+    from duet.benchmarks.loadgen import connected_stubs, nearest_rank, open_loop, send_one
     from duet.cluster.placement.trace import Trace
     from duet.router.client import build_request
 
@@ -138,7 +138,7 @@ async def _run(
         "prompt_tokens_computed": int(queries - hits),
         "prefix_cache_hit_rate": hits / queries if queries else math.nan,
         "ttft_mean_s": statistics.fmean(ttft),
-        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+        "ttft_p90_s": nearest_rank(ttft, 0.9),
         "requests_per_worker": dict(sorted(routed.items())),
         "busiest_share_of_outstanding_mean": statistics.fmean(busiest_share) if busiest_share else math.nan,
     }

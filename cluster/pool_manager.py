@@ -240,7 +240,7 @@ class PoolManager:
 
     def active(self) -> list[PoolMember]:
         """Members that count towards the pool's size (everything not leaving or failed)."""
-        return [m for m in self.pool.members if m.state in ("starting", "ready", "restarting")]
+        return self.pool.active()
 
     def scale_to(self, replicas: int) -> list[str]:
         """Grow or shrink the pool to ``replicas`` workers; returns what was done, a line each.

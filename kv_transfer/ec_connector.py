@@ -17,6 +17,8 @@ from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
+from duet.kv_transfer.encoder_cache import entry_file
+
 # Where vLLM finds this class: ``ec_connector_module_path`` and ``ec_connector`` of an engine's
 # ``ec_transfer_config``.
 MODULE_PATH = __name__
@@ -41,4 +43,4 @@ class DuetFolderECConnector(ECExampleConnector):
 
     def _found_match_for_mm_data(self, mm_hash: str) -> bool:
         """Whether the image's output is in the folder, creating nothing."""
-        return os.path.exists(os.path.join(self._storage_path, mm_hash, "encoder_cache.safetensors"))
+        return os.path.exists(entry_file(self._storage_path, mm_hash))

@@ -31,12 +31,15 @@ from duet.config import DuetConfig
 
 logger = logging.getLogger(__name__)
 
-# vLLM's ECExampleConnector's file name inside an image's folder.
-_ENTRY_FILE = "encoder_cache.safetensors"
 # Where several front doors share the folder, a file one of them used this recently is not
 # removed by another: a prefill engine checks that an image's file exists when it schedules the
 # prompt, and loads it within the same step.
 SHARED_IN_USE_S = 60.0
+
+
+def entry_file(folder: str, identifier: str) -> str:
+    """Where an image's encoder output lies: vLLM's ``ECExampleConnector`` layout."""
+    return os.path.join(folder, identifier, "encoder_cache.safetensors")
 
 
 def ec_transfer_config(role: Literal["encode", "prefill"], folder: str, on_cpu: bool) -> dict[str, Any]:
@@ -108,7 +111,7 @@ class EncoderCacheFolder:
         found = []
         for entry in os.scandir(self.folder):
             try:
-                stat = os.stat(self._file(entry.name))
+                stat = os.stat(entry_file(self.folder, entry.name))
             except OSError:
                 continue
             found.append((stat.st_mtime, entry.name, stat.st_size))
@@ -122,32 +125,30 @@ class EncoderCacheFolder:
     def __len__(self) -> int:
         return len(self._sizes)
 
-    def _file(self, identifier: str) -> str:
-        return os.path.join(self.folder, identifier, _ENTRY_FILE)
-
     def holds(self, identifier: str) -> bool:
         """Whether the image's encoder output is in the folder (another front door's too); the
         image counts as just used."""
-        path = self._file(identifier)
+        path = entry_file(self.folder, identifier)
         try:
             if self.in_use_s:  # used now: no other front door removes it for a while
                 os.utime(path)
-                self._touched[identifier] = os.stat(path).st_mtime
-            size = os.stat(path).st_size
+            stat = os.stat(path)
         except OSError:
             self._sizes.pop(identifier, None)  # removed by another front door
             self._touched.pop(identifier, None)
             return False
-        self._sizes[identifier] = size
+        if self.in_use_s:
+            self._touched[identifier] = stat.st_mtime
+        self._sizes[identifier] = stat.st_size
         self._sizes.move_to_end(identifier)
         return True
 
-    def added(self, identifiers: Iterable[str]) -> None:
-        """The encode pool wrote these images' outputs: index them, then remove the least
-        recently used images past the capacity."""
-        for identifier in identifiers:
-            self.holds(identifier)
+    def added(self, identifiers: Iterable[str]) -> list[str]:
+        """The encode pool was asked for these images' outputs: index those it wrote, then
+        remove the least recently used images past the capacity. Returns those written."""
+        written = [identifier for identifier in identifiers if self.holds(identifier)]
         self._evict()
+        return written
 
     @contextmanager
     def hold(self, identifiers: list[str]) -> Iterator[None]:
@@ -184,7 +185,7 @@ class EncoderCacheFolder:
         """Whether another front door used the image's file since ``since`` (its stamp is newer
         than this index's own)."""
         try:
-            stamped = os.stat(self._file(identifier)).st_mtime
+            stamped = os.stat(entry_file(self.folder, identifier)).st_mtime
         except OSError:
             return False
         return stamped > since and stamped > self._touched.get(identifier, 0.0)

@@ -88,11 +88,10 @@ class EncodeStep:
         finally:
             # Whatever became of it (cancelled too), index what the encode worker wrote, and
             # let the requests waiting on it go on.
-            present = [digest for digest in missing if self.cache.holds(digest)]
+            present = self.cache.added(missing)
             done.set_result(bool(present))
             for digest in missing:
                 del self._encoding[digest]
-            self.cache.added(present)
             waited = time.perf_counter() - started
             self.encode_seconds += waited
         # What is not in the cache now its prefill encodes: the encode worker failed, or it held

@@ -123,6 +123,10 @@ class WorkerPool:
     def ready(self) -> list[PoolMember]:
         return [member for member in self.members if member.state == "ready"]
 
+    def active(self) -> list[PoolMember]:
+        """Members that count towards the pool's size (everything not leaving or failed)."""
+        return [member for member in self.members if member.state in ("starting", "ready", "restarting")]
+
     def pick(self, prompt: list[int] | None = None, avoid: str | None = None, adapter: str = "") -> PoolMember:
         """The ready member the pool's policy chooses for ``prompt`` under the LoRA ``adapter``
         ("" for the base model); not the one named ``avoid`` unless it is the only one ready."""

@@ -7,6 +7,7 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from duet.worker_runtime.worker_api import WorkerStatus
 from duet.kv_transfer.metrics import transfer_totals
@@ -22,6 +23,8 @@ _STATUS_TIMEOUT_S = 5.0
 _TRANSFERRED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 _COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
+# Per-model counts that front doors report and status sums.
+ModelCounts = TypeVar("ModelCounts", pb.ModelRequests, pb.EncoderCache)
 
 
 class ClusterView:
@@ -119,8 +122,10 @@ class ClusterView:
             metrics_endpoint=self.metrics_endpoint,
             routing=[self._routing_line(pool) for pool in self.pools] + self.routing_notes,
             front_ends=front_ends,
-            models=_sum_models(front_ends),
-            encoder_caches=_sum_encoder_caches(front_ends),
+            models=_sum_by_model([counts for door in front_ends for counts in door.models]),
+            # Each front door indexes the images it used of the shared folder: an image two of
+            # them used is held in both counts.
+            encoder_caches=_sum_by_model([counts for door in front_ends for counts in door.encoder_caches]),
             control_plane_pid=os.getpid() if not self.forwards_status else 0,
             deployment_id=self.deployment_id,
         )
@@ -165,15 +170,15 @@ class ClusterView:
         return pb.Pool(role=pool.role, workers=states, model=pool.model or self.model)
 
 
-def _sum_models(front_ends: list[pb.FrontEnd]) -> list[pb.ModelRequests]:
-    """Every front door's requests by model name, summed."""
-    total: dict[str, pb.ModelRequests] = {}
-    for door in front_ends:
-        for counted in door.models:
-            model = total.setdefault(counted.model, pb.ModelRequests(model=counted.model))
-            model.requests_served += counted.requests_served
-            model.requests_inflight += counted.requests_inflight
-            model.requests_failed += counted.requests_failed
+def _sum_by_model(counted: list[ModelCounts]) -> list[ModelCounts]:
+    """Front doors' counts of one message type (``ModelRequests``, ``EncoderCache``) summed
+    field by field per model, in the models' order."""
+    total: dict[str, ModelCounts] = {}
+    for counts in counted:
+        model = total.setdefault(counts.model, type(counts)(model=counts.model))
+        for field in counts.DESCRIPTOR.fields:
+            if field.name != "model":
+                setattr(model, field.name, getattr(model, field.name) + getattr(counts, field.name))
     return [total[model] for model in sorted(total)]
 
 
@@ -184,20 +189,6 @@ def _encoder_cache(model: str, step: EncodeStep) -> pb.EncoderCache:
         images_held=len(cache), bytes_held=cache.bytes, capacity_bytes=cache.capacity_bytes, evictions=cache.evictions,
         encode_seconds=step.encode_seconds,
     )
-
-
-def _sum_encoder_caches(front_ends: list[pb.FrontEnd]) -> list[pb.EncoderCache]:
-    """Every front door's encode counts by model, summed (each front door indexes the images it
-    used of the shared folder, so an image two of them used counts in both)."""
-    total: dict[str, pb.EncoderCache] = {}
-    for door in front_ends:
-        for counted in door.encoder_caches:
-            model = total.setdefault(counted.model, pb.EncoderCache(model=counted.model))
-            for field in (
-                "images_encoded", "cache_hits", "fallbacks", "images_held", "bytes_held", "capacity_bytes", "evictions", "encode_seconds",
-            ):
-                setattr(model, field, getattr(model, field) + getattr(counted, field))
-    return [total[model] for model in sorted(total)]
 
 
 def _add_migrations(pools: list[pb.Pool], front_ends: list[pb.FrontEnd]) -> None:

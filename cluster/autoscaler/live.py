@@ -137,8 +137,7 @@ class LiveAutoscaler:
         )
 
     def _encode_decision(self, window: LoadWindow, window_s: float) -> Decision:
-        pool = self.pools["encode"]
-        active = sum(1 for member in pool.members if member.state in ("starting", "ready", "restarting"))
+        active = len(self.pools["encode"].active())
         return encode_decision(self.policy.encode, active, window.encode_wait_s, window.image_fallbacks, window_s)
 
     def _metrics_age(self, now: float) -> float:

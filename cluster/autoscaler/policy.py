@@ -36,7 +36,20 @@ class SloProfile(_Strict):
     attainment: float = Field(default=0.9, gt=0, le=1, description="share of requests meeting both")
 
 
-class PoolLimits(_Strict):
+class _Bounds(_Strict):
+    """A pool's ``min`` and ``max`` workers (each subclass declares them), checked in order."""
+
+    min: int
+    max: int
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> _Bounds:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        return self
+
+
+class PoolLimits(_Bounds):
     """Bounds on one pool, and the size of one worker in budget units (GPUs, or cores on CPU)."""
 
     min: int = Field(default=1, ge=1)
@@ -49,18 +62,12 @@ class PoolLimits(_Strict):
     pipeline_parallel: int = Field(default=1, ge=1)
     """Pipeline-parallel size of each worker."""
 
-    @model_validator(mode="after")
-    def _min_below_max(self) -> PoolLimits:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) is above max ({self.max})")
-        return self
-
     @property
     def units(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
 
 
-class EncodeLimits(_Strict):
+class EncodeLimits(_Bounds):
     """Bounds on the encode pool (E+P+D, a vision-language model's image encoders), sized by
     how many encodes are in flight rather than by the SLO's latency model
     (cluster/autoscaler/encode_pool.py)."""
@@ -71,12 +78,6 @@ class EncodeLimits(_Strict):
     """Most encode workers."""
     in_flight_per_worker: float = Field(default=1.0, gt=0)
     """Encode requests in flight (on average over an interval) that one encode worker is sized for."""
-
-    @model_validator(mode="after")
-    def _min_below_max(self) -> EncodeLimits:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) is above max ({self.max})")
-        return self
 
 
 class ScaleDown(_Strict):

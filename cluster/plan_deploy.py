@@ -52,7 +52,9 @@ def apply_plans(config: DuetConfig, plans: MultiPlan) -> DuetConfig:
     order = list(served)  # config.served() is in the order of models:
     for named in plans.plans:
         planned = apply_plan(served[named.name], named.plan.model_copy(update={"model": named.name}))
-        data["models"][order.index(named.name)].update(planned.model_dump(include={"mode", "prefill", "decode", "colocated", "router"}))
+        data["models"][order.index(named.name)].update(
+            planned.model_dump(include={"mode", "prefill", "decode", "colocated", "encode", "router"})
+        )
     try:
         return parse_config(data, source="plans")
     except ConfigError as error:
@@ -63,7 +65,7 @@ def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
     """``config`` with its mode and pools replaced by the plan's; the model names must agree.
 
     A colocated plan deploys the ``colocated`` pool; a conditional one deploys the prefill and
-    decode pools with the router's local-prefill threshold set to the plan's, and a
+    decode pools (and an encode pool where the plan has one, E+P+D) with the router's local-prefill threshold set to the plan's, and a
     disaggregated one with it off, since the plan was sized for exactly that split. Local
     prefill on a decode worker is held to the plan's TPOT target (router.local_prefill_tpot_s).
     """
@@ -80,6 +82,7 @@ def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
     data["mode"] = "colocated" if plan.mode == "colocated" else "disaggregated"
     data["router"]["local_prefill_max_tokens"] = plan.local_prefill_max_tokens
     data["router"]["local_prefill_tpot_s"] = plan.slo.tpot_s
+    data["encode"]["replicas"] = 0  # EP+D or colocated unless the plan has an encode pool
     for role, pool in plan.pools():
         data[role].update(_pool_overrides(pool))
     try:

@@ -647,7 +647,7 @@ class DuetConfig(_Strict):
             raise ValueError("encode.tensor_parallel: an encode worker runs on one device (its ranks would write the same files)")
         several_hosts = (
             self.ray.address != "local" or self.server.front_end_placement == "nodes"
-            or any(pool.nodes for pool in (self.prefill, self.encode))
+            or len({node for pool in (self.prefill, self.encode) for node in pool.nodes or ()}) > 1
         )
         if self.encode.cache_path is None and several_hosts:
             raise ValueError(

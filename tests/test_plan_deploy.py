@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from duet.config import load_config
@@ -80,6 +82,16 @@ def test_disaggregated_plan_turns_local_prefill_off():
     base = base.model_copy(update={"router": base.router.model_copy(update={"local_prefill_max_tokens": 256})})
     config = apply_plan(base, _plan())
     assert config.mode == "disaggregated" and config.router.local_prefill_max_tokens == 0
+
+
+def test_e_p_d_plan_deploys_its_encode_pool_and_ep_d_none():
+    vision = load_config(Path(__file__).resolve().parents[1] / "configs" / "vision.yaml")
+    config = apply_plan(vision, _plan(model="duet-tiny-idefics3", encode=_pool("cpu-core", 1, 2)))
+    assert config.encode.replicas == 1 and config.encode.cpu_cores == [2] and config.encode.nodes == [0]
+    assert (config.prefill.cpu_cores, config.decode.cpu_cores) == ([0], [1])
+    # EP+D: the config's encode workers are not part of the plan's pools.
+    assert vision.encode.replicas == 1 and apply_plan(vision, _plan(model="duet-tiny-idefics3")).encode.replicas == 0
+    assert apply_plan(vision, _plan(model="duet-tiny-idefics3", mode="colocated")).encode.replicas == 0
 
 
 def test_plan_for_another_model_is_refused():

@@ -60,8 +60,12 @@ def tiny_vision_model_dir(shape: str = "builtin-vl") -> Path:
     recipe = json.dumps(
         {"v": _RECIPE_VERSION, "text": tiny_model.BUILTIN_SHAPES["builtin"][1], "vision": _vision_config(shape)}, sort_keys=True
     )
-    name = VISION_MODEL_NAME if shape == "builtin-vl" else f"{VISION_MODEL_NAME}-{shape.removeprefix('builtin-vl-')}"
-    return tiny_model.cache_dir() / f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    return tiny_model.cache_dir() / f"{vision_model_name(shape)}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+
+
+def vision_model_name(shape: str = "builtin-vl") -> str:
+    """The name of built-in vision model ``shape`` (its checkpoint folder's, less the recipe's hash)."""
+    return VISION_MODEL_NAME if shape == "builtin-vl" else f"{VISION_MODEL_NAME}-{shape.removeprefix('builtin-vl-')}"
 
 
 def ensure_tiny_vision_model(shape: str = "builtin-vl") -> Path:

@@ -21,7 +21,7 @@ from duet.cluster.placement.multi_model import Workloads, fit_models
 from duet.cluster.placement.optimizer import MODES, InfeasibleError, optimize
 from duet.cluster.placement.plan import Plan, PlanError, validate_against
 from duet.cluster.placement.simulator import SimResult, Slo
-from duet.cluster.placement.trace import Trace, TraceError, load_trace
+from duet.cluster.placement.trace import IMAGE_MIXES, Trace, TraceError, image_counts, load_trace
 
 EXIT_BAD_INPUT = 2
 _BAD_INPUT = (
@@ -78,7 +78,11 @@ def register_commands(subparsers: argparse._SubParsersAction) -> None:
     sim.set_defaults(handler=_guarded("simulate", _simulate))
 
     prof = subparsers.add_parser("profile", help="measure the engine here and fit the latency model")
-    prof.add_argument("--model", default="tiny", help="'tiny' (duet's built-in model) or a path")
+    prof.add_argument(
+        "--model", default="tiny",
+        help="'tiny' (duet's built-in model), 'builtin-vl' or 'builtin-vl-large' (its vision-language models: "
+        "the image encoder is profiled too) or a checkpoint path",
+    )
     prof.add_argument("--out", type=Path, default=Path("profile.yaml"))
     prof.add_argument("--grid", choices=["small", "default"], default="default")
     prof.add_argument("--kv-cache-gib", type=float, default=1.0)
@@ -98,6 +102,11 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, help="target req/s (default: the trace's own rate)")
     p.add_argument("--max-input", type=int, help="clip prompt lengths (short-context models)")
     p.add_argument("--max-output", type=int, help="clip output lengths")
+    p.add_argument(
+        "--images",
+        help=f"images per request of a vision-language model: {', '.join(IMAGE_MIXES)} (30%% none, 50%% one, 20%% two), "
+        "N, or COUNT:SHARE,...; disaggregated plans are then sized with and without an encode pool (E+P+D, EP+D)",
+    )
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -141,7 +150,22 @@ def _workload(args: argparse.Namespace) -> tuple[ClusterSpec, Trace, Slo]:
     cluster = ClusterSpec.load(args.config)
     slo = parse_slo(args.slo, args.attainment)
     trace = load_trace(args.trace).capped(args.max_input, args.max_output)
+    if args.images:
+        trace = with_images(trace, args.images, cluster)
     return cluster, trace, slo
+
+
+def with_images(trace: Trace, mix: str, cluster: ClusterSpec) -> Trace:
+    """``trace`` with images per request drawn from ``mix`` (seeded), each adding the tokens the
+    cluster's profiled encoder says an image takes."""
+    counts = image_counts(mix, len(trace))
+    encoders = [cluster.latency_model(t).encoder for t in cluster.gpu_types if cluster.gpu_count(t)]
+    if any(encoder is None for encoder in encoders):
+        raise ClusterSpecError(
+            "--images: the cluster's latency profile has no image encoder; profile the vision-language model "
+            "(`duet profile --model builtin-vl-large`, or its path) and name that profile in gpu_types"
+        )
+    return trace.with_images(counts, max(encoder.tokens_per_image for encoder in encoders))
 
 
 def _plan(args: argparse.Namespace) -> int:

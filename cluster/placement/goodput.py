@@ -5,7 +5,9 @@ sizes each phase alone), a low node-affinity unit (prefill and decode segments s
 nodes, algorithm 2), or a colocated engine. Under conditional disaggregation (prompts shorter
 than ``local_prefill_max_tokens`` prefilled on the decode side) a prefill candidate computes only
 the longer prompts and a decode candidate prefills the shorter ones itself; goodputs are always
-in requests of the whole trace per second, so pool sizes follow from the target rate alike.
+in requests of the whole trace per second, so pool sizes follow from the target rate alike. For a
+trace with images, an encode worker is a candidate too (E+P+D), and so is a prefill replica whose
+images an encode pool encodes (``encode_apart``), beside the one that encodes them itself (EP+D).
 :func:`evaluate` finds its goodput by geometric bisection over the rate with the simulator, on
 one trace rescaled to each rate.
 
@@ -37,12 +39,13 @@ from duet.cluster.placement.simulator import (
 )
 from duet.cluster.placement.trace import Trace
 
-Kind = Literal["prefill", "decode", "unit", "colocated"]
+Kind = Literal["prefill", "decode", "unit", "colocated", "encode"]
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration to size. ``prefill``/``decode`` are (tp, replicas in the candidate)."""
+    """One configuration to size. ``prefill``/``decode`` are (tp, replicas in the candidate); an
+    encode worker's and a colocated engine's are in ``prefill``."""
 
     kind: Kind
     gpu_type: str
@@ -51,11 +54,12 @@ class Candidate:
     decode: tuple[int, int] = (0, 0)
     node_gpus: int = 0  # a unit is charged for whole nodes
     local_prefill_max_tokens: int = 0  # > 0: a phase of conditional disaggregation
+    encode_apart: bool = False  # prefill only: its images are encoded by an encode pool (E+P+D)
 
     @property
-    def group(self) -> tuple[Kind, int]:
+    def group(self) -> tuple[Kind, int, bool]:
         """Candidates that compete for the same role (pruning and ranking compare within it)."""
-        return self.kind, self.local_prefill_max_tokens
+        return self.kind, self.local_prefill_max_tokens, self.encode_apart
 
     @property
     def gpus(self) -> int:
@@ -73,7 +77,8 @@ class Candidate:
         tp = self.prefill[0] or self.decode[0]
         threshold = self.local_prefill_max_tokens
         local = f", prompts < {threshold} prefilled on decode" if threshold else ""
-        return f"{self.kind} tp={tp} pp={self.pp} on {self.gpu_type}{local}"
+        apart = ", images encoded by the encode pool" if self.encode_apart else ""
+        return f"{self.kind} tp={tp} pp={self.pp} on {self.gpu_type}{local}{apart}"
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,13 @@ class Evaluation:
 
 def phase_slo(cand: Candidate, slo: Slo) -> Slo:
     """Phase-alone candidates are judged on their own phase's target only, except a decode
-    replica that prefills short prompts itself: it owns their TTFT too."""
+    replica that prefills short prompts itself: it owns their TTFT too. An encode worker, like
+    a prefill replica, is judged on the TTFT target alone: the two share it, which the whole
+    plan's simulation checks, growing the pool whose wait makes up more of the misses
+    (optimizer.py), as it does for prefill and decode."""
     if cand.kind == "decode" and cand.local_prefill_max_tokens:
         return slo
-    return {"prefill": slo.only_ttft(), "decode": slo.only_tpot()}.get(cand.kind, slo)
+    return {"prefill": slo.only_ttft(), "encode": slo.only_ttft(), "decode": slo.only_tpot()}.get(cand.kind, slo)
 
 
 @dataclass(frozen=True)
@@ -118,18 +126,24 @@ class Deployment:
     colocated: bool = False
     serving_path: ServingPathCost = ServingPathCost()  # its CPU on these processors (CPU deployments)
     local_prefill_max_tokens: int = 0  # > 0: conditional disaggregation (decode prefills shorter prompts)
+    encode: tuple[EnginePerf, ...] = ()  # an encode pool (E+P+D); its prefill engines then have no encoder
 
 
 def deployment(ctx: SearchContext, cand: Candidate) -> Deployment:
     """KV moves over NVLink inside a unit (each TP rank sends its shard), else the network."""
     model = ctx.models[cand.gpu_type]
     (ptp, kp), (dtp, kd) = cand.prefill, cand.decode
+    if cand.kind == "encode":
+        return Deployment((), (), encode=(model.engine(ptp, 1),), serving_path=model.serving_path)
     if cand.kind == "unit":
         bandwidth = ctx.nvlink_bytes_per_s[cand.gpu_type] * min(ptp, dtp)
     else:
         bandwidth = ctx.network_bytes_per_s
+    prefill = model.engine(ptp, cand.pp) if kp else None
+    if prefill and cand.encode_apart:
+        prefill = prefill.without_encoder()
     return Deployment(
-        prefill=(model.engine(ptp, cand.pp),) * kp if kp else (),
+        prefill=(prefill,) * kp if prefill else (),
         decode=(model.engine(dtp, cand.pp),) * kd if kd else (),
         transfer_bytes_per_s=bandwidth,
         colocated=cand.kind == "colocated",
@@ -154,6 +168,7 @@ def simulate(ctx: SearchContext, dep: Deployment, rate: float, slo: Slo | None) 
             slo,
             ctx.sim,
             dep.serving_path,
+            dep.encode,
         )
     return simulate_disaggregated(
         trace,
@@ -164,6 +179,7 @@ def simulate(ctx: SearchContext, dep: Deployment, rate: float, slo: Slo | None) 
         slo,
         ctx.sim,
         dep.serving_path,
+        dep.encode,
     )
 
 
@@ -180,7 +196,17 @@ def upper_bound(ctx: SearchContext, cand: Candidate) -> float:
     pre, dec = dep.prefill, dep.decode
     inp = ctx.trace.input_len.astype(float)
     out = ctx.trace.output_len.astype(float)
+    images = ctx.trace.images.astype(float) if ctx.trace.images is not None else np.zeros(len(inp))
     slack = 1.5
+
+    def encode_ms(e: EnginePerf, prompts: np.ndarray) -> float:
+        """Mean encoder ms per request of ``prompts``, the fixed cost spread over a full batch."""
+        if e.encoder is None or not images[prompts].any():
+            return 0.0
+        a, b = e.encoder.coeffs
+        mean = float(images[prompts].mean())
+        per_batch = max(1.0, ctx.sim.prefill_max_batch_tokens / max(e.encoder.tokens_per_image * mean, 1.0))
+        return b * mean + a / per_batch
 
     def prefill_rate(e: EnginePerf, prompts: np.ndarray) -> float:
         """Requests of the whole trace per second, when only ``prompts`` (a mask) cost prefill."""
@@ -189,7 +215,7 @@ def upper_bound(ctx: SearchContext, cand: Candidate) -> float:
         lens = inp[prompts]
         a, b, c = e.prefill.coeffs
         per_batch = max(1.0, ctx.sim.prefill_max_batch_tokens / lens.mean())
-        cost_ms = float(np.mean(b * lens + c * lens**2)) + a / per_batch
+        cost_ms = float(np.mean(b * lens + c * lens**2)) + a / per_batch + encode_ms(e, prompts)
         return slack * e.pp * 1000.0 / cost_ms / prompts.mean() if cost_ms > 0 else math.inf
 
     def decode_rate(e: EnginePerf) -> float:
@@ -207,6 +233,10 @@ def upper_bound(ctx: SearchContext, cand: Candidate) -> float:
             best = max(best, n * 1000.0 / step_ms)
         return slack * e.pp * best / steps
 
+    if cand.kind == "encode":
+        with_images = images > 0
+        cost_ms = encode_ms(dep.encode[0], with_images)
+        return slack * 1000.0 / cost_ms / with_images.mean() if cost_ms > 0 else math.inf
     local = inp < (cand.local_prefill_max_tokens if cand.kind != "colocated" else math.inf)
     if cand.kind == "prefill":
         return prefill_rate(pre[0], ~local)
@@ -274,21 +304,23 @@ def evaluate(ctx: SearchContext, cand: Candidate, floor_rps: float = 0.0) -> Eva
 def plan_deployment(plan: Plan, models: dict[str, LatencyModel]) -> Deployment:
     """The engines a plan deploys, for simulating the plan as written (``duet simulate``)."""
 
-    def engines(pool: Pool | None) -> tuple[EnginePerf, ...]:
+    def engines(pool: Pool | None, encoder: bool = True) -> tuple[EnginePerf, ...]:
         if pool is None:
             return ()
-        return (models[pool.gpu_type].engine(pool.tensor_parallel, pool.pipeline_parallel),) * pool.replicas
+        engine = models[pool.gpu_type].engine(pool.tensor_parallel, pool.pipeline_parallel)
+        return (engine if encoder else engine.without_encoder(),) * pool.replicas
 
     serving_path = ServingPathCost.heaviest([models[pool.gpu_type].serving_path for _, pool in plan.pools()])
     if plan.colocated is not None:
         return Deployment(engines(plan.colocated), (), colocated=True, serving_path=serving_path)
     assert plan.kv_transfer is not None  # the plan's own validation requires it here
     return Deployment(
-        prefill=engines(plan.prefill),
+        prefill=engines(plan.prefill, encoder=plan.encode is None),
         decode=engines(plan.decode),
         transfer_bytes_per_s=plan.kv_transfer.bandwidth_gbs * 1e9,
         serving_path=serving_path,
         local_prefill_max_tokens=plan.local_prefill_max_tokens,
+        encode=engines(plan.encode),
     )
 
 

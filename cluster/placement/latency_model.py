@@ -62,14 +62,44 @@ class DecodePerf:
 
 
 @dataclass(frozen=True)
+class EncoderPerf:
+    """A vision-language model's image encoder: a batch of images costs ``a + b*images`` ms,
+    and each image adds ``tokens_per_image`` tokens to the prompt the language model computes.
+
+    The encoder runs in whichever engine is given the image: a prefill or colocated engine's step
+    (EP+D, colocated) or an encode worker's (E+P+D), where a prefill engine then reads its output
+    instead. ``duet profile`` measures it on a vision model's engine."""
+
+    coeffs: tuple[float, float]
+    tokens_per_image: int
+
+    def batch_ms(self, images: int) -> float:
+        if images <= 0:
+            return 0.0
+        a, b = self.coeffs
+        return a + b * images
+
+    def to_dict(self) -> dict:
+        return {"coeffs": list(self.coeffs), "tokens_per_image": self.tokens_per_image}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EncoderPerf:
+        a, b = (float(x) for x in data["coeffs"])
+        return cls((a, b), int(data["tokens_per_image"]))
+
+
+@dataclass(frozen=True)
 class EnginePerf:
-    """What a predictor needs about one engine replica: its parallelism, phase models, KV room."""
+    """What a predictor needs about one engine replica: its parallelism, phase models, KV room,
+    and the image encoder it runs itself (None: a text model, or an engine whose images an
+    encode pool encodes)."""
 
     tp: int
     pp: int
     prefill: PrefillPerf
     decode: DecodePerf
     kv_capacity_tokens: int
+    encoder: EncoderPerf | None = None
 
     @property
     def gpus(self) -> int:
@@ -86,6 +116,14 @@ class EnginePerf:
     def decode_step_s(self, batch: int, sum_context: float) -> float:
         """Time of one token step for a micro-batch (one pipeline lane)."""
         return self.decode.step_ms(batch, sum_context) / 1000.0
+
+    def encode_s(self, images: int) -> float:
+        """Time this engine's encoder spends on ``images`` in one step (0 without an encoder)."""
+        return self.encoder.batch_ms(images) / 1000.0 if self.encoder else 0.0
+
+    def without_encoder(self) -> EnginePerf:
+        """This engine with its images encoded elsewhere (a prefill engine behind an encode pool)."""
+        return replace(self, encoder=None)
 
 
 @dataclass(frozen=True)
@@ -175,6 +213,8 @@ class LatencyModel:
     note: str = ""
     # CPU the serving path spends on the engines' own processors (CPU deployments only).
     serving_path: ServingPathCost = ServingPathCost()
+    # A vision-language model's image encoder (tensor_parallel=1), as measured; None: text only.
+    encoder: EncoderPerf | None = None
 
     def kv_capacity_tokens(self, tp: int, pp: int) -> int:
         if (tp, pp) in self.kv_capacity:
@@ -214,7 +254,8 @@ class LatencyModel:
             )
             for tp, fit in self.fits.items()
         }
-        return replace(self, fits=fits)
+        encoder = self.encoder and replace(self.encoder, coeffs=times((*self.encoder.coeffs, 0.0), prefill)[:2])
+        return replace(self, fits=fits, encoder=encoder)
 
     def with_serving_path(self, cost: ServingPathCost) -> LatencyModel:
         """This model with a measured serving path; the profile's ``corun_slowdown`` is kept
@@ -243,6 +284,7 @@ class LatencyModel:
             prefill=PrefillPerf(fit.prefill),
             decode=DecodePerf(fit.decode_small, fit.decode_large, fit.decode_threshold),
             kv_capacity_tokens=capacity,
+            encoder=self.encoder,
         )
 
     # ---- profile.yaml (the output of ``duet profile``) ----
@@ -258,6 +300,7 @@ class LatencyModel:
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "weight_bytes": self.weight_bytes,
             "serving_path": asdict(self.serving_path),
+            **({"encoder": self.encoder.to_dict()} if self.encoder else {}),
             "fits": {
                 tp: {
                     "prefill": list(f.prefill),
@@ -288,6 +331,7 @@ class LatencyModel:
                 serving_path=ServingPathCost.from_dict(
                     data.get("serving_path") or {"ms_per_token": data.get("host_ms_per_token", 0.0)}
                 ),
+                encoder=EncoderPerf.from_dict(data["encoder"]) if data.get("encoder") else None,
                 fits={int(tp): _tp_fit(f) for tp, f in data["fits"].items()},
                 kv_capacity={
                     (int(e["tp"]), int(e["pp"])): int(e["tokens"])

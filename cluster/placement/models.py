@@ -45,6 +45,10 @@ _KNOWN = (
     ModelSpec("meta-llama/Llama-3.1-8B", 8.03e9, 32, 4096, 8, 128),
     # duet's built-in tiny model (worker_runtime/tiny_model.py), served in float32 on CPU.
     ModelSpec("duet-tiny-llama", 4.46e6, 4, 256, 4, 32, dtype_bytes=4),
+    # duet's built-in vision-language models (worker_runtime/tiny_vision_model.py): the same
+    # Llama behind a SigLIP tower, whose cost the profile's encoder fit holds.
+    ModelSpec("duet-tiny-idefics3", 4.46e6, 4, 256, 4, 32, dtype_bytes=4),
+    ModelSpec("duet-tiny-idefics3-large", 4.46e6, 4, 256, 4, 32, dtype_bytes=4),
 )
 MODELS: dict[str, ModelSpec] = {m.name.lower(): m for m in _KNOWN}
 

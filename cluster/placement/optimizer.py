@@ -11,6 +11,9 @@
   replica (no KV transfer, the colocated interference), longer ones by a prefill pool sized,
   like high affinity, for those prompts alone.
 * Colocated: replicas of engines that run whole requests.
+* Images (a vision-language model's trace): disaggregated and conditional deployments are sized
+  twice, with the prefill engines encoding their prompts' images (EP+D) and with an encode pool
+  of its own (E+P+D), its workers sized alone like a phase and checked with the whole plan.
 
 Each deployment mode is sized for the target rate, and the one whose resources (GPUs, $/h or
 W: the objective) are fewest wins; the explanation lists what every mode needed.
@@ -33,6 +36,8 @@ from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 from duet.cluster.placement.cluster_spec import ClusterSpec
 from duet.cluster.placement.goodput import (
@@ -110,9 +115,12 @@ def enumerate_candidates(
     algorithm: Algorithm,
     modes: Collection[Mode] = MODES,
     thresholds: Iterable[int] = (),
+    encode_pool: bool = False,
 ) -> list[Candidate]:
     """Every configuration the modes may use. Engines that prefill and decode (colocated, and
-    conditional's decode side) are pp=1 only: that is what the simulator models."""
+    conditional's decode side) are pp=1 only: that is what the simulator models. With
+    ``encode_pool`` (a trace with images), also encode workers (tp=1, as duet runs them) and
+    prefill replicas whose images they encode."""
     nodes = cluster.node_list()
     out: list[Candidate] = []
     for gpu_type, model in ctx.models.items():
@@ -124,9 +132,12 @@ def enumerate_candidates(
             if tp <= per_node and pp <= node_count * per_node // tp
         ]
         tps = [tp for tp, pp in shapes if pp == 1]
+        apart = (False, True) if encode_pool else (False,)
+        if encode_pool and 1 in tps:
+            out.append(Candidate("encode", gpu_type, 1, prefill=(1, 1)))
         if "disaggregated" in modes and algorithm in ("high-affinity", "both"):
             for tp, pp in shapes:
-                out.append(Candidate("prefill", gpu_type, pp, prefill=(tp, 1)))
+                out += [Candidate("prefill", gpu_type, pp, prefill=(tp, 1), encode_apart=a) for a in apart]
                 out.append(Candidate("decode", gpu_type, pp, decode=(tp, 1)))
         if "disaggregated" in modes and algorithm in ("low-affinity", "both"):
             out += _units(gpu_type, shapes, per_node, node_count)
@@ -134,7 +145,10 @@ def enumerate_candidates(
             out += [Candidate("colocated", gpu_type, 1, prefill=(tp, 1)) for tp in tps]
         if "conditional" in modes:
             for t in thresholds:
-                out += [Candidate("prefill", gpu_type, pp, prefill=(tp, 1), local_prefill_max_tokens=t) for tp, pp in shapes]
+                out += [
+                    Candidate("prefill", gpu_type, pp, prefill=(tp, 1), local_prefill_max_tokens=t, encode_apart=a)
+                    for tp, pp in shapes for a in apart
+                ]
                 out += [Candidate("decode", gpu_type, 1, decode=(tp, 1), local_prefill_max_tokens=t) for tp in tps]
     return out
 
@@ -277,6 +291,8 @@ class _Sizing:
     n_decode: int
     units: int = 0  # low affinity only
     local_prefill_max_tokens: int = 0  # conditional only
+    encode: Evaluation | None = None  # E+P+D only: the encode worker, and how many
+    n_encode: int = 0
 
     @property
     def mode(self) -> Mode:
@@ -288,7 +304,8 @@ class _Sizing:
     def gpus(self) -> int:
         if self.algorithm == "low-affinity":
             return self.prefill.candidate.gpus * self.units
-        return self.prefill.candidate.gpus * self.n_prefill + self.decode.candidate.gpus * self.n_decode
+        encode = self.encode.candidate.gpus * self.n_encode if self.encode else 0
+        return self.prefill.candidate.gpus * self.n_prefill + self.decode.candidate.gpus * self.n_decode + encode
 
 
 class _Planner:
@@ -306,7 +323,7 @@ class _Planner:
         )
         self.verify_ctx = dataclasses.replace(ctx, trace=verify_trace)
 
-    def _ranked(self, evals: list[Evaluation], group: tuple[str, int]) -> list[Evaluation]:
+    def _ranked(self, evals: list[Evaluation], group: tuple[str, int, bool]) -> list[Evaluation]:
         ok = [e for e in evals if e.status == "ok" and e.candidate.group == group]
         return sorted(ok, key=lambda e: -e.goodput_rps / self._cost(e.candidate, 1))
 
@@ -316,10 +333,11 @@ class _Planner:
     def _fits(self, need: dict[str, int]) -> bool:
         return all(n <= self.cluster.gpu_count(t) for t, n in need.items())
 
-    def _need_pools(self, p: Candidate, n_p: int, d: Candidate, n_d: int) -> dict[str, int]:
+    def _need(self, pools: list[Evaluation], counts: list[int]) -> dict[str, int]:
+        """GPUs of each type that ``counts[i]`` replicas of each of ``pools`` take."""
         need: dict[str, int] = defaultdict(int)
-        need[p.gpu_type] += p.gpus * n_p
-        need[d.gpu_type] += d.gpus * n_d
+        for pool, count in zip(pools, counts):
+            need[pool.candidate.gpu_type] += pool.candidate.gpus * count
         return need
 
     def _nodes_of(self, gpu_type: str) -> int:
@@ -327,23 +345,33 @@ class _Planner:
 
     # -- high affinity (and conditional, which sizes its two pools the same way) --
 
-    def size_high_affinity(self, evals: list[Evaluation], threshold: int = 0) -> _Sizing:
+    def size_high_affinity(self, evals: list[Evaluation], threshold: int = 0, encode_apart: bool = False) -> _Sizing:
         """Pools sized apart; with ``threshold`` > 0, conditional disaggregation's pools (prefill
-        serving the prompts of ``threshold`` tokens or more, decode prefilling the others)."""
-        pre = self._ranked(evals, ("prefill", threshold))
-        dec = self._ranked(evals, ("decode", threshold))
-        self._require_feasible(evals, threshold, pre, dec)
+        serving the prompts of ``threshold`` tokens or more, decode prefilling the others); with
+        ``encode_apart``, an encode pool for the prefill pool's images (E+P+D)."""
+        pre = self._ranked(evals, ("prefill", threshold, encode_apart))
+        dec = self._ranked(evals, ("decode", threshold, False))
+        self._require_feasible(evals, threshold, encode_apart, pre, dec)
+        encode = [self._encode_pool(evals)] if encode_apart else []
         options = []
         for p in pre:
             for d in dec:
-                n_p, n_d = self._pool_sizes(p, d, self.rate)
-                cost = self._cost(p.candidate, n_p) + self._cost(d.candidate, n_d)
-                if self._fits(self._need_pools(p.candidate, n_p, d.candidate, n_d)):
-                    options.append((cost, p, n_p, d, n_d))
+                pools = [p, d, *encode]
+                counts = self._pool_sizes(pools, self.rate)
+                if self._fits(self._need(pools, counts)):
+                    options.append((sum(self._cost(e.candidate, n) for e, n in zip(pools, counts)), counts, p, d))
         if not options:
-            raise self._over_budget_pools(pre, dec)
-        _, p, n_p, d, n_d = min(options, key=lambda o: o[0])
-        return _Sizing("high-affinity", p, d, n_p, n_d, local_prefill_max_tokens=threshold)
+            raise self._over_budget_pools(pre, dec, encode)
+        _, counts, p, d = min(options, key=lambda o: o[0])
+        e, n_e = (encode[0], counts[2]) if encode else (None, 0)
+        return _Sizing("high-affinity", p, d, counts[0], counts[1], local_prefill_max_tokens=threshold, encode=e, n_encode=n_e)
+
+    def _encode_pool(self, evals: list[Evaluation]) -> Evaluation:
+        """The encode worker that serves the target rate's images at the least cost."""
+        ranked = self._ranked(evals, ("encode", 0, False))
+        if not ranked:
+            raise InfeasibleError(self._infeasible_message(evals, ("encode", 0, False)))
+        return min(ranked, key=lambda e: self._cost(e.candidate, math.ceil(self.rate / e.goodput_rps)))
 
     def _deployment(self, s: _Sizing) -> tuple[Deployment, float]:
         """What to simulate for a sizing, and at what rate: one unit at its share for low
@@ -355,12 +383,18 @@ class _Planner:
         if s.algorithm == "colocated":
             engines = (model_p.engine(pc.prefill[0], 1),) * s.n_prefill
             return Deployment(engines, (), colocated=True, serving_path=model_p.serving_path), self.rate
+        prefill = model_p.engine(pc.prefill[0], pc.pp)
+        encode: tuple = ()
+        if s.encode is not None:
+            prefill = prefill.without_encoder()
+            encode = (self.ctx.models[s.encode.candidate.gpu_type].engine(1, 1),) * s.n_encode
         dep = Deployment(
-            prefill=(model_p.engine(pc.prefill[0], pc.pp),) * s.n_prefill,
+            prefill=(prefill,) * s.n_prefill,
             decode=(model_d.engine(dc.decode[0], dc.pp),) * s.n_decode,
             transfer_bytes_per_s=self.ctx.network_bytes_per_s,
             serving_path=ServingPathCost.heaviest([model_p.serving_path, model_d.serving_path]),
             local_prefill_max_tokens=s.local_prefill_max_tokens,
+            encode=encode,
         )
         return dep, self.rate
 
@@ -370,9 +404,20 @@ class _Planner:
             units = s.units + math.ceil(0.1 * s.units)
             c = s.prefill.candidate
             return dataclasses.replace(s, units=units, n_prefill=c.prefill[1] * units, n_decode=c.decode[1] * units)
+        if s.encode is not None and self._encode_misses_more(result):
+            return dataclasses.replace(s, n_encode=s.n_encode + math.ceil(0.1 * s.n_encode))
         if s.algorithm == "colocated" or self._prefill_misses_more(s, result):
             return dataclasses.replace(s, n_prefill=s.n_prefill + math.ceil(0.1 * s.n_prefill))
         return dataclasses.replace(s, n_decode=s.n_decode + math.ceil(0.1 * s.n_decode))
+
+    def _encode_misses_more(self, result: SimResult) -> bool:
+        """Whether the requests over the TTFT target spent most of their TTFT waiting on the
+        encode pool (so it, not prefill, is what to grow)."""
+        late = result.ttft_s > self.ctx.slo.ttft_s
+        if result.encode_wait_s is None or not late.any():
+            return False
+        wait = result.encode_wait_s[late]
+        return float(np.mean(np.minimum(wait, result.ttft_s[late]))) > 0.5 * float(np.mean(result.ttft_s[late]))
 
     def _prefill_misses_more(self, s: _Sizing, result: SimResult) -> bool:
         """Whether the prefill pool meets its part of the SLO (TTFT of the prompts it computes)
@@ -389,7 +434,8 @@ class _Planner:
         if s.algorithm == "low-affinity":
             c = s.prefill.candidate
             return s.units * c.pp <= self._nodes_of(c.gpu_type)
-        return self._fits(self._need_pools(s.prefill.candidate, s.n_prefill, s.decode.candidate, s.n_decode))
+        pools = [s.prefill, s.decode, *([s.encode] if s.encode else [])]
+        return self._fits(self._need(pools, [s.n_prefill, s.n_decode, s.n_encode]))
 
     def grow_until_met(self, s: _Sizing, rounds: int = 8) -> _Sizing:
         """Sizes from a short search trace can miss on the long verification trace (queues
@@ -405,36 +451,39 @@ class _Planner:
             s = grown
         return s
 
-    def _pool_sizes(self, p: Evaluation, d: Evaluation, rate: float) -> tuple[int, int]:
-        return math.ceil(rate / p.goodput_rps), math.ceil(rate / d.goodput_rps)
+    def _pool_sizes(self, pools: list[Evaluation], rate: float) -> list[int]:
+        return [math.ceil(rate / e.goodput_rps) for e in pools]
 
-    def _max_rate_within_budget(self, p: Evaluation, d: Evaluation) -> float:
-        """The highest rate whose pools of ``p`` and ``d`` still fit the cluster."""
+    def _max_rate_within_budget(self, pools: list[Evaluation]) -> float:
+        """The highest rate whose pools of these configurations still fit the cluster."""
         def fits_at(rate: float) -> bool:
-            n_p, n_d = self._pool_sizes(p, d, rate)
-            return self._fits(self._need_pools(p.candidate, n_p, d.candidate, n_d))
+            return self._fits(self._need(pools, self._pool_sizes(pools, rate)))
 
         lo, hi = 0.0, self.rate
-        if not fits_at(min(p.goodput_rps, d.goodput_rps)):
+        if not fits_at(min(e.goodput_rps for e in pools)):
             return 0.0
         while hi - lo > self.rate * 1e-3:
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
         return lo
 
-    def _over_budget_pools(self, pre: list[Evaluation], dec: list[Evaluation]) -> InfeasibleError:
+    def _over_budget_pools(self, pre: list[Evaluation], dec: list[Evaluation], encode: list[Evaluation]) -> InfeasibleError:
         have = {t: self.cluster.gpu_count(t) for t in self.cluster.gpu_types}
-        best_rate, p, d = max(((self._max_rate_within_budget(p, d), p, d) for p in pre for d in dec), key=lambda x: x[0])
+        best_rate, pools = max(
+            ((self._max_rate_within_budget(pools), pools) for p in pre for d in dec for pools in [[p, d, *encode]]),
+            key=lambda x: x[0],
+        )
         if best_rate == 0.0:
+            phases = "prefill, decode and encode" if encode else "prefill and decode"
             return InfeasibleError(
-                f"even one replica of each SLO-meeting prefill and decode configuration needs more "
+                f"even one replica of each SLO-meeting {phases} configuration needs more "
                 f"GPUs than the cluster has ({have}); the smallest prefill is "
                 f"[{min(pre, key=lambda e: e.candidate.gpus).candidate.describe()}]. Add GPUs or relax the SLO."
             )
-        n_p, n_d = self._pool_sizes(p, d, self.rate)
+        counts = self._pool_sizes(pools, self.rate)
+        needs = " + ".join(f"{n} x [{e.candidate.describe()}]" for e, n in zip(pools, counts))
         return InfeasibleError(
-            f"target rate {self.rate:.3g} req/s needs {n_p} x [{p.candidate.describe()}] + {n_d} x "
-            f"[{d.candidate.describe()}] = {p.candidate.gpus * n_p + d.candidate.gpus * n_d} GPUs, but "
+            f"target rate {self.rate:.3g} req/s needs {needs} = {sum(self._need(pools, counts).values())} GPUs, but "
             f"the cluster has {have}. Closest feasible: --rate {best_rate:.3g} (the most these pools "
             f"serve within the budget), or add GPUs.",
             closest_rate_rps=best_rate,
@@ -443,17 +492,17 @@ class _Planner:
     # -- replicated configurations: low affinity units, colocated engines --
 
     def size_low_affinity(self, evals: list[Evaluation]) -> _Sizing:
-        units = self._ranked(evals, ("unit", 0))
+        units = self._ranked(evals, ("unit", 0, False))
         if not units:
-            raise InfeasibleError(self._infeasible_message(evals, ("unit", 0)))
+            raise InfeasibleError(self._infeasible_message(evals, ("unit", 0, False)))
         u, count = self._cheapest_replicated(units, lambda c: self._nodes_of(c.gpu_type) // c.pp)
         c = u.candidate
         return _Sizing("low-affinity", u, u, c.prefill[1] * count, c.decode[1] * count, units=count)
 
     def size_colocated(self, evals: list[Evaluation]) -> _Sizing:
-        engines = self._ranked(evals, ("colocated", 0))
+        engines = self._ranked(evals, ("colocated", 0, False))
         if not engines:
-            raise InfeasibleError(self._infeasible_message(evals, ("colocated", 0)))
+            raise InfeasibleError(self._infeasible_message(evals, ("colocated", 0, False)))
         e, count = self._cheapest_replicated(engines, lambda c: self.cluster.gpu_count(c.gpu_type) // c.gpus)
         return _Sizing("colocated", e, e, count, 0)
 
@@ -481,20 +530,20 @@ class _Planner:
 
     # -- shared --
 
-    def _require_feasible(self, evals: list[Evaluation], threshold: int, pre: list, dec: list) -> None:
-        for kind, ranked in (("prefill", pre), ("decode", dec)):
+    def _require_feasible(self, evals: list[Evaluation], threshold: int, encode_apart: bool, pre: list, dec: list) -> None:
+        for group, ranked in ((("prefill", threshold, encode_apart), pre), (("decode", threshold, False), dec)):
             if not ranked:
-                raise InfeasibleError(self._infeasible_message(evals, (kind, threshold)))
+                raise InfeasibleError(self._infeasible_message(evals, group))
 
-    def _infeasible_message(self, evals: list[Evaluation], group: tuple[str, int]) -> str:
+    def _infeasible_message(self, evals: list[Evaluation], group: tuple[str, int, bool]) -> str:
         slo = self.ctx.slo
-        kind, threshold = group
+        kind, threshold, _ = group
         tried = [e for e in evals if e.candidate.group == group]
         if not tried:
             return f"no {kind} configuration fits the cluster's GPUs for {self.cluster.model}"
         pct = f"{slo.attainment:.0%}"
         headroom = 1.25  # the unloaded latency leaves no room for any queueing
-        if kind == "prefill":
+        if kind in ("prefill", "encode"):
             best = min(tried, key=lambda e: e.unloaded_ttft_s)
             what = f"TTFT <= {slo.ttft_s:g} s"
             fix = f"ttft={_round_up(best.unloaded_ttft_s * headroom)},tpot={slo.tpot_s:g}"
@@ -556,18 +605,24 @@ class _Planner:
                 bandwidth_gbs=self.cluster.gpu_types[pc.gpu_type].nvlink_gbs * min(pc.prefill[0], pc.decode[0]),
             )
         else:
-            order = sorted([("prefill", pc, s.n_prefill), ("decode", dc, s.n_decode)], key=lambda x: -x[1].gpus)
+            pools = [("prefill", pc, s.n_prefill), ("decode", dc, s.n_decode)]
+            if s.encode is not None:
+                pools.append(("encode", s.encode.candidate, s.n_encode))
+            order = sorted(pools, key=lambda x: -x[1].gpus)
             placed = {
                 role: inv.place_pool(c.gpu_type, c.prefill[0] or c.decode[0], c.pp, n)
                 for role, c, n in order
             }
             p_place, d_place = placed["prefill"], placed["decode"]
             transfer = KvTransfer(path="network", bandwidth_gbs=self.cluster.network_gbs)
-        return {
+        pools: dict[str, Pool | KvTransfer] = {
             "kv_transfer": transfer,
             "prefill": _pool(pc, pc.prefill[0], p_place),
             "decode": _pool(dc, dc.decode[0], d_place),
         }
+        if s.encode is not None:
+            pools["encode"] = _pool(s.encode.candidate, 1, placed["encode"])
+        return pools
 
     def build(self, s: _Sizing, evals: list[Evaluation], outcome: SearchOutcome) -> Plan:
         try:
@@ -628,6 +683,13 @@ def explain(s: _Sizing, evals: list[Evaluation], slo: Slo, trace: Trace) -> list
         lat = ("ttft",) if role == "prefill" else ("tpot",)
         lines.append(f"{role}: {n} x {_describe(chosen, evals, slo, lat)} (target {target}).")
         lines += [f"  vs {_describe(e, evals, slo, lat)}" for e in _alternatives(chosen, evals)]
+    if s.encode is not None:
+        lines.append(
+            f"encode: {s.n_encode} x {_describe(s.encode, evals, slo, ('ttft',))} (target TTFT {slo.ttft_s:g} s, "
+            "shared with its prompts' prefill)."
+        )
+    elif trace.has_images:
+        lines.append("encode: in the prefill engines (EP+D): each encodes its prompts' images in the step that starts them.")
     pg, dg = s.prefill.candidate.gpus, s.decode.candidate.gpus
     if pg != dg:
         more, less = ("prefill", "decode") if pg > dg else ("decode", "prefill")
@@ -710,6 +772,18 @@ _WHY = {
 }
 
 
+_WHY_ENCODE = {
+    True: (
+        "an encode pool keeps the image encoder out of the prefill steps, where it delays every "
+        "prompt batched with an image, and costs less than the prefill replicas it saves"
+    ),
+    False: (
+        "the prefill engines encode their prompts' images in less than an encode pool would cost "
+        "(whole workers) at this rate"
+    ),
+}
+
+
 def compare_modes(
     chosen: Plan,
     others: list[Plan],
@@ -717,9 +791,11 @@ def compare_modes(
     cost: Callable[[Plan], float],
     objective: Objective,
     modes: Collection[Mode],
+    images: bool = False,
 ) -> list[str]:
     """The deployment choice in words: what each mode needs at the target rate, and why (the
-    mechanism is only claimed when the other modes were compared)."""
+    mechanism is only claimed when the other modes were compared); for a trace with images,
+    whether the images get an encode pool."""
     e = chosen.expected
     lines = [
         f"deployment: {chosen.describe_mode()} meets the SLO at {e.rate_rps:.3g} req/s with "
@@ -734,24 +810,32 @@ def compare_modes(
     least = {"gpus": "the fewest GPUs", "cost": "the lowest cost", "power": "the least power"}[objective]
     why = f": {_WHY[chosen.mode]}" if len(set(modes)) > 1 else ""
     lines.append(f"-> {chosen.mode}, {least} (ties: the higher goodput per GPU){why}.")
+    if images and chosen.mode != "colocated":
+        lines.append(f"-> {'E+P+D' if chosen.encode else 'EP+D'}: {_WHY_ENCODE[chosen.encode is not None]}.")
     return lines
 
 
 def _sizers(
-    planner: _Planner, modes: Collection[Mode], algorithm: Algorithm, thresholds: list[int]
+    planner: _Planner, modes: Collection[Mode], algorithm: Algorithm, thresholds: list[int], encode_pool: bool = False
 ) -> list[tuple[str, Callable[[list[Evaluation]], _Sizing]]]:
-    """(name, sizing function) for every deployment to compare."""
+    """(name, sizing function) for every deployment to compare; with ``encode_pool``, the
+    disaggregated and conditional ones both with and without an encode pool (E+P+D, EP+D)."""
     out: list[tuple[str, Callable[[list[Evaluation]], _Sizing]]] = []
+    apart = (False, True) if encode_pool else (False,)
+    name = {False: "", True: ", E+P+D"}
     if "disaggregated" in modes and algorithm in ("high-affinity", "both"):
-        out.append(("disaggregated, high-affinity", planner.size_high_affinity))
+        out += [
+            (f"disaggregated, high-affinity{name[a]}", functools.partial(planner.size_high_affinity, encode_apart=a)) for a in apart
+        ]
     if "disaggregated" in modes and algorithm in ("low-affinity", "both"):
         out.append(("disaggregated, low-affinity", planner.size_low_affinity))
     if "colocated" in modes:
         out.append(("colocated", planner.size_colocated))
     if "conditional" in modes:
         out += [
-            (f"conditional (threshold {t})", functools.partial(planner.size_high_affinity, threshold=t))
+            (f"conditional (threshold {t}){name[a]}", functools.partial(planner.size_high_affinity, threshold=t, encode_apart=a))
             for t in thresholds
+            for a in apart
         ]
     return out
 
@@ -778,6 +862,13 @@ def optimize(
             f"trace {trace.name!r} has no usable arrival rate (all requests at one instant?): give --rate"
         )
     models = {t: cluster.latency_model(t) for t in cluster.gpu_types if cluster.gpu_count(t) > 0}
+    images = trace.has_images
+    blind = [t for t, model in models.items() if images and model.encoder is None]
+    if blind:
+        raise InfeasibleError(
+            f"the trace has images, but the latency model of {', '.join(blind)} has no image encoder: "
+            "profile the vision-language model (`duet profile --model builtin-vl-large`, or its path)"
+        )
     ctx = SearchContext(
         trace=trace.head(search_requests),
         slo=slo,
@@ -789,14 +880,14 @@ def optimize(
     )
     costs = unit_costs(cluster, objective)
     splits = useful_thresholds(ctx.trace, thresholds) if "conditional" in modes else []
-    candidates = enumerate_candidates(cluster, ctx, algorithm, modes, splits)
+    candidates = enumerate_candidates(cluster, ctx, algorithm, modes, splits, encode_pool=images)
     workers = workers or min(os.cpu_count() or 1, 8)
     outcome = run_search(ctx, candidates, costs, workers, rate)
     evals = outcome.evaluations
     planner = _Planner(cluster, ctx, trace.head(verify_requests), rate, objective, costs)
 
     plans, failed = [], {}
-    for name, sizer in _sizers(planner, modes, algorithm, splits):
+    for name, sizer in _sizers(planner, modes, algorithm, splits, encode_pool=images):
         try:
             plans.append(planner.build(planner.grow_until_met(sizer(evals)), evals, outcome))
         except InfeasibleError as exc:
@@ -812,6 +903,6 @@ def optimize(
 
     plans.sort(key=lambda p: (cost(p), -p.expected.goodput_per_gpu))
     chosen, alternatives = plans[0], plans[1:]
-    notes = compare_modes(chosen, alternatives, [f"not possible: {e}" for e in errors], cost, objective, modes)
+    notes = compare_modes(chosen, alternatives, [f"not possible: {e}" for e in errors], cost, objective, modes, images)
     chosen = chosen.model_copy(update={"explanation": chosen.explanation + notes})
     return OptimizeResult(chosen, alternatives, outcome)

@@ -4,7 +4,9 @@ A plan deploys one of three modes: ``disaggregated`` (prefill and decode pools, 
 between them), ``conditional`` (the same pools, but prompts shorter than
 ``local_prefill_max_tokens`` are prefilled by the decode replica itself) or ``colocated`` (one
 pool of engines that run whole requests). Plans written before modes existed have no ``mode``
-and are disaggregated.
+and are disaggregated. For a vision-language model, a disaggregated or conditional plan may add
+an ``encode`` pool (E+P+D: encode workers encode the prefill pool's images); without one, the
+prefill engines encode them (EP+D).
 
 A plan is self-checking: loading it verifies the pools' shapes, that the pools match the mode,
 and that no GPU is held twice;
@@ -45,7 +47,7 @@ class ReplicaPlacement(_Strict):
 
 
 class Pool(_Strict):
-    """Identical replicas (prefill, decode or colocated engines) and where each one runs."""
+    """Identical replicas (prefill, decode, encode or colocated engines) and where each one runs."""
 
     gpu_type: str
     tensor_parallel: int = Field(ge=1)
@@ -135,13 +137,14 @@ class Plan(_Strict):
     prefill: Pool | None = None
     decode: Pool | None = None
     colocated: Pool | None = None
+    encode: Pool | None = None  # E+P+D: encode workers for the prefill pool's images
     expected: Expected
     search: SearchStats | None = None
     explanation: list[str] = Field(default_factory=list)
 
     def pools(self) -> list[tuple[str, Pool]]:
         """(role, pool) for every pool the mode deploys."""
-        roles = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
+        roles = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated), ("encode", self.encode))
         return [(role, pool) for role, pool in roles if pool is not None]
 
     @property
@@ -154,7 +157,7 @@ class Plan(_Strict):
             "algorithm": self.algorithm, "kv_transfer": self.kv_transfer, "prefill": self.prefill, "decode": self.decode
         }
         if self.mode == "colocated":
-            wrong = [name for name, value in split.items() if value is not None]
+            wrong = [name for name, value in {**split, "encode": self.encode}.items() if value is not None]
             missing = ["colocated"] if self.colocated is None else []
         else:
             wrong = ["colocated"] if self.colocated is not None else []
@@ -184,9 +187,10 @@ class Plan(_Strict):
         """The mode in words, with what the pools were sized by."""
         if self.mode == "colocated":
             return "colocated"
+        encode = ", E+P+D (an encode pool)" if self.encode is not None else ""
         if self.mode == "conditional":
-            return f"conditional (prompts < {self.local_prefill_max_tokens} tokens prefilled on decode), {self.algorithm}"
-        return f"disaggregated, {self.algorithm}"
+            return f"conditional (prompts < {self.local_prefill_max_tokens} tokens prefilled on decode){encode}, {self.algorithm}"
+        return f"disaggregated{encode}, {self.algorithm}"
 
     def summary(self) -> str:
         """One line: mode, pools, and the simulated goodput, for CLIs and benchmarks."""

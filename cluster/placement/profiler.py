@@ -24,6 +24,12 @@ What is timed is the engine alone, as a deployment runs it:
   per-step work runs in duet's router and worker actors, and the simulator charges it separately
   (``ServingPathCost``), so it must not be in the profile as well.
 
+A vision-language model (``builtin-vl``, ``builtin-vl-large`` or a checkpoint with a
+``vision_config``) also gets its image encoder timed: a prompt of text and ``k`` new images
+against a text prompt of the same length once the images are expanded into their tokens, by the
+same engine timestamps; the difference is the encoder's (and its outputs' merging), fitted as
+``a + b*images`` (:class:`EncoderPerf`), and the expanded length gives the tokens an image adds.
+
 With ``--cpus`` and a core outside them, the grid's ``corun`` also times a few points beside a
 second engine busy on that core (``neighbour_load``): engines on cores of their own still share
 caches and memory bandwidth, and the simulator charges the measured slowdown while two or more
@@ -61,11 +67,13 @@ import numpy as np
 
 from duet.worker_runtime.engine import apply_environment, cpu_engine_environment, is_cpu_only
 from duet.cluster.placement.latency_model import (
+    EncoderPerf,
     LatencyModel,
     ServingPathCost,
     TpFit,
     fit_decode,
     fit_prefill,
+    fit_relative,
     relative_error,
 )
 
@@ -108,9 +116,16 @@ SMALL_GRID = ProfileGrid(
 )
 
 
+# Images per prompt the encoder is timed with, and the text beside them (tokens).
+ENCODER_IMAGES = (1, 2, 4)
+ENCODER_TEXT_TOKENS = 32
+
+
 def _model_facts(path: Path) -> tuple[int, int]:
-    """(KV bytes per token in float32, max context) from the checkpoint's config.json."""
+    """(KV bytes per token in float32, max context) from the checkpoint's config.json (its
+    language model's, for a vision-language model)."""
     cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4, cfg["max_position_embeddings"]
@@ -201,6 +216,57 @@ def _corun_slowdown(
     return max(0.0, statistics.median(ratios) - 1.0)
 
 
+def _image_size(path: Path) -> int | None:
+    """The side of the images a vision-language checkpoint's encoder takes; None: a text model."""
+    vision = json.loads((path / "config.json").read_text()).get("vision_config")
+    return int(vision.get("image_size", 224)) if vision is not None else None
+
+
+def _random_png(side: int, rng: np.random.Generator) -> bytes:
+    """A new image of noise (no cache of any kind has seen it)."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def fit_encoder(samples: list[tuple[int, float]], tokens_per_image: int) -> EncoderPerf:
+    """``a + b*images`` from (images, encoder ms) samples."""
+    a, b, _ = fit_relative(np.array([[1.0, k, 0.0] for k, _ in samples]), np.array([max(ms, 1e-3) for _, ms in samples]))
+    return EncoderPerf((a, b), tokens_per_image)
+
+
+def _profile_encoder(
+    engine: Any,
+    prefill_ms: Callable[[dict[str, Any]], tuple[float, int]],
+    side: int,
+    vocab: int,
+    rng: np.random.Generator,
+    repeats: int,
+) -> EncoderPerf:
+    """The engine's image encoder: each of ``ENCODER_IMAGES`` new images of ``side`` pixels with
+    a few text tokens, against text of the expanded prompt's length (``repeats`` sweeps)."""
+    from duet.router.image_inputs import EngineImagePrompts
+    from duet.worker_runtime.images import engine_prompt
+
+    prompts = EngineImagePrompts.of(engine)
+    if prompts is None:
+        raise ValueError("the model has a vision_config but its engine takes no images")
+    samples, tokens_per_image = [], set()
+    for _ in range(repeats):
+        for k in ENCODER_IMAGES:
+            text = rng.integers(3, vocab, ENCODER_TEXT_TOKENS).tolist()
+            images = tuple(_random_png(side, rng) for _ in range(k))
+            with_images, length = prefill_ms(engine_prompt(text + prompts.placeholder_ids * k, images))
+            text_only, _ = prefill_ms({"prompt_token_ids": rng.integers(3, vocab, length).tolist()})
+            samples.append((k, with_images - text_only))
+            tokens_per_image.add((length - ENCODER_TEXT_TOKENS) // k)
+    return fit_encoder(samples, max(tokens_per_image))
+
+
 def grid_within(grid: ProfileGrid, max_len: int, model_name: str) -> ProfileGrid:
     """``grid`` without the prompt lengths a ``max_len``-token context cannot hold (the default
     grid reaches 2,048 tokens for the models that take them); raises if its shortest prompt or
@@ -215,16 +281,25 @@ def profile_engine(
     model: str, grid: ProfileGrid = DEFAULT_GRID, kv_cache_gib: float = 1.0, cpus: set[int] | None = None
 ) -> tuple[LatencyModel, str]:
     """Profile ``model`` ('tiny' or a checkpoint path); returns the fitted model and a report."""
+    from duet.config import BUILTIN_VISION_MODELS
+
     if model == "tiny":
         from duet.worker_runtime.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 
         path, name = ensure_tiny_model(), TINY_MODEL_NAME
+    elif model in BUILTIN_VISION_MODELS:
+        from duet.worker_runtime.tiny_vision_model import ensure_tiny_vision_model, vision_model_name
+
+        path, name = ensure_tiny_vision_model(model), vision_model_name(model)
     else:
         path = Path(model)
         if not (path / "config.json").exists():
-            raise ValueError(f"--model {model}: not 'tiny' and not a checkpoint directory with config.json")
+            raise ValueError(
+                f"--model {model}: not 'tiny', {' or '.join(map(repr, BUILTIN_VISION_MODELS))}, nor a checkpoint directory with config.json"
+            )
         name = path.name
     kv_bytes, max_len = _model_facts(path)
+    image_side = _image_size(path)
     grid = grid_within(grid, max_len, name)
 
     # The cores left to the front end, and the one a neighbour engine runs on for ``grid.corun``.
@@ -269,22 +344,28 @@ def profile_engine(
     loop = asyncio.new_event_loop()
     request_ids = itertools.count()
 
-    async def run(prompt: list[int], params: Any) -> Any:
-        """The request's timing stats, once it has finished."""
-        async for output in engine.generate({"prompt_token_ids": prompt}, params, f"profile-{next(request_ids)}"):
+    async def run(prompt: dict[str, Any], params: Any) -> Any:
+        """The request's final output (its timing stats in ``metrics``), once it has finished."""
+        async for output in engine.generate(prompt, params, f"profile-{next(request_ids)}"):
             final = output
-        return final.metrics
+        return final
 
     async def run_together(prompts: list[list[int]], params: Any) -> list[Any]:
-        return await asyncio.gather(*(run(prompt, params) for prompt in prompts))
+        outputs = await asyncio.gather(*(run({"prompt_token_ids": prompt}, params) for prompt in prompts))
+        return [output.metrics for output in outputs]
+
+    def params_for(tokens: int) -> Any:
+        return SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def prefill_ms(prompt: dict[str, Any]) -> tuple[float, int]:
+        """(prefill ms of one prompt by the engine core's clock, its length once expanded)."""
+        output = loop.run_until_complete(run(prompt, params_for(1)))
+        return (output.metrics.first_token_ts - output.metrics.scheduled_ts) * 1000.0, len(output.prompt_token_ids)
 
     def timed(batch: int, length: int, tokens: int) -> tuple[float, float]:
         """(prefill ms of the batch, median decode step ms) by the engine core's clock."""
         prompts = [rng.integers(3, vocab, length).tolist() for _ in range(batch)]
-        params = SamplingParams(
-            max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY
-        )
-        stats = loop.run_until_complete(run_together(prompts, params))
+        stats = loop.run_until_complete(run_together(prompts, params_for(tokens)))
         prefill_ms = (max(s.first_token_ts for s in stats) - min(s.scheduled_ts for s in stats)) * 1000.0
         if tokens == 1:
             return prefill_ms, math.nan
@@ -303,6 +384,7 @@ def profile_engine(
                 prefill_runs[b, n].append(timed(b, n, 1)[0])
             for b, n in decode_points:
                 decode_runs[b, n].append(timed(b, n, steps)[1])
+        encoder = None if image_side is None else _profile_encoder(engine, prefill_ms, image_side, vocab, rng, grid.repeats)
         corun = 0.0 if neighbour_core is None else _corun_slowdown(timed, grid, str(path), neighbour_core, kv_cache_gib)
     finally:
         shut_down(engine)
@@ -329,6 +411,7 @@ def profile_engine(
         kv_capacity={(1, 1): int(kv_cache_gib * 2**30 // kv_bytes)},
         max_pp=1,
         serving_path=ServingPathCost(corun_slowdown=corun),
+        encoder=encoder,
     )
     engine = fitted.engine(1, 1)
     prefill_err = relative_error(
@@ -355,6 +438,12 @@ def profile_engine(
             )
             + f"   (mean relative error {decode_err:.1%})",
             f"KV capacity: {fitted.kv_capacity[(1, 1)]} tokens ({kv_cache_gib:g} GiB)",
+            (
+                f"image encoder ms = {encoder.coeffs[0]:.3g} + {encoder.coeffs[1]:.3g}*images, "
+                f"{encoder.tokens_per_image} prompt tokens an image ({image_side}x{image_side} px images)"
+                if encoder
+                else "no image encoder (a text model)"
+            ),
             (
                 f"beside a busy engine on core {neighbour_core}: {corun:.1%} slower (corun_slowdown)"
                 if neighbour_core is not None

@@ -15,6 +15,15 @@ disaggregation removes.
 Conditional: prompts shorter than a threshold are prefilled by the decode replica itself, as
 colocated; longer ones go through the prefill pool and their KV is pulled, as disaggregated.
 
+Images (a trace :meth:`~duet.cluster.placement.trace.Trace.with_images`): an engine with an
+encoder (:class:`~duet.cluster.placement.latency_model.EncoderPerf`) encodes the images of the
+prompts it starts in the same step, before their prefill (EP+D and colocated: the encoder stalls
+that engine's other work). With an encode pool (E+P+D), a request with images first queues at the
+encode worker with the fewest images queued, which encodes every queued request's images in one
+step (up to its token budget); its prefill engine then starts with the images' outputs and does
+no encoder work. Prompts a decode replica prefills itself are encoded there, as duet's router
+sends only the prefill pool's prompts through the encode step.
+
 All latencies come from :class:`~duet.cluster.placement.latency_model.EnginePerf`. With an SLO
 given, a run stops as soon as more requests have missed it than the attainment target allows:
 the optimizer only needs to know that a rate is too high, not by how much.
@@ -87,6 +96,9 @@ class SimResult:
     ttft_s: np.ndarray
     tpot_s: np.ndarray
     stopped_early: bool
+    # Seconds from arrival until an encode pool had encoded the request's images (0 where no
+    # pool encoded any; inf where it never did).
+    encode_wait_s: np.ndarray | None = None
 
     def attainment(self, slo: Slo) -> float:
         """Fraction of requests meeting both targets (a lower bound if the run stopped early)."""
@@ -119,6 +131,8 @@ class _Run:
         self.inp = trace.input_len.tolist()
         self.out = trace.output_len.tolist()
         n = len(self.arrival)
+        self.images = trace.images.tolist() if trace.images is not None else [0] * n
+        self.encoded = list(self.arrival)  # when an encode pool finished the request's images
         self.first_token = [math.inf] * n
         self.finish = [math.inf] * n
         self.slo = slo
@@ -203,8 +217,9 @@ class _Run:
         with np.errstate(invalid="ignore"):
             tpot = np.where(out > 1, (finish - first) / np.maximum(out - 1, 1), 0.0)
         tpot = np.where(np.isfinite(finish), tpot, math.inf)
-        ttft = first - np.array(self.arrival)
-        return SimResult(ttft_s=ttft, tpot_s=tpot, stopped_early=self.stopped)
+        arrival = np.array(self.arrival)
+        ttft = first - arrival
+        return SimResult(ttft_s=ttft, tpot_s=tpot, stopped_early=self.stopped, encode_wait_s=np.array(self.encoded) - arrival)
 
     def _miss(self, i: int) -> None:
         if not self.missed[i]:
@@ -368,7 +383,9 @@ class _PrefillServer:
         # prompt's quadratic term is 2*o*t + t*t (the chunks of one prompt sum to its len^2).
         total = sum(t for _, _, t in chunks)
         sq = sum(2 * o * t + t * t for _, o, t in chunks)
-        latency = self.perf.prefill_latency_s(total, sq)
+        # A prompt's images are encoded in the step that starts it (none where a pool encoded them).
+        images = sum(run.images[i] for i, o, _ in chunks if o == 0)
+        latency = self.perf.prefill_latency_s(total, sq) + self.perf.encode_s(images)
         finishing = sum(1 for i, o, t in chunks if o + t == run.inp[i])
         # One step's message, a first token and a request's admission and hand-over per prompt.
         run.engine_busy(self, run.serving_path.step_cores(finishing, finishing, latency))
@@ -394,6 +411,62 @@ class _PrefillServer:
                 self.done(i)
         if self.chunked:
             self._start()
+
+
+class _EncodeServer:
+    """An encode worker (E+P+D): each step encodes the images of the requests queued, in arrival
+    order up to the token budget (at least one request), and hands each request on to prefill."""
+
+    def __init__(self, run: _Run, perf: EnginePerf, cfg: SimConfig, done: Callable[[int], None]):
+        assert perf.encoder is not None, "an encode worker needs the model's encoder"
+        self.run, self.perf, self.done = run, perf, done
+        self.max_images = max(1, cfg.prefill_max_batch_tokens // max(perf.encoder.tokens_per_image, 1))
+        self.queue: deque[int] = deque()
+        self.queued_images = 0
+        self.busy = False
+
+    def submit(self, i: int) -> None:
+        self.run.encoded[i] = math.inf
+        self.queue.append(i)
+        self.queued_images += self.run.images[i]
+        if not self.busy:
+            self._start()
+
+    def _start(self) -> None:
+        run = self.run
+        if not self.queue:
+            self.busy = False
+            run.engine_idle(self)
+            return
+        self.busy = True
+        batch = [self.queue.popleft()]
+        images = run.images[batch[0]]
+        while self.queue and images + run.images[self.queue[0]] <= self.max_images:
+            batch.append(self.queue.popleft())
+            images += run.images[batch[-1]]
+        latency = self.perf.encode_s(images)
+        run.engine_busy(self, run.serving_path.step_cores(0, 0, latency))
+        run.after_work(latency, self._finish, batch, images)
+
+    def _finish(self, batch: list[int], images: int) -> None:
+        self.queued_images -= images
+        for i in batch:
+            self.run.encoded[i] = self.run.now
+            self.done(i)
+        self._start()
+
+
+def _through_encoders(run: _Run, encode: Sequence[EnginePerf], cfg: SimConfig, then: Callable[[int], None]) -> Callable[[int], None]:
+    """``then``, preceded for a request with images by an encode pool's step (if there is a pool)."""
+    encoders = [_EncodeServer(run, e, cfg, then) for e in encode]
+
+    def arrive(i: int) -> None:
+        if encoders and run.images[i]:
+            min(encoders, key=lambda e: e.queued_images).submit(i)
+        else:
+            then(i)
+
+    return arrive
 
 
 class _KvPuller:
@@ -496,16 +569,18 @@ def simulate_disaggregated(
     slo: Slo | None = None,
     cfg: SimConfig = SimConfig(),
     serving_path: ServingPathCost = ServingPathCost(),
+    encode: Sequence[EnginePerf] = (),
 ) -> SimResult:
-    """Simulate prefill and decode pools; either may be empty to study one phase alone.
+    """Simulate prefill and decode pools, and an encode pool ahead of prefill (E+P+D); either of
+    prefill and decode may be empty to study one phase alone.
 
-    With no prefill replicas, requests reach decode at arrival (TTFT 0); with no decode
-    replicas, requests end at their first token (TPOT 0). The optimizer sizes each phase this
-    way (DistServe's algorithm 1), then checks the whole plan with both pools. The serving
-    path's CPU (``serving_path``) shares the processors of the engines simulated, and only the
-    work simulated loads it.
+    With no prefill replicas, requests reach decode at arrival, or once encoded (TTFT 0 or the
+    encode pool's time); with no decode replicas, requests end at their first token (TPOT 0).
+    The optimizer sizes each phase this way (DistServe's algorithm 1), then checks the whole
+    plan with every pool. The serving path's CPU (``serving_path``) shares the processors of the
+    engines simulated, and only the work simulated loads it.
     """
-    processors = sum(e.gpus for e in (*prefill, *decode))
+    processors = sum(e.gpus for e in (*prefill, *decode, *encode))
     run = _Run(trace, slo, serving_path, processors)
     decoders = [_DecodeServer(run, p, cfg, transfer_bytes_per_s, kv_bytes_per_token) for p in decode]
 
@@ -517,7 +592,7 @@ def simulate_disaggregated(
 
     prefillers = [_PrefillServer(run, p, cfg, to_decode) for p in prefill]
 
-    def arrive(i: int) -> None:
+    def to_prefill(i: int) -> None:
         if prefillers:
             min(prefillers, key=lambda p: p.queued_tokens).submit(i)
         else:
@@ -525,6 +600,7 @@ def simulate_disaggregated(
             if run.out[i] > 1:
                 to_decode(i)
 
+    arrive = _through_encoders(run, encode, cfg, to_prefill)
     for i, t in enumerate(run.arrival):
         run.at(t, arrive, i)
     return run.run()
@@ -600,7 +676,7 @@ class _ColocatedServer(_KvPuller):
             sq += run.inp[i] ** 2
         if prefill:
             self.prefilling = True
-            latency = self.perf.prefill_latency_s(total, sq)
+            latency = self.perf.prefill_latency_s(total, sq) + self.perf.encode_s(sum(run.images[i] for i in prefill))
             run.engine_busy(self, run.serving_path.step_cores(len(prefill), len(prefill), latency))
             run.after_work(latency, self._prefill_done, prefill)
             return
@@ -632,6 +708,7 @@ def simulate_conditional(
     slo: Slo | None = None,
     cfg: SimConfig = SimConfig(),
     serving_path: ServingPathCost = ServingPathCost(),
+    encode: Sequence[EnginePerf] = (),
 ) -> SimResult:
     """Conditional disaggregation, as duet's router does it: a prompt shorter than
     ``local_prefill_max_tokens`` is prefilled by the decode replica that serves it, with no KV
@@ -642,11 +719,12 @@ def simulate_conditional(
     missing pool's work is then instant. A prefill pool alone gives the short prompts TTFT and
     TPOT 0 (they are the decode side's), so its attainment counts against the whole trace, as a
     disaggregated prefill pool's does; a decode pool alone receives the long prompts at arrival
-    with their first token (TTFT 0).
+    with their first token (TTFT 0). An encode pool (``encode``) encodes the images of the
+    prompts the prefill pool computes.
     """
     if any(e.pp != 1 for e in decode):
         raise ValueError("engines that prefill and decode are modelled with tensor parallelism only (pp=1)")
-    run = _Run(trace, slo, serving_path, sum(e.gpus for e in (*prefill, *decode)))
+    run = _Run(trace, slo, serving_path, sum(e.gpus for e in (*prefill, *decode, *encode)))
     servers = [_ColocatedServer(run, e, cfg, transfer_bytes_per_s, kv_bytes_per_token) for e in decode]
 
     def least_loaded() -> _ColocatedServer:
@@ -660,12 +738,22 @@ def simulate_conditional(
 
     prefillers = [_PrefillServer(run, p, cfg, to_decode) for p in prefill]
 
+    def to_prefill(i: int) -> None:
+        if prefillers:
+            min(prefillers, key=lambda p: p.queued_tokens).submit(i)
+        else:  # the work of a pool not simulated: instant
+            run.first_token_at(i)
+            if run.out[i] > 1:
+                to_decode(i)
+
+    remote = _through_encoders(run, encode, cfg, to_prefill)
+
     def arrive(i: int) -> None:
         local = run.inp[i] < local_prefill_max_tokens
         if local and servers:
             least_loaded().submit(i)
-        elif not local and prefillers:
-            min(prefillers, key=lambda p: p.queued_tokens).submit(i)
+        elif not local:
+            remote(i)
         else:  # the work of a pool not simulated: instant
             run.first_token_at(i)
             if run.out[i] > 1:

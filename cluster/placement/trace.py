@@ -1,6 +1,7 @@
 """Request traces: the Azure and Mooncake files in ../shared/traces, and synthetic arrivals.
 
-A trace is arrival times plus input and output lengths; nothing else drives the simulator. The
+A trace is arrival times plus input and output lengths, and for a vision-language model the
+images each request carries (:meth:`Trace.with_images`); nothing else drives the simulator. The
 optimizer's rate bisection replays one trace at many rates: :meth:`Trace.at_rate` rescales the
 arrival times, which keeps a real trace's burstiness (and a synthetic one's random draws) fixed
 while the load changes, so two probes differ only in the rate.
@@ -32,11 +33,14 @@ class Trace:
     arrival_s: np.ndarray
     input_len: np.ndarray
     output_len: np.ndarray
+    # Images per request (None: text only); ``input_len`` then counts their tokens too.
+    images: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.arrival_s) == 0:
             raise TraceError(f"trace {self.name!r} has no requests: nothing to simulate or plan for")
-        if not (len(self.arrival_s) == len(self.input_len) == len(self.output_len)):
+        columns = (self.arrival_s, self.input_len, self.output_len, *(() if self.images is None else (self.images,)))
+        if len({len(column) for column in columns}) != 1:
             raise TraceError(f"trace {self.name!r}: column lengths differ")
         if np.any(self.input_len < 1) or np.any(self.output_len < 1):
             raise TraceError(f"trace {self.name!r}: every request needs >= 1 input and output token")
@@ -68,8 +72,22 @@ class Trace:
         """Requests ``start`` to ``start + n`` (a slice of the trace, with its own arrival times)."""
         end = start + n
         return self._replace(
-            arrival_s=self.arrival_s[start:end], input_len=self.input_len[start:end], output_len=self.output_len[start:end]
+            arrival_s=self.arrival_s[start:end], input_len=self.input_len[start:end], output_len=self.output_len[start:end],
+            images=None if self.images is None else self.images[start:end],
         )
+
+    @property
+    def has_images(self) -> bool:
+        return self.images is not None and bool(self.images.any())
+
+    def with_images(self, counts: np.ndarray, tokens_per_image: int) -> Trace:
+        """The same requests, request ``i`` carrying ``counts[i]`` images, each of
+        ``tokens_per_image`` prompt tokens for the language model (the trace's lengths are its
+        text's)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if len(counts) != len(self) or np.any(counts < 0):
+            raise TraceError(f"trace {self.name!r}: need one image count >= 0 per request ({len(self)})")
+        return self._replace(input_len=self.input_len + counts * tokens_per_image, images=counts)
 
     def capped(self, max_input: int | None = None, max_output: int | None = None) -> Trace:
         """Lengths clipped, for a model whose context is shorter than the trace's prompts."""
@@ -84,6 +102,7 @@ class Trace:
             "arrival_s": self.arrival_s,
             "input_len": self.input_len,
             "output_len": self.output_len,
+            "images": self.images,
         }
         return Trace(**(fields | changes))
 
@@ -211,6 +230,36 @@ def synthetic(
         ) from None
     arrival_kind = "poisson" if cv == 1.0 else f"gamma-cv{cv:g}"
     return _make(f"synthetic-{kind}-{arrival_kind}", arrivals(n, rate, rng, cv), inputs, outputs)
+
+
+# Images per request, as (count, share of requests): ``vqa`` is a visual-question-answering mix
+# (a third of a chat's turns carry no image, most carry one, some two), an assumption stated in
+# docs/concepts/images.md rather than a measured public mix.
+IMAGE_MIXES: dict[str, tuple[tuple[int, float], ...]] = {"vqa": ((0, 0.3), (1, 0.5), (2, 0.2))}
+
+
+def image_mix(spec: str) -> tuple[tuple[int, float], ...]:
+    """``vqa``, ``N`` (every request N images) or ``COUNT:SHARE,...`` (shares summing to 1)."""
+    spec = spec.strip()
+    if spec in IMAGE_MIXES:
+        return IMAGE_MIXES[spec]
+    try:
+        items = [item.partition(":") for item in spec.split(",")] if ":" in spec else [(spec, ":", "1")]
+        mix = tuple((int(count), float(share)) for count, _, share in items)
+    except ValueError:
+        mix = ()
+    if not mix or any(count < 0 or share < 0 for count, share in mix) or abs(sum(s for _, s in mix) - 1) > 1e-6:
+        raise TraceError(f"--images {spec!r}: use {', '.join(IMAGE_MIXES)}, a count N, or COUNT:SHARE,... with shares summing to 1")
+    return mix
+
+
+def image_counts(spec: str, n: int, seed: int = 0) -> np.ndarray:
+    """Images for each of ``n`` requests drawn from the mix ``spec`` (:func:`image_mix`), seeded."""
+    mix = image_mix(spec)
+    if len(mix) == 1:
+        return np.full(n, mix[0][0], dtype=np.int64)
+    counts, shares = zip(*mix)
+    return np.random.default_rng(seed).choice(np.array(counts, dtype=np.int64), size=n, p=np.array(shares))
 
 
 def load_trace(spec: str) -> Trace:

@@ -1,5 +1,7 @@
 """Profiles the real vLLM CPU engine once with a tiny grid, pinned to core 0, and measures how
-much it slows beside a second engine busy on core 1 (about 80 s, 6 GB of RAM).
+much it slows beside a second engine busy on core 1 (about 80 s, 6 GB of RAM). The model is the
+built-in vision-language one (the built-in tiny Llama behind an image encoder), so one engine
+start profiles both the language model and the encoder.
 
 It runs ``duet profile`` in its own process, as users do: profiling pins the calling process's
 threads to the cores it frees for the engine, which must not leak into the test session.
@@ -22,7 +24,7 @@ pytest.importorskip("vllm")
 def test_profile_real_engine_small_grid(tmp_path):
     out = tmp_path / "profile.yaml"
     done = subprocess.run(
-        [sys.executable, "-m", "duet.cli", "profile", "--model", "tiny", "--grid", "small", "--cpus", "0", "--kv-cache-gib", "0.5", "--out", str(out)],
+        [sys.executable, "-m", "duet.cli", "profile", "--model", "builtin-vl-large", "--grid", "small", "--cpus", "0", "--kv-cache-gib", "0.5", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -30,7 +32,7 @@ def test_profile_real_engine_small_grid(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = LatencyModel.load(out)
     engine = loaded.engine(1, 1)
-    assert loaded.model == "duet-tiny-llama" and loaded.max_pp == 1 and list(loaded.fits) == [1]
+    assert loaded.model == "duet-tiny-idefics3-large" and loaded.max_pp == 1 and list(loaded.fits) == [1]
     # longer prompts take longer, bigger batches take longer, and the numbers are plausible
     assert 1 < engine.prefill.batch_ms(64, 64**2) < engine.prefill.batch_ms(2048, 4 * 512**2) < 5000
     assert 0.1 < engine.decode.step_ms(1, 64) <= engine.decode.step_ms(32, 32 * 64) < 1000
@@ -39,6 +41,10 @@ def test_profile_real_engine_small_grid(tmp_path):
     assert f"KV capacity: {2**29 // 4096} tokens (0.5 GiB)" in done.stdout
     # The engine ran as a worker runs it: the model in the engine core's process.
     assert "executor 'uni'" in done.stdout
+    # The image encoder: tens of ms an image on one core (its 6-layer SigLIP tower on 224x224
+    # pixels), and the tokens an image takes once expanded (16, and the markers around them).
+    assert 5 < loaded.encoder.batch_ms(1) < loaded.encoder.batch_ms(4) < 2000
+    assert 16 <= loaded.encoder.tokens_per_image <= 24 and "image encoder ms = " in done.stdout
     assert "Task was destroyed but it is pending" not in done.stderr  # the engine shut down cleanly
     # The neighbour engine ran (and was measured), and nothing of it is left running.
     assert "beside a busy engine on core 1" in done.stdout

@@ -107,12 +107,22 @@ def test_encode_engines_write_the_cache_and_prefill_engines_read_it():
         ({"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1, "engine": "simulated"}}, "SIMULATED"),
         ({"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1, "tensor_parallel": 2}}, "one device"),
         ({"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1}, "ray": {"address": "auto"}}, "every node mounts"),
+        (
+            {"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1, "nodes": [1]}, "prefill": {"nodes": [0]}},
+            "every node mounts",
+        ),
     ],
 )
 def test_an_encode_pool_where_it_cannot_serve_is_refused(data, says):
     with pytest.raises(ConfigError, match="encode.replicas|encode.engine|encode.tensor_parallel|encode.cache_path") as raised:
         parse_config(data)
     assert says in str(raised.value)
+
+
+def test_a_plan_on_one_node_keeps_the_default_cache_folder():
+    """`duet serve --plan` names each worker's node; all on node 0 is one host's folder."""
+    config = parse_config({"model": {"name": "vl", "path": "builtin-vl"}, "encode": {"replicas": 1, "nodes": [0]}, "prefill": {"nodes": [0]}})
+    assert config.encode.cache_path is None
 
 
 def _connector(folder: str, producer: bool) -> object:

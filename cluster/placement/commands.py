@@ -104,7 +104,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, help="clip output lengths")
     p.add_argument(
         "--images",
-        help=f"images per request of a vision-language model: {', '.join(IMAGE_MIXES)} (30%% none, 50%% one, 20%% two), "
+        help=f"images per request of a vision-language model: {', '.join(IMAGE_MIXES)} (0, 1 or 2 images: shares 0.3, 0.5, 0.2), "
         "N, or COUNT:SHARE,...; disaggregated plans are then sized with and without an encode pool (E+P+D, EP+D)",
     )
 

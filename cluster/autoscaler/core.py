@@ -106,6 +106,9 @@ class Observation:
     # The model the shared budget holds units back for, or asks this one to give one back to
     # when ``budget_units`` is below what its pools hold ("" : none).
     budget_to: str = ""
+    # Units held by this model's pools that are sized elsewhere (its encode pool,
+    # encode_pool.py): every budget above is less them for prefill and decode.
+    other_units: int = 0
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,7 @@ class Autoscaler:
         budgets = [b for b in (self.policy.budget, obs.budget_units) if b is not None]
         if not budgets:
             return {role: tuple(v) for role, v in sized.items()}, set()  # type: ignore[misc]
-        budget = min(budgets)
+        budget = max(0, min(budgets) - obs.other_units)
         shared = obs.budget_units is not None and (self.policy.budget is None or obs.budget_units < self.policy.budget)
         held = {role: obs.pools[role].active for role in ROLES}
         if shared and budget < self._units(held):

@@ -19,11 +19,14 @@ from duet.cluster.autoscaler.policy import EncodeLimits
 
 
 def encode_decision(
-    limits: EncodeLimits, active: int, encode_wait_s: float, image_fallbacks: int, window_s: float
+    limits: EncodeLimits, active: int, encode_wait_s: float, image_fallbacks: int, window_s: float, room: int | None = None
 ) -> Decision:
     """The encode pool's target for an interval of ``window_s`` seconds in which requests
     waited ``encode_wait_s`` seconds on it and ``image_fallbacks`` images went to prefill;
-    ``active`` is its workers, starting ones included."""
+    ``active`` is its workers, starting ones included. ``room``: the most workers (one unit
+    each) the budget leaves once prefill and decode have theirs (None: no budget); the pool
+    grows no further than that, since its images fall back to the prefill engines where it
+    lacks a worker, while a missing prefill or decode worker misses the SLO."""
     in_flight = encode_wait_s / max(window_s, 1e-3)
     wanted = math.ceil(in_flight / limits.in_flight_per_worker - 1e-9)
     reason = f"{in_flight:.2f} encodes in flight ({limits.in_flight_per_worker:g} a worker)"
@@ -32,4 +35,6 @@ def encode_decision(
     if wanted < active:
         wanted = active - 1  # one at a time: a worker removed in a lull is a start-up at the next burst
     target = min(max(wanted, limits.min), limits.max)
+    if room is not None and target > max(active, room):
+        target, reason = max(active, room), f"{reason}; trimmed to the {max(room, 0)} units the budget leaves after prefill and decode"
     return Decision("encode", active, target, reason)

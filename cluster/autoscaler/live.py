@@ -101,7 +101,7 @@ class LiveAutoscaler:
         decisions = self.autoscaler.decide(observation)
         holding = not observation.fresh or observation.metrics_age_s > self.policy.stale_after_s
         if "encode" in self.pools and not holding:
-            decisions.append(self._encode_decision(window, observation.window_s))
+            decisions.append(self._encode_decision(window, observation, decisions))
         for decision in decisions:
             if decision.direction != "hold":
                 self._apply(decision)
@@ -134,11 +134,20 @@ class LiveAutoscaler:
             metrics_age_s=self._metrics_age(now),
             budget_units=None if share is None else max(0, share.units),
             budget_to="" if share is None else share.to_model,
+            other_units=len(self.pools["encode"].active()) if "encode" in self.pools else 0,
         )
 
-    def _encode_decision(self, window: LoadWindow, window_s: float) -> Decision:
+    def _encode_decision(self, window: LoadWindow, observation: Observation, decisions: list[Decision]) -> Decision:
+        """The encode pool's size, within what the budgets leave once prefill and decode have
+        the sizes just decided."""
         active = len(self.pools["encode"].active())
-        return encode_decision(self.policy.encode, active, window.encode_wait_s, window.image_fallbacks, window_s)
+        budgets = [b for b in (self.policy.budget, observation.budget_units) if b is not None]
+        room = None
+        if budgets:
+            room = min(budgets) - sum(d.target * self.policy.limits(d.role).units for d in decisions)
+        return encode_decision(
+            self.policy.encode, active, window.encode_wait_s, window.image_fallbacks, observation.window_s, room
+        )
 
     def _metrics_age(self, now: float) -> float:
         """Age of the oldest health report among ready workers (their KV usage and load)."""

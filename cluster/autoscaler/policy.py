@@ -126,7 +126,7 @@ class AutoscalePolicy(_Strict):
     @model_validator(mode="after")
     def _budget_covers_minimums(self) -> AutoscalePolicy:
         if self.budget is not None:
-            floor = sum(self.limits(role).min * self.limits(role).units for role in ROLES)
+            floor = sum(self.limits(role).min * self.limits(role).units for role in ROLES) + self.encode.min
             if self.budget < floor:
                 raise ValueError(f"budget ({self.budget}) is below what the pools' minimums hold ({floor})")
         return self

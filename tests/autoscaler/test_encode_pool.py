@@ -80,6 +80,27 @@ def test_the_live_autoscaler_scales_the_encode_pool_beside_the_others():
     assert {decision.role for decision in decisions} == {"prefill", "decode", "encode"}
 
 
+def test_the_encode_pool_grows_only_into_what_the_budget_leaves():
+    """A budget of 4 cores: prefill and decode keep their two, the encode pool (holding one)
+    may grow to two, not the three its load asks for; and prefill and decode are sized within
+    the budget less the encode pool's core."""
+    assert encode_decision(LIMITS, 1, 25.0, 0, 10.0, room=2).target == 2
+    assert encode_decision(LIMITS, 2, 25.0, 0, 10.0, room=0).target == 2  # never taken away for it
+    policy = AutoscalePolicy(
+        slo=SloProfile(ttft_s=1.0, tpot_s=0.1), latency_model=None, encode={"min": 0, "max": 4},
+        prefill={"min": 1, "max": 3}, decode={"min": 1, "max": 1}, budget=4,
+    )
+    pools = {"prefill": _pool("prefill", 1), "decode": _pool("decode", 1), "encode": _pool("encode", 1)}
+    scaler = LiveAutoscaler(policy, pools, LoadMeter(), _Operator())
+    scaler._last_tick -= 10.0
+    decisions = {d.role: d for d in scaler.tick(LoadWindow(arrivals=20, encode_wait_s=25.0), ttft_overdue=0)}
+    assert decisions["prefill"].target + decisions["decode"].target + decisions["encode"].target <= 4
+    assert decisions["encode"].target == 4 - decisions["prefill"].target - decisions["decode"].target
+    assert "budget leaves" in decisions["encode"].reason
+    with pytest.raises(ValueError, match="budget"):
+        AutoscalePolicy(slo=SloProfile(ttft_s=1.0, tpot_s=0.1), latency_model=None, encode={"min": 2}, budget=3)
+
+
 def test_a_bad_encode_bound_in_a_policy_is_named(tmp_path):
     from duet.cluster.autoscaler.policy import load_policy
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import io
 import os
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +42,15 @@ VISION_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "vision.yam
 CONDITIONS = ("cache", "no cache")
 
 
-def pictures(count: int, seed: int) -> list[Any]:
-    """``count`` pictures of random size (48-224 pixels a side) and random pixels."""
+def pictures(count: int, seed: int, sizes: Sequence[tuple[int, int]] = ()) -> list[Any]:
+    """``count`` pictures of random pixels, each of a size drawn from ``sizes`` (width, height),
+    or of random size (48-224 pixels a side) without them."""
     from PIL import Image
 
     rng = random.Random(seed)
     made = []
     for _ in range(count):
-        width, height = rng.randint(48, 224), rng.randint(48, 224)
+        width, height = rng.choice(sizes) if sizes else (rng.randint(48, 224), rng.randint(48, 224))
         made.append(Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3)))
     return made
 
@@ -81,17 +84,19 @@ def image_chat(model: str, image: bytes, max_tokens: int, label: str) -> dict[st
     """A greedy streamed chat request: ``label``, then ``image``, then a question. The label
     comes first so that no two requests share a cached prefix: a repeat of an image is saved
     its encoder pass by the encoder cache, not its whole prompt by an engine's prefix cache."""
-    import base64
-
     return {
         "model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
         "return_token_ids": True,
         "messages": [{"role": "user", "content": [
-            {"type": "text", "text": label},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}},
-            {"type": "text", "text": "describe this"},
+            {"type": "text", "text": label}, image_part(image), {"type": "text", "text": "describe this"},
         ]}],
     }
+
+
+def image_part(image: bytes) -> dict[str, Any]:
+    """An OpenAI chat content part carrying the PNG file ``image`` inline, as a data: URL (no
+    server fetches anything)."""
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}}
 
 
 async def streamed(session: Any, url: str, body: dict[str, Any]) -> tuple[float, float | None, list[int]]:
@@ -150,13 +155,17 @@ async def _condition(deployment: Any, sends: list[bytes], rate: float, max_token
     }
 
 
-def vision_config(model_path: str) -> dict[str, Any]:
-    """configs/vision.yaml serving the built-in vision model ``model_path``, no metrics port."""
+def vision_config(model_path: str, max_model_len: int | None = 1024) -> dict[str, Any]:
+    """configs/vision.yaml serving the built-in vision model ``model_path``, no metrics port;
+    ``max_model_len`` tokens a sequence (the image benchmarks' prompts are short; None: the
+    model's own 4,096, for a trace's long prompts)."""
     from duet.config import load_config
 
     data = load_config(VISION_CONFIG).model_dump(exclude_unset=True)
     data["server"].update(metrics_port=None)
-    data["model"].update(max_model_len=1024, path=model_path, name=f"duet-tiny-idefics3{model_path.removeprefix('builtin-vl')}")
+    data["model"].update(
+        max_model_len=max_model_len, path=model_path, name=f"duet-tiny-idefics3{model_path.removeprefix('builtin-vl')}"
+    )
     return data
 
 

@@ -12,6 +12,11 @@ from the final usage chunk (``stream_options.include_usage``), since vLLM may me
 tokens into one chunk under load; without a usage chunk the chunks are counted. The server has
 no router usage, so the record's ``ttft_s``/``tpot_s`` hold the client values too.
 
+:func:`replay_openai_chat` replays chat requests built by the caller (``duet bench serve
+--images``) through the same streaming and recording. A chat stream opens with a chunk carrying
+the assistant's role alone, which vLLM's server and duet both send with the first token, so it
+times the first token as a completion's first chunk does.
+
     records = asyncio.run(replay_openai("http://127.0.0.1:8000", model, trace.at_rate(4.0)))
 """
 
@@ -57,6 +62,7 @@ async def _one(
     session: aiohttp.ClientSession,
     url: str,
     body: dict[str, Any],
+    input_len: int,
     index: int,
     scheduled_s: float,
     start: float,
@@ -95,7 +101,7 @@ async def _one(
         index=index,
         scheduled_s=scheduled_s,
         sent_s=sent - start,
-        input_len=len(body["prompt"]),
+        input_len=input_len,
         output_len=body["max_tokens"],
         completion_tokens=tokens,
         ttft_s=ttft,
@@ -105,6 +111,36 @@ async def _one(
         error=error,
         client_e2e_s=ended - sent,
     )
+
+
+def greedy_stream(max_tokens: int) -> dict[str, Any]:
+    """The fields every replayed OpenAI request carries, completion or chat: greedy, exactly
+    ``max_tokens`` tokens (the trace's output), streamed, with the usage chunk that counts them."""
+    return {
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _replay_bodies(
+    url: str,
+    trace: Trace,
+    bodies: list[dict[str, Any]],
+    input_lens: list[int],
+    timeout_s: float,
+    on_done: Callable[[], None] | None,
+) -> list[RequestRecord]:
+    """POST ``bodies[i]`` to ``url`` at row ``i``'s arrival offset; the records in trace order."""
+    # No connection limit: an open loop must not queue requests in the client.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def send(index: int, scheduled_s: float, start: float) -> RequestRecord:
+            return await _one(session, url, bodies[index], input_lens[index], index, scheduled_s, start, timeout_s)
+
+        return await open_loop(trace, send, on_done)
 
 
 async def replay_openai(
@@ -121,24 +157,24 @@ async def replay_openai(
 
     Returns the records in trace order; ``on_done`` is called as each request finishes.
     """
-    url = f"{base_url.rstrip('/')}/v1/completions"
     bodies = [
-        {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": int(n_out),
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **openai_fields(mix, index),
-        }
+        {"model": model, "prompt": prompt, **greedy_stream(int(n_out)), **openai_fields(mix, index)}
         for index, (prompt, n_out) in enumerate(zip(prompt_token_ids(trace, seed), trace.output_len))
     ]
-    # No connection limit: an open loop must not queue requests in the client.
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    url = f"{base_url.rstrip('/')}/v1/completions"
+    return await _replay_bodies(url, trace, bodies, [len(body["prompt"]) for body in bodies], timeout_s, on_done)
 
-        async def send(index: int, scheduled_s: float, start: float) -> RequestRecord:
-            return await _one(session, url, bodies[index], index, scheduled_s, start, timeout_s)
 
-        return await open_loop(trace, send, on_done)
+async def replay_openai_chat(
+    base_url: str,
+    trace: Trace,
+    bodies: list[dict[str, Any]],
+    timeout_s: float = 600.0,
+    on_done: Callable[[], None] | None = None,
+) -> list[RequestRecord]:
+    """Send ``bodies[i]``, chat requests built before the clock starts (the image trace's,
+    benchmarks/image_trace.py: encoding images is the client's work, not the replay's), to
+    ``{base_url}/v1/chat/completions`` at row ``i``'s arrival offset of ``trace``. A record's
+    ``input_len`` is the trace's prompt length: the chat's text, its images' tokens not counted."""
+    url = f"{base_url.rstrip('/')}/v1/chat/completions"
+    return await _replay_bodies(url, trace, bodies, [int(n) for n in trace.input_len], timeout_s, on_done)

@@ -15,6 +15,12 @@ different speeds, and a per-token CPU ratio between them moves by more than the 
 is meant to show. The report pools each system's rounds and keeps every round's own figures, and
 the table gives the ratio to vLLM's server round by round (the same prompts, a minute apart).
 
+``--images MIX`` replays the trace as chat requests carrying images (benchmarks/image_trace.py
+states the mixes) against a vision-language model: by default configs/vision.yaml on
+``builtin-vl-large``, as E+P+D (``duet-disagg-http``), EP+D (``duet-disagg-http@epd``),
+colocated (``duet-colocated-http``) and vLLM's server on the same model, every one through
+OpenAI HTTP ``/v1/chat/completions``. ``--config`` gives every system another model and config.
+
 ``--endpoint`` benchmarks an already running server instead (``grpc://host:port`` for duet,
 ``http://host:port`` for an OpenAI-compatible one); pass ``--pid`` to measure its CPU too.
 """
@@ -34,20 +40,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from duet.benchmarks.encoder_cache import vision_config
 from duet.benchmarks.engine_cores import EngineCoreSampler, machine_busy_s
 from duet.benchmarks.host_overhead import host_cpu_seconds, process_name, tree_memory_bytes
+from duet.benchmarks.image_trace import IMAGE_MIXES, IMAGE_MODEL, chat_bodies, image_plan, model_tokenizer, plan_counts
 from duet.benchmarks.loadgen import RequestRecord, replay
-from duet.benchmarks.openai_replay import replay_openai
+from duet.benchmarks.openai_replay import replay_openai, replay_openai_chat
 from duet.benchmarks.request_mix import MIXES
 from duet.benchmarks.serve_planned import planned_modes
-from duet.benchmarks.serve_report import DUET_MODES, progress_callback, render_table, summarize, write_plots
+from duet.benchmarks.serve_report import (
+    COLOCATED_HTTP, DISAGG_HTTP, DUET_MODES, VLLM, base_name, progress_callback, render_table, summarize, write_plots,
+)
 from duet.benchmarks.serve_tune import best_systems, tune
 from duet.benchmarks.serving_systems import DEFAULT_SYSTEMS, SYSTEMS, RunningSystem, SystemStartError, started
 from duet.benchmarks.system_settings import describe, setting_of
-from duet.config import DuetConfig, load_config
+from duet.config import DuetConfig, load_config, parse_config
 from duet.cluster.placement.cluster_spec import traces_dir
 from duet.cluster.placement.simulator import Slo
 from duet.cluster.placement.trace import Trace, TraceError, load_trace
+from duet.worker_runtime.engine import resolve_model_path
 
 EXIT_BAD_INPUT = 2
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "serve"
@@ -58,6 +69,11 @@ WARMUP_S = 60.0
 IDLE_WINDOW_S = 20.0
 _GIB = 1024**3
 T = TypeVar("T")
+# The systems an image trace can drive (OpenAI chat over HTTP, images as data: URLs): duet's
+# HTTP deployments and vLLM's server. --images compares by default E+P+D, EP+D, colocated and
+# vLLM's server: every way duet can serve the model, and what a user would run instead.
+IMAGE_SYSTEMS = (DISAGG_HTTP, COLOCATED_HTTP, VLLM)
+DEFAULT_IMAGE_SYSTEMS = (DISAGG_HTTP, f"{DISAGG_HTTP}@epd", COLOCATED_HTTP, VLLM)
 
 
 @dataclass(frozen=True)
@@ -76,9 +92,50 @@ class Plan:
     warmup_s: float = WARMUP_S
     idle_window_s: float = IDLE_WINDOW_S
     tune: bool = False  # measure every setting of each system instead (benchmarks/serve_tune.py)
+    images: str = ""  # an image mix (benchmarks/image_trace.py): chat requests with images; "": text
+    config: Path | None = None  # every system's model and config; None: the default for the trace
 
 
-async def _replay(system: RunningSystem, model: str, trace: Trace, seed: int, on_done: Any, mix: str) -> list[RequestRecord]:
+def plan_config(plan: Plan) -> DuetConfig:
+    """The config every system gets: ``plan.config``, or for an image trace configs/vision.yaml
+    on builtin-vl-large (its encoder heavy enough that encoding costs what it costs a real model)
+    at the model's full length (the trace's prompts are long), or the embedded default."""
+    if plan.config is not None:
+        return load_config(plan.config)
+    if plan.images:
+        return parse_config(vision_config(IMAGE_MODEL, max_model_len=None), "configs/vision.yaml, builtin-vl-large")
+    return load_config()
+
+
+def replay_seed(plan: Plan, round_: int, index: int) -> int:
+    """The seed of rate ``index``'s replay in round ``round_``, the same on every system; the
+    warm-up's is ``plan.seed``."""
+    return plan.seed + 1 + round_ * len(plan.rates) + index
+
+
+def _chat_bodies(plan: Plan, config: DuetConfig, seed: int) -> list[dict[str, Any]] | None:
+    """The image trace's requests of the replay with ``seed`` (None for a text trace), built
+    before its clock starts: making images is the client's work."""
+    if not plan.images:
+        return None
+    tokenizer = model_tokenizer(resolve_model_path(config.model))
+    return chat_bodies(config.model.name, plan.trace, seed, IMAGE_MIXES[plan.images], tokenizer)
+
+
+def image_replays(plan: Plan) -> list[dict[str, Any]]:
+    """What each replay of an image trace sends (requests with images, images, distinct ones)."""
+    mix = IMAGE_MIXES[plan.images]
+    seeds = {"warm-up": plan.seed}
+    for round_ in range(plan.rounds):
+        seeds.update({f"{rate:g} req/s, round {round_ + 1}": replay_seed(plan, round_, i) for i, rate in enumerate(plan.rates)})
+    return [{"replay": label, "seed": seed, **plan_counts(image_plan(mix, len(plan.trace), seed))} for label, seed in seeds.items()]
+
+
+async def _replay(
+    system: RunningSystem, model: str, trace: Trace, seed: int, on_done: Any, mix: str, bodies: list[dict[str, Any]] | None
+) -> list[RequestRecord]:
+    if bodies is not None:
+        return await replay_openai_chat(system.http_url, trace, bodies, on_done=on_done)
     if system.grpc_target:
         return await replay(
             system.grpc_target, trace, model=model, seed=seed, on_done=on_done, connections=system.connections, mix=mix
@@ -121,14 +178,17 @@ class Measurement:
         return sum(r.completion_tokens for r in self.records)
 
 
-def measure_rate(system: RunningSystem, model: str, trace: Trace, rate: float, seed: int, mix: str = "plain") -> Measurement:
-    """Replay ``trace`` at ``rate`` with prompts from ``seed`` and requests of ``mix``, reading
-    the system's CPU around it."""
+def measure_rate(
+    system: RunningSystem, model: str, trace: Trace, rate: float, seed: int, mix: str = "plain",
+    bodies: list[dict[str, Any]] | None = None,
+) -> Measurement:
+    """Replay ``trace`` at ``rate`` with prompts from ``seed`` and requests of ``mix`` (or the
+    image trace's chat ``bodies``), reading the system's CPU around it."""
     pid = system.pid or None
     busy_before = machine_busy_s()
     with progress_callback(len(trace), f"{system.name} @ {rate:g} req/s") as on_done, EngineCoreSampler(pid) as cores:
         records, spent, wall_s = _spent_during(
-            pid, lambda: asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done, mix))
+            pid, lambda: asyncio.run(_replay(system, model, trace.at_rate(rate), seed, on_done, mix, bodies))
         )
     busy_s = machine_busy_s() - busy_before
     by_process: Counter[str] = Counter()
@@ -236,31 +296,31 @@ def _idle_rate(measured: dict[str, Any]) -> float | None:
     return per_min / 60.0 if per_min is not None else None
 
 
-def warm_up(system: RunningSystem, plan: Plan, model: str) -> None:
-    """A minute of the trace, with prompts of its own: a fresh engine's first minute is slower
-    (first kernels per shape)."""
+def warm_up(system: RunningSystem, plan: Plan, config: DuetConfig) -> None:
+    """A minute of the trace (``plan.warmup_s``), with prompts (and images) of its own: a fresh
+    engine's first minute is slower (first kernels per shape)."""
     warmup = plan.trace.at_rate(len(plan.trace) / plan.warmup_s)
+    bodies = _chat_bodies(plan, config, plan.seed)
     with progress_callback(len(warmup), f"{system.name} warm-up") as on_done:
-        asyncio.run(_replay(system, model, warmup, plan.seed, on_done, plan.mix))
+        asyncio.run(_replay(system, config.model.name, warmup, plan.seed, on_done, plan.mix, bodies))
 
 
-def bench_system(system: RunningSystem, plan: Plan, model: str) -> dict[str, Any]:
+def bench_system(system: RunningSystem, plan: Plan, config: DuetConfig) -> dict[str, Any]:
     """Warm up, then measure every rate, each with prompts of its own.
 
     The engines cache prompt prefixes, so a rate that re-sent an earlier rate's prompts would
     skip most of its prefill work; every replay (the warm-up too) therefore draws fresh random
     prompts from its own seed, the same seeds for every system."""
-    warm_up(system, plan, model)
+    warm_up(system, plan, config)
     measured = footprint(system, plan.idle_window_s)
-    entry = {
-        "footprint": measured,
-        "rates": {
-            str(rate): rate_entry(
-                [measure_rate(system, model, plan.trace, rate, plan.seed + 1 + index, plan.mix)], _idle_rate(measured)
-            )
-            for index, rate in enumerate(plan.rates)
-        },
-    }
+    rates = {}
+    for index, rate in enumerate(plan.rates):
+        seed = replay_seed(plan, 0, index)
+        bodies = _chat_bodies(plan, config, seed)
+        rates[str(rate)] = rate_entry(
+            [measure_rate(system, config.model.name, plan.trace, rate, seed, plan.mix, bodies)], _idle_rate(measured)
+        )
+    entry = {"footprint": measured, "rates": rates}
     _memory_after_run(measured, system)
     return entry
 
@@ -273,15 +333,16 @@ def bench_interleaved(plan: Plan, config: DuetConfig) -> dict[str, Any]:
     with ExitStack() as stack:
         systems = [stack.enter_context(started(name, config, plan.out / "logs")) for name in plan.systems]
         for system in systems:
-            warm_up(system, plan, model)
+            warm_up(system, plan, config)
         # Every system warm and idle: each one's floor is read while the others are idle too.
         measured = {system.name: footprint(system, plan.idle_window_s) for system in systems}
         runs: dict[str, dict[str, list[Measurement]]] = {s.name: {str(rate): [] for rate in plan.rates} for s in systems}
         for round_ in range(plan.rounds):
             for index, rate in enumerate(plan.rates):
-                seed = plan.seed + 1 + round_ * len(plan.rates) + index
+                seed = replay_seed(plan, round_, index)
+                bodies = _chat_bodies(plan, config, seed)
                 for system in systems if round_ % 2 == 0 else reversed(systems):
-                    runs[system.name][str(rate)].append(measure_rate(system, model, plan.trace, rate, seed, plan.mix))
+                    runs[system.name][str(rate)].append(measure_rate(system, model, plan.trace, rate, seed, plan.mix, bodies))
         for system in systems:
             _memory_after_run(measured[system.name], system)
     return {
@@ -301,12 +362,16 @@ def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:
         "slos": {name: {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s} for name, slo in SLOS.items()},
         "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "config": str(plan.config) if plan.config else "default",
+        "model": config.model.path,
         "systems": {},
     }
+    if plan.images:
+        report["images"] = {"mix": plan.images, "description": IMAGE_MIXES[plan.images].description, "replays": image_replays(plan)}
     if plan.endpoint:
         grpc_target = plan.endpoint.removeprefix("grpc://") if plan.endpoint.startswith("grpc://") else ""
         system = RunningSystem("endpoint", plan.pid or 0, grpc_target=grpc_target, http_url="" if grpc_target else plan.endpoint)
-        report["systems"]["endpoint"] = bench_system(system, plan, config.model.name)
+        report["systems"]["endpoint"] = bench_system(system, plan, config)
     if plan.tune:
         report["rounds"] = plan.rounds
         report.update(tune(plan, config, bench_interleaved))
@@ -316,10 +381,11 @@ def run(plan: Plan, config: DuetConfig) -> dict[str, Any]:
     else:
         for name in plan.systems:
             with started(name, config, plan.out / "logs") as system:
-                report["systems"][name] = bench_system(system, plan, config.model.name)
+                report["systems"][name] = bench_system(system, plan, config)
     report["settings"] = {system: describe(system) for system in report["systems"] if system != "endpoint"}
     report["machine"]["loadavg_after"] = os.getloadavg()
-    if any(system in DUET_MODES for system in report["systems"]):
+    # `duet plan` simulates text prompts on the built-in text model: no plan for an image trace.
+    if not plan.images and any(system in DUET_MODES for system in report["systems"]):
         report["planned_modes"] = planned_modes(plan.trace, plan.rates, SLOS)
     return report
 
@@ -334,7 +400,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-input", type=int, default=1800, help="cap prompt lengths (default 1800)")
     parser.add_argument("--max-output", type=int, default=96, help="cap output lengths (default 96)")
     parser.add_argument("--rates", default="2,4,6,8,12,16", help="offered req/s, comma-separated")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"which to start, from {', '.join(SYSTEMS)}")
+    parser.add_argument(
+        "--systems",
+        help=f"which to start, from {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)}; "
+        f"with --images {','.join(DEFAULT_IMAGE_SYSTEMS)})",
+    )
     parser.add_argument("--endpoint", default="", help="bench a running server: grpc://HOST:PORT or http://HOST:PORT")
     parser.add_argument("--pid", type=int, help="with --endpoint: the server's process id, to measure its CPU")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
@@ -352,6 +422,21 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mix", choices=sorted(MIXES), default="plain",
         help="what each request asks for: plain greedy completions, or features (logprobs, penalties, a regex output)",
     )
+    parser.add_argument(
+        "--images", choices=sorted(IMAGE_MIXES),
+        help="replay the trace as chat requests with images, on a vision-language model (default: text); "
+        + "; ".join(f"{name}: {mix.description}" for name, mix in IMAGE_MIXES.items())
+        + ". Each new image has random pixels (the model's processor resizes it); each replay has images of its own",
+    )
+    parser.add_argument(
+        "--config", type=Path,
+        help="the duet config every system serves, its model given to vLLM's server too (default: the embedded "
+        "default; with --images configs/vision.yaml on builtin-vl-large)",
+    )
+    parser.add_argument(
+        "--warmup-s", type=float, default=WARMUP_S,
+        help=f"each system's warm-up: the trace replayed over this many seconds (default {WARMUP_S:g})",
+    )
     parser.set_defaults(handler=_bench_serve)
 
 
@@ -368,7 +453,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--rates {args.rates!r}: expected numbers like 4,8,16") from None
     if not rates or rates[0] <= 0:
         raise ValueError(f"--rates {args.rates!r}: give at least one rate, all > 0")
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if not args.endpoint else []
+    named = args.systems or ",".join(DEFAULT_IMAGE_SYSTEMS if args.images else DEFAULT_SYSTEMS)
+    systems = [s.strip() for s in named.split(",") if s.strip()] if not args.endpoint else []
     unknown = sorted({s for s in systems if s.partition("@")[0] not in SYSTEMS})
     if unknown:
         raise ValueError(f"--systems: unknown {', '.join(unknown)} (choose from {', '.join(SYSTEMS)}, each as NAME or NAME@SETTING)")
@@ -387,23 +473,45 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--requests {args.requests}: must be at least 1")
     if args.rounds < 1 or (args.rounds > 1 and not args.tune and (args.endpoint or len(systems) < 2)):
         raise ValueError(f"--rounds {args.rounds}: must be at least 1, and above 1 only with two or more --systems")
+    if args.warmup_s <= 0:
+        raise ValueError(f"--warmup-s {args.warmup_s:g}: must be above 0")
+    if args.images:
+        _check_image_trace(args, systems)
     trace = load_trace(args.trace).head(args.requests).capped(args.max_input, args.max_output)
     label = f"{Path(args.trace).name}, first {len(trace)} requests, input <= {args.max_input}, output <= {args.max_output}"
     if args.mix != "plain":
         label += f", request mix {args.mix}"
+    if args.images:
+        label += f", as chats with images: {args.images}"
     return Plan(
-        trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid, args.rounds, args.mix, tune=args.tune
+        trace, label, rates, systems, args.out, args.seed, args.endpoint, args.pid, args.rounds, args.mix,
+        warmup_s=args.warmup_s, tune=args.tune, images=args.images or "", config=args.config,
     )
+
+
+def _check_image_trace(args: argparse.Namespace, systems: list[str]) -> None:
+    """ValueError naming the flag unless every system can be sent the image trace's chat requests."""
+    other = [system for system in systems if base_name(system) not in IMAGE_SYSTEMS]
+    if other:
+        raise ValueError(
+            f"--images: {', '.join(other)} cannot take it (images go as OpenAI chat requests over HTTP; choose from "
+            f"{', '.join(IMAGE_SYSTEMS)}, each as NAME or NAME@SETTING)"
+        )
+    if args.endpoint.startswith("grpc://"):
+        raise ValueError("--images: the image trace is sent as OpenAI chat requests; give an http:// --endpoint")
+    if args.mix != "plain":
+        raise ValueError(f"--mix {args.mix}: only plain with --images")
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
     try:
         plan = plan_from_args(args)
-    except (ValueError, TraceError) as error:
+        config = plan_config(plan)
+    except (ValueError, TraceError) as error:  # a bad --config too (ConfigError)
         print(f"duet bench serve: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        report = run(plan, load_config())
+        report = run(plan, config)
     except SystemStartError as error:
         print(f"duet bench serve: error: {error}", file=sys.stderr)
         return 1

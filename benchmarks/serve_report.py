@@ -31,6 +31,10 @@ The report the runner writes, and every function here reads::
         },
       },
       "slos": {slo_name: {"ttft_s": float, "tpot_s": float}, ...},
+      "images": {                                 # optional: an image trace (benchmarks/image_trace.py)
+        "mix": str, "description": str,
+        "replays": [{"replay", "seed", "requests", "requests_with_images", "images_sent", "distinct_images"}, ...],
+      },
       ...                                         # anything else the runner records (trace, seed)
     }
 """
@@ -244,9 +248,23 @@ def render_table(report: Mapping[str, Any], target: float = GOODPUT_TARGET) -> s
             cells = ["n/a"] * len(slos)
         lines.append(_row([f"{top} / {bottom}", *cells]))
     return (
-        "\n".join(lines) + "\n" + _settings_table(report) + _best_table(report) + _cores_table(report) + _footprint_table(report)
+        _images_title(report) + "\n".join(lines) + "\n" + _settings_table(report) + _best_table(report) + _cores_table(report) + _footprint_table(report)
         + _planned_table(planned) + rounds_versus_table(report) + _cpu_ratio_table(report)
     )
+
+
+def _images_title(report: Mapping[str, Any]) -> str:
+    """Markdown above an image trace's table: its mix, and what each replay sent; empty for text."""
+    images = report.get("images")
+    if not images:
+        return ""
+    header = ["replay", "seed", "requests with images", "images sent", "distinct images"]
+    rows = [
+        _row([r["replay"], str(r["seed"]), f"{r['requests_with_images']} of {r['requests']}", str(r["images_sent"]), str(r["distinct_images"])])
+        for r in images["replays"]
+    ]
+    return "\n".join([f"Image trace `{images['mix']}`: {images['description']}.", "", _row(header), _row(["---"] * len(header)),
+                      *rows, "", ""])
 
 
 def engine_cores(process: Mapping[str, Any], least_share: float = 0.1) -> str:

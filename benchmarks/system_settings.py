@@ -35,7 +35,8 @@ class Setting:
     args: tuple[str, ...] = ()  # more command-line arguments (vLLM's server, the peers' launcher)
     config: dict[str, dict[str, Any]] = field(default_factory=dict)  # duet: config sections' fields
     # Measured by ``--tune``. A setting that takes the machine from every system beside it
-    # cannot be measured side by side: it is run on its own, by name.
+    # cannot be measured side by side, and one that changes what is served (a deployment shape,
+    # not a knob) is a system of its own: each is run by name.
     swept: bool = True
 
 
@@ -49,7 +50,10 @@ def _every_pool(**fields: Any) -> dict[str, dict[str, Any]]:
 
 
 _DUET = {
-    DEFAULT: Setting("the embedded default (configs/local.yaml)"),
+    DEFAULT: Setting(
+        "the benchmark's config (--config; the embedded default configs/local.yaml, with --images configs/vision.yaml "
+        "on builtin-vl-large)"
+    ),
     "no-guard": Setting(
         "local prefill without the TPOT guard (router.local_prefill_tpot_s: null)", config={"router": {"local_prefill_tpot_s": None}}
     ),
@@ -62,6 +66,10 @@ _DUET = {
     ),
     "interval-10": Setting("engine outputs merged every 10 ms (output_interval_ms: 10)", config=_every_pool(output_interval_ms=10)),
     "interval-0": Setting("every engine step's outputs sent at once (output_interval_ms: 0)", config=_every_pool(output_interval_ms=0)),
+    # A vision-language model's images encoded by the prefill engines instead of an encode pool
+    # (a no-op on a text model's config, which has no encode pool).
+    "epd": Setting("EP+D: no encode pool, each prefill engine encodes its prompts' images (encode.replicas: 0)",
+                   config={"encode": {"replicas": 0}}, swept=False),
 }
 _DUET_COLOCATED = {key: _DUET[key] for key in (DEFAULT, "interval-10", "interval-0")}
 

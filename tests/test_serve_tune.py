@@ -47,7 +47,7 @@ def test_a_system_with_more_settings_than_fit_is_tuned_in_groups_beside_the_best
 
     result = tune(plan, load_config(), bench_interleaved)
     duet, vllm = settings_to_try("duet-disagg-http"), settings_to_try("vllm")
-    assert duet[0] == "duet-disagg-http@default" and len(duet) == len(SETTINGS["duet-disagg-http"]) > GROUP_SIZE
+    assert duet[0] == "duet-disagg-http@default" and len(duet) == sum(s.swept for s in SETTINGS["duet-disagg-http"].values()) > GROUP_SIZE
     assert measured_groups[0] == duet[:GROUP_SIZE]
     assert all(len(group) <= GROUP_SIZE for group in measured_groups)
     # The first group holds the default and local prefill's two other settings (issue 53's

@@ -55,7 +55,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-_WORDS = (
+# The built-in tokenizer is trained on sentences of these words, so each is one token of it
+# after a space; benchmarks write prompts of them (benchmarks/image_trace.py).
+CORPUS_WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which "
     "but have an they you were her she there been one all we their has would when if so no will "
     "more can out other into time only some could them these may than first any new very my "
@@ -122,7 +124,7 @@ def _training_corpus() -> list[str]:
     rng = random.Random(SEED)
     lines = []
     for _ in range(20000):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        words = [rng.choice(CORPUS_WORDS) for _ in range(rng.randint(4, 16))]
         sentence = " ".join(words).capitalize() + rng.choice([".", ".", "?", "!", ","])
         lines.append(sentence)
     return lines

@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 # removed by another: a prefill engine checks that an image's file exists when it schedules the
 # prompt, and loads it within the same step.
 SHARED_IN_USE_S = 60.0
+# Where several front doors share the folder, the one that meets a new image first claims it
+# (a marker file) and has it encoded; another that meets it meanwhile waits for its file. A
+# claim older than this is taken to have died with its front door, and is taken over.
+CLAIM_STALE_S = 30.0
 
 
 def entry_file(folder: str, identifier: str) -> str:
@@ -162,6 +166,47 @@ class EncoderCacheFolder:
                 self._held[identifier] -= 1
                 if not self._held[identifier]:
                     del self._held[identifier]
+
+    def claim(self, identifier: str) -> bool:
+        """Whether this front door is to have the image encoded: True unless another front door
+        sharing the folder claimed it first, less than :data:`CLAIM_STALE_S` ago. A front door
+        alone in the folder needs no claim (its own requests wait on one another in memory)."""
+        if not self.in_use_s:
+            return True
+        path = self._claim_file(identifier)
+        for _ in range(2):
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                return True
+            except FileExistsError:
+                try:
+                    if time.time() - os.stat(path).st_mtime < CLAIM_STALE_S:
+                        return False
+                    os.unlink(path)  # its front door died mid-encode: take it over
+                except FileNotFoundError:
+                    pass  # released meanwhile: claim it again
+        return False
+
+    def claimed_elsewhere(self, identifier: str) -> bool:
+        """Whether another front door's claim on the image still stands (its encode under way)."""
+        try:
+            return time.time() - os.stat(self._claim_file(identifier)).st_mtime < CLAIM_STALE_S
+        except FileNotFoundError:
+            return False
+
+    def release(self, identifiers: Iterable[str]) -> None:
+        """This front door's encode of these images is over, written or not."""
+        if not self.in_use_s:
+            return
+        for identifier in identifiers:
+            try:
+                os.unlink(self._claim_file(identifier))
+            except FileNotFoundError:
+                pass
+
+    def _claim_file(self, identifier: str) -> str:
+        # A dot name: never an entry (entry_file), so indexing and vLLM's connector pass it by.
+        return os.path.join(self.folder, f".{identifier}.encoding")
 
     def _evict(self) -> None:
         total = self.bytes

@@ -4,8 +4,10 @@ computed, once per distinct image across the deployment.
 Before a prefill worker computes a prompt with images, the router looks each image up in the
 encoder cache (kv_transfer/encoder_cache.py) by its digest. The images not there go to an
 encode worker, in one request, and the prefill waits for it; an image another request is
-encoding already is waited for, not encoded again. The prefill engine then loads every image's
-output from the cache instead of running the encoder. Text-only requests skip the step.
+encoding already is waited for, not encoded again: in this front door's memory, and across front
+doors apart by a claim in the cache's folder (:meth:`EncoderCacheFolder.claim`). The prefill
+engine then loads every image's output from the cache instead of running the encoder. Text-only
+requests skip the step.
 
 Nothing here can fail a request: if the encode pool has no worker ready, or the worker dies or
 refuses, the prefill engine finds no output for those images and runs the encoder itself, as in
@@ -32,6 +34,9 @@ if TYPE_CHECKING:  # the load meter reads the lifecycle's usage type, and the li
     from duet.router.load_meter import LoadMeter
 
 logger = logging.getLogger(__name__)
+
+# How often a request waiting for another front door's encode of an image looks for its file.
+ELSEWHERE_POLL_S = 0.02
 
 
 class EncodeStep:
@@ -61,12 +66,14 @@ class EncodeStep:
             yield
 
     async def _encode_missing(self, request_id: str, images: dict[str, bytes]) -> None:
-        waits, missing, found = [], {}, 0
+        waits, elsewhere, missing, found = [], [], {}, 0
         for digest, data in images.items():
             if digest in self._encoding:
                 waits.append((digest, self._encoding[digest]))
             elif self.cache.holds(digest):
                 found += 1
+            elif not self.cache.claim(digest):
+                elsewhere.append(digest)
             else:
                 missing[digest] = data
         self._count("cache_hit", found)
@@ -75,6 +82,17 @@ class EncodeStep:
         for digest, wait in waits:  # another request is encoding it: a hit once it is written
             written = await asyncio.shield(wait)
             self._count("cache_hit" if written and self.cache.holds(digest) else "fallback", 1)
+        for digest in elsewhere:
+            self._count("cache_hit" if await self._written_elsewhere(digest) else "fallback", 1)
+
+    async def _written_elsewhere(self, digest: str) -> bool:
+        """Wait while another front door's encode of the image is under way; whether its output
+        is in the cache then (if not, this request's prefill encodes it)."""
+        while not self.cache.holds(digest):
+            if not self.cache.claimed_elsewhere(digest):
+                return self.cache.holds(digest)  # written just before its claim was released, or never
+            await asyncio.sleep(ELSEWHERE_POLL_S)
+        return True
 
     async def _encode_now(self, request_id: str, missing: dict[str, bytes]) -> None:
         """Encode ``missing`` for this request, the requests that want the same images waiting
@@ -89,6 +107,7 @@ class EncodeStep:
             # Whatever became of it (cancelled too), index what the encode worker wrote, and
             # let the requests waiting on it go on.
             present = self.cache.added(missing)
+            self.cache.release(missing)
             done.set_result(bool(present))
             for digest in missing:
                 del self._encoding[digest]

@@ -5,13 +5,18 @@ real engines is tested in test_vision_language.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections import Counter
 
 import pytest
 
 from duet.config import ConfigError, load_config, parse_config
-from duet.kv_transfer.encoder_cache import EncoderCacheFolder, engine_ec_config, with_encoder_cache_folder
+from duet.kv_transfer.encoder_cache import (
+    CLAIM_STALE_S, SHARED_IN_USE_S, EncoderCacheFolder, engine_ec_config, entry_file, with_encoder_cache_folder,
+)
+from duet.worker_runtime.images import image_digest
 
 
 def _write(folder: str, identifier: str, size: int) -> None:
@@ -160,3 +165,60 @@ def test_an_encoder_output_is_written_whole_or_not_at_all(tmp_path, monkeypatch)
     assert reader.has_cache_item("abc")
     loaded = safetensors.torch.load_file(str(tmp_path / "abc" / "encoder_cache.safetensors"))["ec_cache"]
     assert torch.equal(loaded, output["abc"])
+
+
+def test_front_doors_sharing_the_folder_claim_a_new_image_once(tmp_path):
+    first, second = (EncoderCacheFolder(str(tmp_path), 1 << 20, in_use_s=SHARED_IN_USE_S) for _ in range(2))
+    assert first.claim("img") and not second.claim("img") and second.claimed_elsewhere("img")
+    first.release(["img"])
+    assert not second.claimed_elsewhere("img") and second.claim("img")
+    # A claim whose front door died mid-encode is taken over once stale.
+    claim = tmp_path / ".img.encoding"
+    os.utime(claim, (time.time() - CLAIM_STALE_S - 1,) * 2)
+    assert first.claim("img") and not second.claim("img")
+    # The claim is no entry: a new index of the folder does not take it for an image.
+    assert len(EncoderCacheFolder(str(tmp_path), 1 << 20)) == 0
+    # A front door alone in its folder claims nothing on disk.
+    alone = EncoderCacheFolder(str(tmp_path / "alone"), 1 << 20)
+    assert alone.claim("img") and alone.claim("img") and not os.listdir(tmp_path / "alone")
+
+
+class _EncodeWorkerEngine:
+    """Stands in for an encode worker's engine (the thing under test is the front doors' step):
+    writes each image's output file, as the encode engine's connector does, after a delay."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.calls = folder, 0
+
+    async def encode(self, request_id: str, images: tuple[bytes, ...]) -> None:
+        self.calls += 1
+        await asyncio.sleep(0.2)
+        for data in images:
+            path = entry_file(self.folder, image_digest(data))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as out:
+                out.write(b"x" * 64)
+
+
+def test_two_front_doors_meeting_a_new_image_at_once_encode_it_once(tmp_path):
+    from duet.router.encoding import EncodeStep
+    from duet.router.pools import PoolMember, WorkerPool
+
+    engine = _EncodeWorkerEngine(str(tmp_path))
+    doors = []
+    for _ in range(2):
+        pool = WorkerPool("encode")
+        pool.members.append(PoolMember("encode-0", actor=None, engine=engine))
+        doors.append(EncodeStep(pool, EncoderCacheFolder(str(tmp_path), 1 << 20, in_use_s=SHARED_IN_USE_S)))
+
+    async def request(step: EncodeStep, request_id: str) -> None:
+        async with step.encoded(request_id, (b"the same picture",)):
+            pass
+
+    async def both() -> None:
+        await asyncio.gather(request(doors[0], "a"), request(doors[1], "b"))
+
+    asyncio.run(both())
+    assert engine.calls == 1
+    assert sorted(sum((step.counts for step in doors), Counter()).items()) == [("cache_hit", 1), ("encoded", 1)]
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".encoding")]

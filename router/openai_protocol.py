@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Protocol
+from typing import Annotated, Any, Awaitable, Callable, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -443,7 +443,7 @@ def _string_content(parts: list[TextPart | ImagePart], placeholder: str) -> str:
 
 
 async def read_chat_images(
-    messages: list[ChatMessage], image_check: Callable[[], ImageChecker | None], limits: ImagesConfig
+    messages: list[ChatMessage], image_check: Callable[[], Awaitable[ImageChecker | None]], limits: ImagesConfig
 ) -> ChatImages | None:
     """The images of ``messages``' ``image_url`` parts, fetched or decoded from their URLs;
     None without images (``image_check``, the model's, is asked for only then). Refused naming
@@ -456,7 +456,7 @@ async def read_chat_images(
     ]
     if not fields:
         return None
-    check = image_check()
+    check = await image_check()
     if check is None:
         raise InvalidRequest(fields[0], "this model takes no images (it is not a vision-language model)")
     if len(fields) > limits.max_per_request:

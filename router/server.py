@@ -136,6 +136,8 @@ class DuetServicer:
         except InvalidRequest as error:
             self.service.cluster.reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except Unavailable as error:  # no worker to check its images with (RequestService.image_check)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         try:
             async for index, event in service.generate_sequences(sequences(validated), caller):
                 yield _response(validated.request_id, index, event)

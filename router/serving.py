@@ -91,16 +91,25 @@ class RequestService:
         loop, as opening them takes a while."""
         if not request.images:
             return validate(request, self.limits, self.tokenizer, self.verify_sampling)
-        return await asyncio.to_thread(validate, request, self.limits, self.tokenizer, self.verify_sampling, self.image_check())
+        check = await self.image_check()
+        return await asyncio.to_thread(validate, request, self.limits, self.tokenizer, self.verify_sampling, check)
 
-    def image_check(self) -> ImageChecker | None:
+    async def image_check(self) -> ImageChecker | None:
         """Validation's check of a prompt's images, by a worker's engine front end in this
-        process; None if the model takes no images (or no vLLM engine serves it)."""
-        for member in self.lifecycle.decode_pool.members:
-            if hasattr(member.engine, "image_prompts"):
-                prompts = member.engine.image_prompts
-                return None if prompts is None else ImageChecker(prompts, self.image_limits)
-        return None
+        process; None if the model takes no images (or no vLLM engine serves it).
+
+        It takes a worker's engine, so while every worker is being replaced (a crash, an engine
+        killed for memory) it waits for one as a request waits for a worker, rather than take
+        the model for one without images; Unavailable (503 / UNAVAILABLE) if none comes."""
+        pool = self.lifecycle.decode_pool
+        engine = next((member.engine for member in pool.ready() if member.engine is not None), None)
+        if engine is None:
+            try:
+                engine = (await pool.acquire(self.lifecycle.policy.worker_wait_s)).engine
+            except NoWorkerAvailable as error:
+                raise Unavailable(f"no worker can check the request's images: {error}") from None
+        prompts = getattr(engine, "image_prompts", None)  # SIMULATED engines have none
+        return None if prompts is None else ImageChecker(prompts, self.image_limits)
 
     def _engine_verify(self, sampling: SamplingSpec) -> None:
         for member in self.lifecycle.decode_pool.members:

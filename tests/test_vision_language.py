@@ -344,6 +344,29 @@ def test_an_encode_worker_killed_mid_request_loses_no_request(vision_deployment,
     assert _encoder_counts(vision_deployment.port)["encoded"] == before["encoded"] + 1
 
 
+def test_an_image_sent_while_the_decode_worker_is_replaced_waits_for_it(vision_deployment, vision_engine, sdk):
+    """The decode worker's engine is killed; a chat with an image sent while it is being
+    replaced (no worker's engine in the front door to check images with) waits for the
+    replacement, as any request waits for a worker, and is answered with vLLM's tokens. It was
+    refused as if the model took no images (`duet bench serve --images`, workers killed for
+    memory)."""
+    import signal
+
+    import ray
+
+    decode = vision_deployment.models[0].decode.members[0]
+    restarts = decode.restarts
+    pid = ray.get(decode.actor.__ray_call__.remote(lambda actor: actor._engine_processes.processes[0].pid), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while decode.state == "ready":
+        assert time.monotonic() < deadline, f"{decode.name}'s death was not noticed"
+        time.sleep(0.05)
+    image = _png(70, 50, 106)
+    assert _chat_tokens(sdk, _ask(image)) == _reference_chat(vision_engine, _ask(image))[1]
+    assert decode.restarts > restarts and decode.state == "ready"
+
+
 def test_images_computed_whole_on_one_worker_answer_the_same(vision_deployment, vision_engine, sdk):
     """Colocated serving's path: with every prompt computed by the decode worker itself (as a
     colocated worker computes it, local prefill forced on), the decode engine encodes the

@@ -70,10 +70,12 @@ IDLE_WINDOW_S = 20.0
 _GIB = 1024**3
 T = TypeVar("T")
 # The systems an image trace can drive (OpenAI chat over HTTP, images as data: URLs): duet's
-# HTTP deployments and vLLM's server. --images compares by default E+P+D, EP+D, colocated and
-# vLLM's server: every way duet can serve the model, and what a user would run instead.
+# HTTP deployments and vLLM's server. --images compares by default E+P+D, EP+D and vLLM's
+# server: duet's two disaggregated modes, and what a user would run instead. Colocated duet
+# (duet-colocated-http) takes about 5 GiB more, which with --rounds (every system started at
+# once) passes a 24 GiB machine's memory: Ray then kills workers (the first run, 2026-12-04).
 IMAGE_SYSTEMS = (DISAGG_HTTP, COLOCATED_HTTP, VLLM)
-DEFAULT_IMAGE_SYSTEMS = (DISAGG_HTTP, f"{DISAGG_HTTP}@epd", COLOCATED_HTTP, VLLM)
+DEFAULT_IMAGE_SYSTEMS = (DISAGG_HTTP, f"{DISAGG_HTTP}@epd", VLLM)
 
 
 @dataclass(frozen=True)

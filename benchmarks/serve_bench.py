@@ -17,9 +17,9 @@ the table gives the ratio to vLLM's server round by round (the same prompts, a m
 
 ``--images MIX`` replays the trace as chat requests carrying images (benchmarks/image_trace.py
 states the mixes) against a vision-language model: by default configs/vision.yaml on
-``builtin-vl-large``, as E+P+D (``duet-disagg-http``), EP+D (``duet-disagg-http@epd``),
-colocated (``duet-colocated-http``) and vLLM's server on the same model, every one through
-OpenAI HTTP ``/v1/chat/completions``. ``--config`` gives every system another model and config.
+``builtin-vl-large``, as E+P+D (``duet-disagg-http``), EP+D (``duet-disagg-http@epd``) and
+vLLM's server on the same model (colocated, ``duet-colocated-http``, on request), every one
+through OpenAI HTTP ``/v1/chat/completions``. ``--config`` gives every system another model and config.
 
 ``--endpoint`` benchmarks an already running server instead (``grpc://host:port`` for duet,
 ``http://host:port`` for an OpenAI-compatible one); pass ``--pid`` to measure its CPU too.

@@ -65,9 +65,10 @@ def apply_plan(config: DuetConfig, plan: Plan) -> DuetConfig:
     """``config`` with its mode and pools replaced by the plan's; the model names must agree.
 
     A colocated plan deploys the ``colocated`` pool; a conditional one deploys the prefill and
-    decode pools (and an encode pool where the plan has one, E+P+D) with the router's local-prefill threshold set to the plan's, and a
+    decode pools with the router's local-prefill threshold set to the plan's, and a
     disaggregated one with it off, since the plan was sized for exactly that split. Local
     prefill on a decode worker is held to the plan's TPOT target (router.local_prefill_tpot_s).
+    Either deploys the plan's encode pool where it has one (E+P+D), and none otherwise.
     """
     if config.models:
         raise PlanDeployError(

@@ -170,28 +170,33 @@ class EncoderCacheFolder:
     def claim(self, identifier: str) -> bool:
         """Whether this front door is to have the image encoded: True unless another front door
         sharing the folder claimed it first, less than :data:`CLAIM_STALE_S` ago. A front door
-        alone in the folder needs no claim (its own requests wait on one another in memory)."""
+        alone in the folder needs no claim (its own requests wait on one another in memory).
+        A folder that refuses the claim (full, read-only, gone) costs a duplicate encode at
+        worst, never the request: True."""
         if not self.in_use_s:
             return True
         path = self._claim_file(identifier)
-        for _ in range(2):
-            try:
-                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                return True
-            except FileExistsError:
+        try:
+            for _ in range(2):
                 try:
-                    if time.time() - os.stat(path).st_mtime < CLAIM_STALE_S:
-                        return False
-                    os.unlink(path)  # its front door died mid-encode: take it over
-                except FileNotFoundError:
-                    pass  # released meanwhile: claim it again
-        return False
+                    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    return True
+                except FileExistsError:
+                    try:
+                        if time.time() - os.stat(path).st_mtime < CLAIM_STALE_S:
+                            return False
+                        os.unlink(path)  # its front door died mid-encode: take it over
+                    except FileNotFoundError:
+                        pass  # released meanwhile: claim it again
+        except OSError as error:
+            logger.warning("encoder cache: cannot claim %s in %s (%s); encoding it here", identifier, self.folder, error)
+        return True
 
     def claimed_elsewhere(self, identifier: str) -> bool:
         """Whether another front door's claim on the image still stands (its encode under way)."""
         try:
             return time.time() - os.stat(self._claim_file(identifier)).st_mtime < CLAIM_STALE_S
-        except FileNotFoundError:
+        except OSError:  # released, or the folder cannot be read: its prefill encodes it
             return False
 
     def release(self, identifiers: Iterable[str]) -> None:
@@ -201,7 +206,7 @@ class EncoderCacheFolder:
         for identifier in identifiers:
             try:
                 os.unlink(self._claim_file(identifier))
-            except FileNotFoundError:
+            except OSError:  # gone already (taken over as stale, or never made)
                 pass
 
     def _claim_file(self, identifier: str) -> str:

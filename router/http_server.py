@@ -254,7 +254,8 @@ class OpenAIFrontEnd:
     async def prepare(self, body: object, chat: bool, request_id: str) -> "PreparedRequest":
         """Validate a completions (``chat``: chat completions) request ``body`` into the
         requests the engines will run; raises InvalidRequest (naming the OpenAI field) or
-        UnknownModel, counted as refused, before any worker is touched."""
+        UnknownModel, counted as refused, before any worker is touched. A request with images
+        may wait for a ready worker to check them (Unavailable if none comes)."""
         try:
             service = self.served.for_model(body.get("model") if isinstance(body, dict) else None)
             limits, tokenizer, verify = service.limits, service.tokenizer, service.verify_sampling

@@ -108,6 +108,8 @@ class RequestService:
                 engine = (await pool.acquire(self.lifecycle.policy.worker_wait_s)).engine
             except NoWorkerAvailable as error:
                 raise Unavailable(f"no worker can check the request's images: {error}") from None
+            if engine is None:  # removed since it was picked
+                raise Unavailable("no worker can check the request's images: its worker was just removed")
         prompts = getattr(engine, "image_prompts", None)  # SIMULATED engines have none
         return None if prompts is None else ImageChecker(prompts, self.image_limits)
 

@@ -150,9 +150,9 @@ def _args(*flags: str) -> argparse.Namespace:
     return parser.parse_args(["serve", "--trace", "synthetic:n=8,rate=1,cv=1", *flags])
 
 
-def test_images_default_to_duets_three_ways_and_vllm_on_the_vision_config():
+def test_images_default_to_duets_disaggregated_modes_and_vllm_on_the_vision_config():
     plan = serve_bench.plan_from_args(_args("--images", "vqa", "--rates", "1,2", "--rounds", "2", "--warmup-s", "5"))
-    assert plan.systems == ["duet-disagg-http", "duet-disagg-http@epd", "duet-colocated-http", "vllm"]
+    assert plan.systems == ["duet-disagg-http", "duet-disagg-http@epd", "vllm"]
     assert (plan.images, plan.warmup_s) == ("vqa", 5.0) and "vqa" in plan.trace_label
     config = serve_bench.plan_config(plan)
     assert config.model.path == "builtin-vl-large" and config.encode.replicas == 1 and config.model.max_model_len is None

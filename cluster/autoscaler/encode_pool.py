@@ -25,8 +25,9 @@ def encode_decision(
     waited ``encode_wait_s`` seconds on it and ``image_fallbacks`` images went to prefill;
     ``active`` is its workers, starting ones included. ``room``: the most workers (one unit
     each) the budget leaves once prefill and decode have theirs (None: no budget); the pool
-    grows no further than that, since its images fall back to the prefill engines where it
-    lacks a worker, while a missing prefill or decode worker misses the SLO."""
+    grows no further than that, and past it gives one worker back an interval (never below
+    its minimum), since its images fall back to the prefill engines where it lacks a worker,
+    while a missing prefill or decode worker misses the SLO."""
     in_flight = encode_wait_s / max(window_s, 1e-3)
     wanted = math.ceil(in_flight / limits.in_flight_per_worker - 1e-9)
     reason = f"{in_flight:.2f} encodes in flight ({limits.in_flight_per_worker:g} a worker)"
@@ -35,6 +36,7 @@ def encode_decision(
     if wanted < active:
         wanted = active - 1  # one at a time: a worker removed in a lull is a start-up at the next burst
     target = min(max(wanted, limits.min), limits.max)
-    if room is not None and target > max(active, room):
-        target, reason = max(active, room), f"{reason}; trimmed to the {max(room, 0)} units the budget leaves after prefill and decode"
+    if room is not None and target > max(room, 0):
+        target = max(limits.min, min(target, max(room, active - 1)))
+        reason = f"{reason}; held to the {max(room, 0)} units the budget leaves after prefill and decode"
     return Decision("encode", active, target, reason)

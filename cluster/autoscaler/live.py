@@ -139,12 +139,14 @@ class LiveAutoscaler:
 
     def _encode_decision(self, window: LoadWindow, observation: Observation, decisions: list[Decision]) -> Decision:
         """The encode pool's size, within what the budgets leave once prefill and decode have
-        the sizes just decided."""
+        the sizes just decided and the units they wanted beyond them (``Autoscaler.asked``: they
+        were sized within the budget less the encode workers, which give them back)."""
         active = len(self.pools["encode"].active())
         budgets = [b for b in (self.policy.budget, observation.budget_units) if b is not None]
         room = None
         if budgets:
-            room = min(budgets) - sum(d.target * self.policy.limits(d.role).units for d in decisions)
+            wanted = sum(d.target * self.policy.limits(d.role).units for d in decisions) + self.autoscaler.asked
+            room = min(budgets) - wanted
         return encode_decision(
             self.policy.encode, active, window.encode_wait_s, window.image_fallbacks, observation.window_s, room
         )

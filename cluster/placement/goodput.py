@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 from duet.cluster.placement.cluster_spec import ClusterSpec
-from duet.cluster.placement.latency_model import EnginePerf, LatencyModel, ServingPathCost
+from duet.cluster.placement.latency_model import EnginePerf, LatencyModel, LatencyModelError, ServingPathCost
 from duet.cluster.placement.plan import Plan, Pool
 from duet.cluster.placement.simulator import (
     SimConfig,
@@ -310,6 +310,11 @@ def plan_deployment(plan: Plan, models: dict[str, LatencyModel]) -> Deployment:
         engine = models[pool.gpu_type].engine(pool.tensor_parallel, pool.pipeline_parallel)
         return (engine if encoder else engine.without_encoder(),) * pool.replicas
 
+    if plan.encode is not None and models[plan.encode.gpu_type].encoder is None:
+        raise LatencyModelError(
+            f"the plan has an encode pool, but the latency model of {plan.encode.gpu_type} has no image encoder: "
+            "profile the vision-language model (`duet profile --model builtin-vl-large`, or its path)"
+        )
     serving_path = ServingPathCost.heaviest([models[pool.gpu_type].serving_path for _, pool in plan.pools()])
     if plan.colocated is not None:
         return Deployment(engines(plan.colocated), (), colocated=True, serving_path=serving_path)

@@ -792,10 +792,12 @@ def compare_modes(
     objective: Objective,
     modes: Collection[Mode],
     images: bool = False,
+    encode_compared: bool = False,
 ) -> list[str]:
     """The deployment choice in words: what each mode needs at the target rate, and why (the
     mechanism is only claimed when the other modes were compared); for a trace with images,
-    whether the images get an encode pool."""
+    whether the images get an encode pool (why, only when a plan with one was sized:
+    ``encode_compared``)."""
     e = chosen.expected
     lines = [
         f"deployment: {chosen.describe_mode()} meets the SLO at {e.rate_rps:.3g} req/s with "
@@ -811,7 +813,8 @@ def compare_modes(
     why = f": {_WHY[chosen.mode]}" if len(set(modes)) > 1 else ""
     lines.append(f"-> {chosen.mode}, {least} (ties: the higher goodput per GPU){why}.")
     if images and chosen.mode != "colocated":
-        lines.append(f"-> {'E+P+D' if chosen.encode else 'EP+D'}: {_WHY_ENCODE[chosen.encode is not None]}.")
+        why_encode = _WHY_ENCODE[chosen.encode is not None] if encode_compared else "no plan with an encode pool was possible (above)"
+        lines.append(f"-> {'E+P+D' if chosen.encode else 'EP+D'}: {why_encode}.")
     return lines
 
 
@@ -903,6 +906,9 @@ def optimize(
 
     plans.sort(key=lambda p: (cost(p), -p.expected.goodput_per_gpu))
     chosen, alternatives = plans[0], plans[1:]
-    notes = compare_modes(chosen, alternatives, [f"not possible: {e}" for e in errors], cost, objective, modes, images)
+    notes = compare_modes(
+        chosen, alternatives, [f"not possible: {e}" for e in errors], cost, objective, modes, images,
+        encode_compared=any(plan.encode is not None for plan in plans),
+    )
     chosen = chosen.model_copy(update={"explanation": chosen.explanation + notes})
     return OptimizeResult(chosen, alternatives, outcome)

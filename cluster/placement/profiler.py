@@ -235,7 +235,7 @@ def _random_png(side: int, rng: np.random.Generator) -> bytes:
 
 def fit_encoder(samples: list[tuple[int, float]], tokens_per_image: int) -> EncoderPerf:
     """``a + b*images`` from (images, encoder ms) samples."""
-    a, b, _ = fit_relative(np.array([[1.0, k, 0.0] for k, _ in samples]), np.array([max(ms, 1e-3) for _, ms in samples]))
+    a, b = fit_relative(np.array([[1.0, k] for k, _ in samples]), np.array([ms for _, ms in samples]))
     return EncoderPerf((a, b), tokens_per_image)
 
 
@@ -255,15 +255,21 @@ def _profile_encoder(
     prompts = EngineImagePrompts.of(engine)
     if prompts is None:
         raise ValueError("the model has a vision_config but its engine takes no images")
-    samples, tokens_per_image = [], set()
+    differences: dict[int, list[float]] = {k: [] for k in ENCODER_IMAGES}
+    tokens_per_image = set()
     for _ in range(repeats):
         for k in ENCODER_IMAGES:
             text = rng.integers(3, vocab, ENCODER_TEXT_TOKENS).tolist()
             images = tuple(_random_png(side, rng) for _ in range(k))
             with_images, length = prefill_ms(engine_prompt(text + prompts.placeholder_ids * k, images))
             text_only, _ = prefill_ms({"prompt_token_ids": rng.integers(3, vocab, length).tolist()})
-            samples.append((k, with_images - text_only))
+            differences[k].append(with_images - text_only)
             tokens_per_image.add((length - ENCODER_TEXT_TOKENS) // k)
+    # The median difference per image count: one noisy pair (a negative difference) must not
+    # pull a relative fit, which weighs each point by its inverse, towards zero.
+    samples = [(k, statistics.median(ms)) for k, ms in differences.items() if statistics.median(ms) > 0]
+    if len(samples) < 2:
+        raise ValueError(f"the image encoder could not be timed apart from the prompt (differences {differences} ms)")
     return fit_encoder(samples, max(tokens_per_image))
 
 

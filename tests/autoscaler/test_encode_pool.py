@@ -82,10 +82,11 @@ def test_the_live_autoscaler_scales_the_encode_pool_beside_the_others():
 
 def test_the_encode_pool_grows_only_into_what_the_budget_leaves():
     """A budget of 4 cores: prefill and decode keep their two, the encode pool (holding one)
-    may grow to two, not the three its load asks for; and prefill and decode are sized within
-    the budget less the encode pool's core."""
+    may grow to two, not the three its load asks for."""
     assert encode_decision(LIMITS, 1, 25.0, 0, 10.0, room=2).target == 2
-    assert encode_decision(LIMITS, 2, 25.0, 0, 10.0, room=0).target == 2  # never taken away for it
+    # Over what the budget leaves: one worker given back an interval, never below the minimum.
+    assert encode_decision(LIMITS, 2, 25.0, 0, 10.0, room=0).target == 1
+    assert encode_decision(EncodeLimits(min=1, max=3), 1, 25.0, 0, 10.0, room=0).target == 1
     policy = AutoscalePolicy(
         slo=SloProfile(ttft_s=1.0, tpot_s=0.1), latency_model=None, encode={"min": 0, "max": 4},
         prefill={"min": 1, "max": 3}, decode={"min": 1, "max": 1}, budget=4,

@@ -173,3 +173,15 @@ def test_an_encode_pool_on_a_colocated_plan_is_refused(gpu_plan):
         data.pop(key)
     with pytest.raises(ValueError, match="must not have encode"):
         Plan.model_validate(data)
+
+
+def test_an_e_p_d_plan_on_a_profile_without_an_encoder_is_named(gpu_plan, opt13b, tmp_path, capsys):
+    result, folder = gpu_plan
+    result.plan.save(tmp_path / "plan.yaml")
+    opt13b.save(tmp_path / "profile.yaml")  # the same fits, no encoder
+    (tmp_path / "cluster.yaml").write_text((folder / "cluster.yaml").read_text())
+    code = main(
+        ["simulate", "--config", str(tmp_path / "cluster.yaml"), "--trace", "synthetic:n=50,rate=4",
+         "--slo", "ttft=0.4,tpot=0.1", "--plan", str(tmp_path / "plan.yaml")]
+    )
+    assert code == 2 and "has no image encoder" in capsys.readouterr().err

@@ -119,6 +119,7 @@ SMALL_GRID = ProfileGrid(
 # Images per prompt the encoder is timed with, and the text beside them (tokens).
 ENCODER_IMAGES = (1, 2, 4)
 ENCODER_TEXT_TOKENS = 32
+ENCODER_REPEATS = 3
 
 
 def _model_facts(path: Path) -> tuple[int, int]:
@@ -257,7 +258,7 @@ def _profile_encoder(
         raise ValueError("the model has a vision_config but its engine takes no images")
     differences: dict[int, list[float]] = {k: [] for k in ENCODER_IMAGES}
     tokens_per_image = set()
-    for _ in range(repeats):
+    for _ in range(max(repeats, ENCODER_REPEATS)):  # a few pairs even on a small grid: cheap
         for k in ENCODER_IMAGES:
             text = rng.integers(3, vocab, ENCODER_TEXT_TOKENS).tolist()
             images = tuple(_random_png(side, rng) for _ in range(k))

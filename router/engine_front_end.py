@@ -266,7 +266,7 @@ class EngineFrontEnd:
     @cached_property
     def image_prompts(self) -> EngineImagePrompts | None:
         """How the engine's model takes images (None: it takes none), for validation."""
-        return EngineImagePrompts.of(self.engine)
+        return image_prompts_of(self.engine)
 
     def verify_sampling(self, sampling: SamplingSpec) -> None:
         """Refuse what this engine's own input processing would refuse (vLLM's
@@ -485,6 +485,12 @@ def new_front_end(
         client_index=client[0],
         client_count=client[1],
     )
+
+
+def image_prompts_of(engine: Any) -> EngineImagePrompts | None:
+    """How the model of ``engine`` (from :func:`new_front_end`) takes images; None: it takes
+    none (``duet profile`` times a vision model's encoder with it)."""
+    return EngineImagePrompts.of(engine)
 
 
 def shut_down(engine: Any) -> None:

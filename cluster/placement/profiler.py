@@ -250,10 +250,10 @@ def _profile_encoder(
 ) -> EncoderPerf:
     """The engine's image encoder: each of ``ENCODER_IMAGES`` new images of ``side`` pixels with
     a few text tokens, against text of the expanded prompt's length (``repeats`` sweeps)."""
-    from duet.router.image_inputs import EngineImagePrompts
+    from duet.router.engine_front_end import image_prompts_of
     from duet.worker_runtime.images import engine_prompt
 
-    prompts = EngineImagePrompts.of(engine)
+    prompts = image_prompts_of(engine)
     if prompts is None:
         raise ValueError("the model has a vision_config but its engine takes no images")
     differences: dict[int, list[float]] = {k: [] for k in ENCODER_IMAGES}

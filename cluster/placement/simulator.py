@@ -456,6 +456,21 @@ class _EncodeServer:
         self._start()
 
 
+def _to_prefill(run: _Run, prefillers: Sequence[_PrefillServer], to_decode: Callable[[int], None]) -> Callable[[int], None]:
+    """A request's way to the prefill replica with the least queued tokens; with no prefill pool
+    simulated (a phase sized alone), its prefill is instant."""
+
+    def to_prefill(i: int) -> None:
+        if prefillers:
+            min(prefillers, key=lambda p: p.queued_tokens).submit(i)
+        else:
+            run.first_token_at(i)
+            if run.out[i] > 1:
+                to_decode(i)
+
+    return to_prefill
+
+
 def _through_encoders(run: _Run, encode: Sequence[EnginePerf], cfg: SimConfig, then: Callable[[int], None]) -> Callable[[int], None]:
     """``then``, preceded for a request with images by an encode pool's step (if there is a pool)."""
     encoders = [_EncodeServer(run, e, cfg, then) for e in encode]
@@ -592,15 +607,7 @@ def simulate_disaggregated(
 
     prefillers = [_PrefillServer(run, p, cfg, to_decode) for p in prefill]
 
-    def to_prefill(i: int) -> None:
-        if prefillers:
-            min(prefillers, key=lambda p: p.queued_tokens).submit(i)
-        else:
-            run.first_token_at(i)
-            if run.out[i] > 1:
-                to_decode(i)
-
-    arrive = _through_encoders(run, encode, cfg, to_prefill)
+    arrive = _through_encoders(run, encode, cfg, _to_prefill(run, prefillers, to_decode))
     for i, t in enumerate(run.arrival):
         run.at(t, arrive, i)
     return run.run()
@@ -738,15 +745,7 @@ def simulate_conditional(
 
     prefillers = [_PrefillServer(run, p, cfg, to_decode) for p in prefill]
 
-    def to_prefill(i: int) -> None:
-        if prefillers:
-            min(prefillers, key=lambda p: p.queued_tokens).submit(i)
-        else:  # the work of a pool not simulated: instant
-            run.first_token_at(i)
-            if run.out[i] > 1:
-                to_decode(i)
-
-    remote = _through_encoders(run, encode, cfg, to_prefill)
+    remote = _through_encoders(run, encode, cfg, _to_prefill(run, prefillers, to_decode))
 
     def arrive(i: int) -> None:
         local = run.inp[i] < local_prefill_max_tokens

@@ -433,7 +433,7 @@ class RequestLifecycle:
         backlog = min(member.outstanding_tokens for member in ready)
         if backlog <= self.local_prefill_queue_tokens or decode_worker.local_prefill_tokens >= backlog:
             return True
-        return not self.local_prefill_guard.allows(decode_worker.name, decode_worker.local_prefill_tokens + prompt_tokens)
+        return not self.local_prefill_guard.allows(decode_worker.name, prompt_tokens, decode_worker.local_prefill_tokens)
 
     async def _disaggregated_round(self, round_: _Round, decode_worker: PoolMember) -> AsyncIterator[DecodeChunk]:
         assert self.prefill_pool is not None

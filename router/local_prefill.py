@@ -11,9 +11,10 @@ many tokens it has had and its ``max_tokens``, so it predicts the stream's TPOT 
 
     (seconds since its first token + stall + tokens still to come x pace) / (max_tokens - 1)
 
-- ``stall``: the prompts the worker is computing itself plus this one, times the seconds a
-  prompt token costs (timed on prefill workers that had nothing else queued: a queue behind the
-  prompt would inflate it);
+- ``stall``: what the prompts the worker is computing itself and this one add to its steps, from
+  a fit to prefills timed on prefill workers that had nothing else queued (a queue behind the
+  prompt would inflate it), the part that grows with a prompt's length
+  (:class:`~duet.router.prompt_cost.PromptCost`: a decode step pays its fixed overhead anyway);
 - ``pace``: the seconds per token the worker's streams have seen lately (an average over the
   chunks relayed, about the last ten), the steady pace the rest of each stream will get.
 
@@ -23,7 +24,8 @@ SLO judges) before its KV is pulled, and one prefilled on the worker itself gets
 just before the next local prompt's chunk, so a local prefill that starts while either is still
 being prefilled or pulled stalls its first decoded tokens. Such a request is predicted as if
 its first token came now (the whole stall lands on it), unless its prompt is queued on a
-prefill worker behind other prompts: then its first token comes no sooner than those take, and
+prefill worker behind other prompts: then its first token comes no sooner than those take (at
+the least), and
 only the part of the stall left by then counts (counting all of it held back local prefills
 that queued prompts never felt: 99% of streams inside 40 ms at 22 req/s with TTFT the limit).
 Counting streams only from their first decoded chunk left requests mid-pull unprotected: on the
@@ -46,13 +48,15 @@ after its first, so a stall counts once, spread over the stream's tokens.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# Weight of each new observation in the running averages: about the last 10 chunks or prefills.
+from duet.router.prompt_cost import PromptCost
+
+# Weight of each new observation in a worker's pace: about the last 10 chunks.
 _SMOOTHING = 0.1
 # The share of the TPOT target a stream's prediction may reach (predictions err both ways).
 _HEADROOM = 0.9
-# Prompts shorter than this are left out of the prefill cost: their fixed costs dominate.
+# Prompts shorter than this are left out of the prompt cost's fit: their fixed costs dominate.
 _COST_MIN_TOKENS = 128
 
 
@@ -90,7 +94,7 @@ class LocalPrefillGuard:
     decides. ``tpot_target_s`` None: no guard (only the queue threshold decides)."""
 
     tpot_target_s: float | None
-    prefill_s_per_token: float | None = None
+    prompt_cost: PromptCost = field(default_factory=PromptCost)
 
     def __post_init__(self) -> None:
         self._pace_s: dict[str, float] = {}
@@ -100,7 +104,7 @@ class LocalPrefillGuard:
     def prefilled(self, prompt_tokens: int, seconds: float) -> None:
         """A prefill worker with nothing else queued computed ``prompt_tokens`` in ``seconds``."""
         if prompt_tokens >= _COST_MIN_TOKENS and seconds > 0:
-            self.prefill_s_per_token = _averaged(self.prefill_s_per_token, seconds / prompt_tokens)
+            self.prompt_cost.timed(prompt_tokens, seconds)
 
     def stream_assigned(self, worker: str, request_id: str, max_tokens: int) -> None:
         """``request_id`` will decode on ``worker`` (its prompt computed there or on a prefill
@@ -112,9 +116,9 @@ class LocalPrefillGuard:
         other prompts in progress: its first token comes no sooner than they take (a lower bound:
         its own prompt is not counted), so only a stall lasting past that reaches it."""
         stream = self._stream(worker, request_id)
-        if stream is not None and self.prefill_s_per_token is not None:
+        if stream is not None and self.prompt_cost.known:
             at = time.perf_counter() if now is None else now
-            stream.first_token_not_before = at + prompt_tokens_ahead * self.prefill_s_per_token
+            stream.first_token_not_before = at + self.prompt_cost.at_least_s(prompt_tokens_ahead)
 
     def first_token(self, worker: str, request_id: str, now: float | None = None) -> None:
         """The prefill worker's first token of ``request_id`` went to the client: its TPOT counts
@@ -154,16 +158,17 @@ class LocalPrefillGuard:
         """Seconds per token lately on ``worker``'s streams (None before any was relayed)."""
         return self._pace_s.get(worker)
 
-    def allows(self, worker: str, pending_tokens: int, now: float | None = None) -> bool:
-        """Whether ``worker`` may compute ``pending_tokens`` of prompts (its own in progress and
-        the new one) with every stream it decodes still inside the TPOT target."""
+    def allows(self, worker: str, prompt_tokens: int, in_progress_tokens: int = 0, now: float | None = None) -> bool:
+        """Whether ``worker`` may compute a prompt of ``prompt_tokens`` beside the
+        ``in_progress_tokens`` of prompts it is computing already, with every stream it decodes
+        still inside the TPOT target."""
         streams = self._streams.get(worker)
         if self.tpot_target_s is None or not streams:
             return True
         pace = self._pace_s.get(worker)
-        if pace is None or self.prefill_s_per_token is None:
+        if pace is None or not self.prompt_cost.known:
             return False
         at = time.perf_counter() if now is None else now
         limit = _HEADROOM * self.tpot_target_s
-        stall_s = pending_tokens * self.prefill_s_per_token
+        stall_s = self.prompt_cost.stall_s(prompt_tokens) + self.prompt_cost.stall_s(in_progress_tokens)
         return all(stream.predicted_tpot_s(at, pace, stall_s) <= limit for stream in streams.values())

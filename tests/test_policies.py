@@ -10,6 +10,7 @@ import pytest
 
 from duet.router.lifecycle import RequestLifecycle
 from duet.router.local_prefill import LocalPrefillGuard
+from duet.router.prompt_cost import PromptCost
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import PoolMember, WorkerPool
 
@@ -222,13 +223,48 @@ def test_without_a_tpot_target_the_queue_threshold_alone_decides():
     assert not lifecycle._prefill_remotely(decode, 500)
 
 
-def test_short_prompts_do_not_set_the_prefill_cost():
+def test_short_prompts_do_not_set_the_prompt_cost():
     guard = LocalPrefillGuard(0.04)
     guard.prefilled(20, 0.05)
-    assert guard.prefill_s_per_token is None
+    assert not guard.prompt_cost.known
     guard.prefilled(200, 0.02)
     guard.prefilled(200, 0.04)
-    assert guard.prefill_s_per_token == pytest.approx(0.0001 + 0.1 * 0.0001)
+    assert guard.prompt_cost.stall_s(1000) == pytest.approx(0.15)  # 0.06 s over 400 tokens
+
+
+def _profile_prefill_s(tokens: int) -> float:
+    """The built-in model's prefill on one core (tiny-cpu-core.profile.yaml), plus a 3 ms call."""
+    return 0.003 + (7.9 + 0.0247 * tokens + 2.67e-5 * tokens * tokens) / 1000
+
+
+def test_a_prompts_stall_is_the_part_of_its_time_that_grows_with_it():
+    """Timed prefills include the step's fixed overhead and the call's round trip, which a prompt
+    joining a decode step does not add: the fit keeps the parts that grow with the prompt."""
+    cost = PromptCost()
+    for tokens in [128, 400, 900, 1800, 250, 600, 1200, 1500]:
+        cost.timed(tokens, _profile_prefill_s(tokens))
+    assert cost.stall_s(400) == pytest.approx((0.0247 * 400 + 2.67e-5 * 400 * 400) / 1000, rel=0.01)  # 14 ms of 25
+    assert cost.stall_s(1800) == pytest.approx((0.0247 * 1800 + 2.67e-5 * 1800 * 1800) / 1000, rel=0.01)
+    assert cost.at_least_s(4000) == pytest.approx(0.0247 * 4, rel=0.01)  # however the tokens are split
+    # Attention's square alone: a 2,000-token prompt costs more than two of 1,000.
+    assert cost.stall_s(2000) > 2 * cost.stall_s(1000)
+
+
+def test_the_prompt_cost_is_total_over_total_until_a_fit_holds():
+    cost = PromptCost()
+    for _ in range(10):  # one length only: nothing to fit a slope to
+        cost.timed(1000, 0.05)
+    assert cost.stall_s(500) == pytest.approx(0.025)
+    cost = PromptCost()
+    # Timings that fall with the prompt's length (noise): no negative cost, total over total.
+    for tokens, seconds in [(200, 0.06), (400, 0.05), (800, 0.04), (1600, 0.03)] * 2:
+        cost.timed(tokens, seconds)
+    assert cost.stall_s(1000) == pytest.approx(1000 * 0.36 / 6000)
+    # Timings that bend down (noise): the square comes out negative and is dropped, a line is fitted.
+    cost = PromptCost()
+    for tokens in [200, 400, 800, 1600] * 2:
+        cost.timed(tokens, 0.01 + 5e-5 * tokens - 5e-9 * tokens * tokens)
+    assert cost.stall_s(2000) == pytest.approx(2 * cost.stall_s(1000)) and 0.03 < cost.stall_s(1000) < 0.05
 
 
 def test_prefix_affinity_keys_prefixes_by_adapter_and_prefers_workers_holding_it():

@@ -1,0 +1,80 @@
+"""What computing a prompt adds to an engine step, fitted to the prefills the router times.
+
+The router times a prompt from its call to the prefill worker until its first token, on a
+worker with nothing else queued. That time is ``fixed + linear x tokens + quadratic x tokens^2``:
+the fixed part is the engine step's own overhead (scheduling, sampling, the Python around the
+forward pass, about 8 ms on one CPU core for the built-in model) and the call's round trip; the
+quadratic part is attention over the prompt. A prompt that joins a decode engine's step adds
+only the parts that grow with its length: that step pays its fixed overhead anyway. Dividing the
+whole time by the tokens, as the guard did until 2026-12-05, charged a 400-token prompt about
+twice its stall (the profile in ``cluster/placement/examples/cpu-hosts/tiny-cpu-core.profile.yaml``:
+22 ms timed, 14 ms of it growing with the prompt).
+
+The fit is least squares over the last :data:`_WINDOW` timings, the quadratic term dropped where
+it comes out negative; until the timings span prompt lengths at least :data:`_MIN_SPREAD` apart
+(or while a fit comes out negative), a prompt's stall is the timings' seconds per token
+(total over total), which overstates it, the safe side for the guard.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+# The timings the fit is made of: the most recent, so it follows the machine's speed.
+_WINDOW = 64
+# Timings needed, and the ratio of the longest prompt timed to the shortest, before a fit.
+_MIN_SAMPLES = 8
+_MIN_SPREAD = 2.0
+
+
+class PromptCost:
+    """Seconds a prompt of ``tokens`` stalls an engine step, from ``timed`` prefills."""
+
+    def __init__(self) -> None:
+        self._timings: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
+        # (linear, quadratic) seconds per token and per token squared; None until a fit holds.
+        self._growth: tuple[float, float] | None = None
+
+    @property
+    def known(self) -> bool:
+        return bool(self._timings)
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A prompt of ``tokens`` took ``seconds`` to its first token, nothing queued with it."""
+        self._timings.append((tokens, seconds))
+        self._growth = self._fitted()
+
+    def stall_s(self, tokens: int) -> float:
+        """Seconds a prompt of ``tokens`` adds to the step that computes it (0 before any
+        timing: callers check :attr:`known`)."""
+        if self._growth is None:
+            return tokens * self._seconds_per_token()
+        linear, quadratic = self._growth
+        return tokens * linear + tokens * tokens * quadratic
+
+    def at_least_s(self, tokens: int) -> float:
+        """A lower bound on the seconds ``tokens`` of prompts take however they are split (the
+        linear part alone: splitting a prompt saves attention's square, never the rest)."""
+        if self._growth is None:
+            return tokens * self._seconds_per_token()
+        return tokens * self._growth[0]
+
+    def _seconds_per_token(self) -> float:
+        tokens = sum(timing[0] for timing in self._timings)
+        return sum(timing[1] for timing in self._timings) / tokens if tokens else 0.0
+
+    def _fitted(self) -> tuple[float, float] | None:
+        if len(self._timings) < _MIN_SAMPLES:
+            return None
+        tokens = np.array([timing[0] for timing in self._timings], dtype=float)
+        seconds = np.array([timing[1] for timing in self._timings])
+        if tokens.max() < _MIN_SPREAD * tokens.min():
+            return None
+        for columns in ((np.ones_like(tokens), tokens, tokens * tokens), (np.ones_like(tokens), tokens)):
+            coefficients = np.linalg.lstsq(np.stack(columns, axis=1), seconds, rcond=None)[0]
+            growth = (float(coefficients[1]), float(coefficients[2]) if len(coefficients) == 3 else 0.0)
+            if min(growth) >= 0.0:
+                return growth
+        return None

@@ -13,7 +13,8 @@ twice its stall (the profile in ``cluster/placement/examples/cpu-hosts/tiny-cpu-
 The fit is least squares over the last :data:`_WINDOW` timings, the quadratic term dropped where
 it comes out negative; until the timings span prompt lengths at least :data:`_MIN_SPREAD` apart
 (or while a fit comes out negative), a prompt's stall is the timings' seconds per token
-(total over total), which overstates it, the safe side for the guard.
+(total over total), which overstates it, the safe side for the guard. A queue of prompts ahead
+of a request on a prefill worker is timed at that rate too: each of them pays its fixed part.
 """
 
 from __future__ import annotations
@@ -55,11 +56,10 @@ class PromptCost:
         return tokens * linear + tokens * tokens * quadratic
 
     def at_least_s(self, tokens: int) -> float:
-        """A lower bound on the seconds ``tokens`` of prompts take however they are split (the
-        linear part alone: splitting a prompt saves attention's square, never the rest)."""
-        if self._growth is None:
-            return tokens * self._seconds_per_token()
-        return tokens * self._growth[0]
+        """How long ``tokens`` of queued prompts take at the least: the timings' seconds per token,
+        fixed overheads included (each queued prompt pays its own; the stall, which a decode step
+        adds to its own fixed overhead, does not)."""
+        return tokens * self._seconds_per_token()
 
     def _seconds_per_token(self) -> float:
         tokens = sum(timing[0] for timing in self._timings)

@@ -24,8 +24,7 @@ SLO judges) before its KV is pulled, and one prefilled on the worker itself gets
 just before the next local prompt's chunk, so a local prefill that starts while either is still
 being prefilled or pulled stalls its first decoded tokens. Such a request is predicted as if
 its first token came now (the whole stall lands on it), unless its prompt is queued on a
-prefill worker behind other prompts: then its first token comes no sooner than those take (at
-the least), and
+prefill worker behind other prompts: then its first token comes no sooner than those take, and
 only the part of the stall left by then counts (counting all of it held back local prefills
 that queued prompts never felt: 99% of streams inside 40 ms at 22 req/s with TTFT the limit).
 Counting streams only from their first decoded chunk left requests mid-pull unprotected: on the

@@ -15,8 +15,13 @@ many tokens it has had and its ``max_tokens``, so it predicts the stream's TPOT 
   a fit to prefills timed on prefill workers that had nothing else queued (a queue behind the
   prompt would inflate it), the part that grows with a prompt's length
   (:class:`~duet.router.prompt_cost.PromptCost`: a decode step pays its fixed overhead anyway);
-- ``pace``: the seconds per token the worker's streams have seen lately (an average over the
-  chunks relayed, about the last ten), the steady pace the rest of each stream will get.
+- ``pace``: the seconds per token of the worker's steps that carried no prompt, the steady pace
+  the rest of each stream will get: the lower quartile over the last :data:`_PACE_CHUNKS` chunks
+  relayed. The prompts a worker is computing are counted once, as stall; the gaps they stretched
+  would count them again. At 26 req/s on the conversation slice, an average over about ten
+  chunks read 0.1-0.24 s a token and a median 85 ms while the worker prefilled, with the streams'
+  TPOT p50 at 27-31 ms, and the 100 ms guard held back prompts that stalled nothing (66% and 75%
+  of requests inside the loose SLO against 81-83% without the guard, all of it TTFT).
 
 A request counts from the moment it is assigned to the worker, not from its worker's first
 chunk: a prompt prefilled remotely gives the client its first token (which starts the TPOT the
@@ -46,21 +51,19 @@ after its first, so a stall counts once, spread over the stream's tokens.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from duet.router.prompt_cost import PromptCost
 
-# Weight of each new observation in a worker's pace: about the last 10 chunks.
-_SMOOTHING = 0.1
+# A worker's pace is the lower quartile of seconds per token over its streams' last this many chunks.
+_PACE_CHUNKS = 32
 # The share of the TPOT target a stream's prediction may reach (predictions err both ways).
 _HEADROOM = 0.9
 # Prompts shorter than this are left out of the prompt cost's fit: their fixed costs dominate.
 _COST_MIN_TOKENS = 128
-
-
-def _averaged(previous: float | None, value: float) -> float:
-    return value if previous is None else previous + _SMOOTHING * (value - previous)
 
 
 @dataclass
@@ -96,7 +99,8 @@ class LocalPrefillGuard:
     prompt_cost: PromptCost = field(default_factory=PromptCost)
 
     def __post_init__(self) -> None:
-        self._pace_s: dict[str, float] = {}
+        # Seconds per token of each decode worker's last chunks relayed.
+        self._paces_s: dict[str, deque[float]] = {}
         # The streams each decode worker is relaying, by request id.
         self._streams: dict[str, dict[str, _Stream]] = {}
 
@@ -139,7 +143,7 @@ class LocalPrefillGuard:
         """The stream ``request_id`` on ``worker`` got ``tokens`` more, ``gap_s`` after its last."""
         if tokens <= 0:
             return
-        self._pace_s[worker] = _averaged(self._pace_s.get(worker), gap_s / tokens)
+        self._paces_s.setdefault(worker, deque(maxlen=_PACE_CHUNKS)).append(gap_s / tokens)
         stream = self._stream(worker, request_id)
         if stream is not None:
             stream.tokens += tokens
@@ -154,8 +158,12 @@ class LocalPrefillGuard:
             self._streams.pop(worker, None)
 
     def pace_s(self, worker: str) -> float | None:
-        """Seconds per token lately on ``worker``'s streams (None before any was relayed)."""
-        return self._pace_s.get(worker)
+        """Seconds per token lately on ``worker``'s streams, its steps without a prompt (None
+        before any was relayed)."""
+        paces = self._paces_s.get(worker)
+        if not paces:
+            return None
+        return paces[0] if len(paces) == 1 else statistics.quantiles(paces, n=4)[0]
 
     def allows(self, worker: str, prompt_tokens: int, in_progress_tokens: int = 0, now: float | None = None) -> bool:
         """Whether ``worker`` may compute a prompt of ``prompt_tokens`` beside the
@@ -164,7 +172,7 @@ class LocalPrefillGuard:
         streams = self._streams.get(worker)
         if self.tpot_target_s is None or not streams:
             return True
-        pace = self._pace_s.get(worker)
+        pace = self.pace_s(worker)
         if pace is None or not self.prompt_cost.known:
             return False
         at = time.perf_counter() if now is None else now

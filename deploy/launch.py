@@ -78,6 +78,9 @@ class GroupLaunch:
     max_replicas: int = 1
     node_selector: dict[str, str] = field(default_factory=dict)
     ports: list[Port] = field(default_factory=list)
+    # The host KV pool's directory and size on each node of the group (kv_pool; None: no pool),
+    # a memory-backed volume of the pod: a container's /dev/shm is 64 MiB.
+    kv_pool: tuple[str, float] | None = None
 
     @property
     def ray_start_params(self) -> dict[str, str]:

@@ -23,6 +23,7 @@ Manifest = dict[str, Any]
 
 # KubeRay runs the template's command as given instead of composing one around its `ray start`
 # line (which it still passes as $KUBERAY_GEN_RAY_START_CMD; see launch.py).
+_KV_POOL_VOLUME = "kv-pool"
 _OVERWRITE_CMD = {"ray.io/overwrite-container-cmd": "true"}
 _CONFIG_VOLUME = "duet-config"
 _KEYS_VOLUME = "duet-api-keys"
@@ -127,7 +128,11 @@ def _worker_container(launch: ClusterLaunch, group: GroupLaunch) -> tuple[Manife
     Service once its gRPC server reports healthy."""
     container = _container(launch, group, "ray-worker")
     if group.name != FRONT_DOOR_GROUP:
-        return container, []
+        if group.kv_pool is None:
+            return container, []
+        directory, gib = group.kv_pool
+        container["volumeMounts"] = [{"name": _KV_POOL_VOLUME, "mountPath": directory}]
+        return container, [{"name": _KV_POOL_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": f"{gib:g}Gi"}}]
     grpc_port = next(port.number for port in group.ports if port.name == "grpc")
     container["ports"] = [{"name": port.name, "containerPort": port.number} for port in group.ports]
     container["readinessProbe"] = _readiness_probe(grpc_port)

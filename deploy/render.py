@@ -27,6 +27,7 @@ from duet.cluster.placement.plan import Plan, PlanError, Pool, validate_against
 from duet.cluster.plan_deploy import CPU_GPU_TYPES
 from duet.deploy.launch import GroupLaunch, PodSize, Port, SecretKey
 from duet.deploy.serve_config import DeployError, HeadConfig, head_config
+from duet.kv_transfer.config import pool_serves
 
 Kind = Literal["raycluster", "rayservice"]
 
@@ -158,7 +159,7 @@ def plan_launch(
             "file in a directory of its own, e.g. /etc/duet-keys/keys.yaml"
         )
     workers = [
-        _worker(role, pool, getattr(config.config, role), options, _max_replicas(role, pool, plan, cluster))
+        _worker(role, pool, getattr(config.config, role), options, _max_replicas(role, pool, plan, cluster), _kv_pool(config.config, role))
         for role, pool in pools
     ]
     image = options.image or ("duet:gpu" if any(group.size.gpus for group in workers) else "duet:cpu")
@@ -243,13 +244,25 @@ UCX_TCP_TUNING = {
 }
 
 
-def _worker(role: str, pool: Pool, config: PoolConfig, options: RenderOptions, max_replicas: int) -> GroupLaunch:
+def _kv_pool(config: DuetConfig, role: str) -> tuple[str, float] | None:
+    """The host KV pool a worker pod of ``role`` holds (its directory and GiB), if any: each pod
+    is a host of its own (its own /dev/shm)."""
+    if not pool_serves(config, role):
+        return None
+    return config.kv_pool.directory, config.kv_pool.capacity_gib
+
+
+def _worker(
+    role: str, pool: Pool, config: PoolConfig, options: RenderOptions, max_replicas: int, kv_pool: tuple[str, float] | None
+) -> GroupLaunch:
     env, secrets = _ray_auth(options)
     env.update(UCX_TCP_TUNING)
     engine_gpus = pool.tensor_parallel * pool.pipeline_parallel
     if pool.gpu_type in CPU_GPU_TYPES:
         cpus = max(math.ceil(config.num_cpus), engine_gpus) + CPU_ENGINE_OVERHEAD_CPUS
-        size = PodSize(cpus=cpus, memory_gib=math.ceil(config.kv_cache_gib) + CPU_ENGINE_OVERHEAD_GIB)
+        # A memory-backed pool counts against the pod's memory limit.
+        pool_gib = kv_pool[1] if kv_pool else 0
+        size = PodSize(cpus=cpus, memory_gib=math.ceil(config.kv_cache_gib + pool_gib) + CPU_ENGINE_OVERHEAD_GIB)
         selector: dict[str, str] = {}
     else:
         if not _LABEL_VALUE.match(pool.gpu_type):
@@ -257,7 +270,10 @@ def _worker(role: str, pool: Pool, config: PoolConfig, options: RenderOptions, m
                 f"{role}.gpu_type {pool.gpu_type!r} is not a valid Kubernetes label value for "
                 f"{options.gpu_label}; rename the GPU type in cluster.yaml and re-plan"
             )
-        size = PodSize(cpus=CPUS_PER_GPU * engine_gpus, memory_gib=MEMORY_GIB_PER_GPU * engine_gpus, gpus=engine_gpus)
+        pool_gib = kv_pool[1] if kv_pool else 0
+        size = PodSize(
+            cpus=CPUS_PER_GPU * engine_gpus, memory_gib=MEMORY_GIB_PER_GPU * engine_gpus + math.ceil(pool_gib), gpus=engine_gpus
+        )
         selector = {options.gpu_label: pool.gpu_type}
     return GroupLaunch(
         name=role,
@@ -272,6 +288,7 @@ def _worker(role: str, pool: Pool, config: PoolConfig, options: RenderOptions, m
         min_replicas=pool.replicas,
         max_replicas=max_replicas,
         node_selector=selector,
+        kv_pool=kv_pool,
     )
 
 

@@ -329,6 +329,12 @@ def _print_status(status: pb.ClusterStatus) -> None:
             f"{cache.images_held} images, {cache.bytes_held / 2**20:.1f} of {cache.capacity_bytes / 2**20:.0f} MiB, "
             f"{cache.evictions} evicted"
         )
+    for kv_pool in status.kv_pools:
+        console.print(
+            f"KV pool on {kv_pool.host}: {kv_pool.blocks} blocks ({kv_pool.bytes / 2**20:.1f} of "
+            f"{kv_pool.capacity_bytes / 2**20:.0f} MiB), {kv_pool.hits} hits / {kv_pool.misses} misses, "
+            f"{kv_pool.evictions} evicted"
+        )
     if status.deployment_id:
         console.print(f"deployment: {status.deployment_id}")
     if len(status.front_ends) > 1:
@@ -605,6 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.front_end_cost import register_command as register_bench_front_end
     from duet.benchmarks.fuzz import register_command as register_bench_fuzz
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
+    from duet.benchmarks.kv_pool import register_command as register_bench_kv_pool
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
     from duet.benchmarks.batch_jobs import register_command as register_bench_batch
     from duet.benchmarks.lora_affinity import register_command as register_bench_lora_affinity
@@ -632,6 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_vllm_client(benches)  # bench vllm-client
     register_bench_affinity(benches)  # bench affinity
     register_bench_batch(benches)  # bench batch
+    register_bench_kv_pool(benches)  # bench kv-pool
     register_bench_lora_affinity(benches)  # bench lora-affinity
     register_bench_multi_model(benches)  # bench multi-model
     register_bench_images(benches)  # bench images

@@ -314,6 +314,29 @@ class KVTransferConfig(_Strict):
         return value
 
 
+class KVPoolConfig(_Strict):
+    """The host KV pool (docs/concepts/kv-pool.md): the prefix KV blocks prefill and colocated
+    engines compute, kept in host memory that every such engine on the host reads, beyond any
+    one engine's cache and lifetime. A prompt whose prefix is in the pool loads it instead of
+    computing it."""
+
+    enabled: bool = True
+    """Give prefill and colocated engines the pool (vLLM's OffloadingConnector; decode engines
+    get their prompts' KV from prefill workers). Prefill engines get it with the nixl transport
+    only."""
+    directory: str = "/dev/shm/duet-kv-pool"
+    """Where each host's pool keeps its blocks: a file per block, named by model, KV layout and
+    the block's prefix hash. On /dev/shm (tmpfs) the pool is host memory; a path on a local disk
+    makes it a disk tier. Every engine of the same model on the host shares it, across
+    deployments and restarts."""
+    capacity_gib: float = Field(default=2.0, gt=0)
+    """The most each host's pool holds; past it the least recently used blocks are evicted
+    (an engine sweeps after writing 5% of it). The pool takes host memory (tmpfs) or disk."""
+    engine_buffer_mib: int = Field(default=128, ge=8)
+    """Each engine's own host-memory tier, through which blocks pass to and from the pool (vLLM's
+    primary tier): at least the blocks of the longest prompts loaded at once."""
+
+
 class RayConfig(_Strict):
     address: str = Field(
         default="local",
@@ -592,6 +615,9 @@ class DuetConfig(_Strict):
     """The one pool of whole-request workers (mode: colocated)."""
     kv_transfer: KVTransferConfig = KVTransferConfig()
     """How KV moves from prefill to decode workers."""
+    kv_pool: KVPoolConfig = KVPoolConfig()
+    """The host KV pool: prefixes kept in host memory every prefill and colocated engine on a
+    host reads."""
     router: RouterConfig = RouterConfig()
     """Routing policies, health watching and draining."""
     ray: RayConfig = RayConfig()

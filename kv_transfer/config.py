@@ -20,9 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from duet.config import KVTransferConfig
+import os
+
+from duet.config import DuetConfig, KVPoolConfig, KVTransferConfig
 
 Role = Literal["prefill", "decode"]
+# The roles whose engines read and fill the host KV pool (docs/concepts/kv-pool.md): decode
+# engines get their prompts' KV from prefill workers, and live migration reads NixlConnector's
+# scheduler directly (worker_runtime/kv_migration.py), which a connector beside it would hide.
+POOL_ROLES = ("prefill", "colocated")
+_POOL_MODULE = "duet.kv_transfer.kv_pool"
 
 _CONNECTOR_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -96,6 +103,55 @@ def kv_transfer_config(
         "kv_buffer_device": settings.buffer_device,
         "kv_load_failure_policy": settings.load_failure_policy,
         "kv_connector_extra_config": {"kv_lease_duration": settings.kv_lease_s},
+    }
+
+
+def pool_connector_config(pool: KVPoolConfig) -> dict[str, Any]:
+    """The ``kv_transfer_config`` of the host KV pool's connector: vLLM's OffloadingConnector
+    with duet's spec and tier (kv_transfer/kv_pool.py)."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "HostTieringSpec",
+            "spec_module_path": _POOL_MODULE,
+            "cpu_bytes_to_use": pool.engine_buffer_mib * 2**20,
+            "eviction_policy": "lru",
+            "secondary_tiers": [{
+                "type": "HostPoolTier",
+                "module_path": _POOL_MODULE,
+                "root_dir": os.path.expanduser(pool.directory),
+                "capacity_bytes": int(pool.capacity_gib * 2**30),
+                # Copies within host memory: one thread each way is plenty, and every thread
+                # is one more beside the engine's forward pass on its core.
+                "n_read_threads": 1,
+                "n_write_threads": 1,
+            }],
+        },
+    }
+
+
+def pool_serves(config: DuetConfig, role: str) -> bool:
+    """Whether engines of ``role`` read and fill the host KV pool (``kv_pool``)."""
+    hands_off = role in _CONNECTOR_ROLE
+    return config.kv_pool.enabled and role in POOL_ROLES and (not hands_off or config.kv_transfer.transport == "nixl")
+
+
+def engine_kv_transfer_config(config: DuetConfig, role: str, endpoint: TransferEndpoint | None) -> dict[str, Any] | None:
+    """An engine's whole ``kv_transfer_config``: its role's P/D connector, the host KV pool's,
+    both (vLLM's MultiConnector, the P/D connector first: a prompt's KV comes from the first
+    that has it), or None."""
+    hand_off = kv_transfer_config(config.kv_transfer, role, endpoint) if role in _CONNECTOR_ROLE else None  # type: ignore[arg-type]
+    if not pool_serves(config, role):
+        return hand_off
+    pool = pool_connector_config(config.kv_pool)
+    if hand_off is None:
+        return pool
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": hand_off["kv_role"],
+        "kv_load_failure_policy": hand_off["kv_load_failure_policy"],
+        "kv_connector_extra_config": {"connectors": [hand_off, pool]},
     }
 
 

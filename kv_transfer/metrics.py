@@ -45,3 +45,43 @@ def transfer_totals(metrics: dict[str, float]) -> TransferTotals:
         nbytes += metric_total(metrics, f"{size}_sum")
         failures += sum(metric_total(metrics, counter) for counter in failure_counters)
     return TransferTotals(int(transfers), nbytes, seconds, int(failures))
+
+
+# The host KV pool (kv_transfer/kv_pool.py): duet's gauges and counter, labelled by host, and
+# vLLM's chunk lookups of the pool's tier (a chunk is one KV block there).
+_POOL_CAPACITY = "duet:kv_pool_capacity_bytes"
+_POOL_TIER = "{tier=1:HostPoolTier}"
+
+
+@dataclass(frozen=True)
+class PoolTotals:
+    """One engine's view of its host's KV pool, since the engine started."""
+
+    host: str
+    blocks: int
+    bytes: float
+    capacity_bytes: float
+    hits: int  # block lookups that found the block in the pool (after the engine's own cache missed)
+    misses: int
+    evictions: int  # blocks this engine's sweeps evicted
+
+
+def pool_totals(metrics: dict[str, float]) -> PoolTotals | None:
+    """The pool's figures from an engine's flattened metrics; None for an engine without one
+    (or before its first report)."""
+    prefix = _POOL_CAPACITY + "{host="
+    host = next((key[len(prefix):-1] for key in metrics if key.startswith(prefix)), None)
+    if host is None:
+        return None
+    label = f"{{host={host}}}"
+    queries = metrics.get("vllm:kv_offload_tiering_chunk_queries_total" + _POOL_TIER, 0.0)
+    hits = metrics.get("vllm:kv_offload_tiering_chunk_hits_total" + _POOL_TIER, 0.0)
+    return PoolTotals(
+        host=host,
+        blocks=int(metrics.get("duet:kv_pool_blocks" + label, 0)),
+        bytes=metrics.get("duet:kv_pool_bytes" + label, 0.0),
+        capacity_bytes=metrics[_POOL_CAPACITY + label],
+        hits=int(hits),
+        misses=int(queries - hits),
+        evictions=int(metrics.get("duet:kv_pool_evictions_total" + label, 0)),
+    )

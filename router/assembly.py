@@ -17,6 +17,7 @@ from duet.router.auth import Gatekeeper
 from duet.router.encoding import EncodeStep
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.lora_adapters import served_adapters
+from duet.kv_transfer.config import pool_serves
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import WorkerPool
 from duet.router.rebalancer import Rebalancer
@@ -33,7 +34,8 @@ def set_policies(config: DuetConfig, prefill: WorkerPool, decode: WorkerPool, en
         "least_requests": LeastRequests,
         "least_prompt_tokens": LeastPromptTokens,
         "prefix_affinity": lambda: PrefixAffinity(
-            router.prefix_block_size or engine_block_size, router.load_factor, adapters_held=_adapters_held(config)
+            router.prefix_block_size or engine_block_size, router.load_factor, adapters_held=_adapters_held(config),
+            shared_pool=prefill.role == "prefill" and pool_serves(config, "prefill"),
         ),
     }
     prefill.policy = prefill_policies[router.prefill_policy]()

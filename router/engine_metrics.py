@@ -38,14 +38,15 @@ def registry_bound_stat_logger(registry: CollectorRegistry) -> type:
 
 
 def read_engine_metrics(registry: CollectorRegistry, names: tuple[str, ...] = ()) -> dict[str, float]:
-    """A worker's vLLM samples (no buckets), keyed ``name{label=value}``; only those of
+    """A worker's vLLM samples, and duet's own recorded inside its engine (``duet:*``, the host KV
+    pool's), without buckets, keyed ``name{label=value}``; only those of
     ``names`` if given (the health ping reads two gauges every second, and collecting every
     histogram for them is wasted work)."""
     source = registry.restricted_registry(names) if names else registry
     values: dict[str, float] = {}
     for family in source.collect():
         for sample in family.samples:
-            if not sample.name.startswith("vllm:") or sample.name.endswith(("_bucket", "_created")):
+            if not sample.name.startswith(("vllm:", "duet:")) or sample.name.endswith(("_bucket", "_created")):
                 continue
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in _ENGINE_LABELS)
             key = f"{sample.name}{{{labels}}}" if labels else sample.name

@@ -138,21 +138,30 @@ class PrefixAffinity:
     prefill is done: its queue, less the prompt's tokens it holds. Both sides are tokens, so the
     choice does not depend on how fast the engines are (a slack in tokens would: the same 2,048
     tokens are 0.1 s of a fast engine's work and seconds of a slow one's).
+
+    With the host KV pool (``shared_pool``), a prefix computed on a worker is stored in its
+    host's pool, which every worker on that host reads: each block sent to a worker is reachable
+    from every worker on its host (the host of its KV channel), and the choice among them comes
+    down to load. A worker holding the prefix in its own engine still wins a tie (it skips even
+    the copy from the pool).
     """
 
     name = "prefix_affinity"
 
     def __init__(
         self, block_size: int, load_factor: float = 1.5, slack_tokens: int = 2048, capacity: int = 200_000,
-        adapters_held: int = 4,
+        adapters_held: int = 4, shared_pool: bool = False,
     ) -> None:
         self.block_size = block_size
+        self.shared_pool = shared_pool
         self.load_factor = load_factor
         self.slack_tokens = slack_tokens
         self.capacity = capacity
         # LoRA adapters each engine keeps loaded (model.lora.max_cpu_loras).
         self.adapters = AdapterMemory(adapters_held)
+        # Block hash -> the workers sent it, and (shared_pool) the hosts whose pools it went to.
         self._holders: OrderedDict[bytes, set[str]] = OrderedDict()
+        self._pooled_on: OrderedDict[bytes, set[str]] = OrderedDict()
 
     def block_hashes(self, prompt: list[int], adapter: str = "") -> list[bytes]:
         """The prompt's block hashes; a LoRA adapter's prefix is another cache entry than the
@@ -166,12 +175,16 @@ class PrefixAffinity:
 
     def cached_blocks(self, member_name: str, hashes: list[bytes]) -> int:
         """How many leading blocks of ``hashes`` ``member_name`` is believed to hold."""
-        count = 0
-        for block_hash in hashes:
-            if member_name not in self._holders.get(block_hash, ()):
-                break
-            count += 1
-        return count
+        return _leading(hashes, self._holders, member_name)
+
+    def reachable_blocks(self, member: "PoolMember", hashes: list[bytes]) -> int:
+        """How many leading blocks of ``hashes`` ``member`` can load instead of computing: those
+        its engine holds, or (shared_pool) its host's pool."""
+        cached = self.cached_blocks(member.name, hashes)
+        host = member_host(member)
+        if not self.shared_pool or not host:
+            return cached
+        return max(cached, _leading(hashes, self._pooled_on, host))
 
     def eligible(self, ready: "list[PoolMember]") -> "list[PoolMember]":
         """Members not overloaded: outstanding work at most ``load_factor`` times the mean, or
@@ -185,6 +198,7 @@ class PrefixAffinity:
         hashes = self.block_hashes(prompt, adapter)
         candidates = self.eligible(ready)
         cached = {member.name: self.cached_blocks(member.name, hashes) for member in candidates}
+        reachable = {member.name: self.reachable_blocks(member, hashes) for member in candidates}
 
         def tokens_ahead(member: "PoolMember") -> int:
             """Prompt tokens ``member`` would compute before this prompt is done, less the
@@ -192,28 +206,47 @@ class PrefixAffinity:
             holding the request's LoRA adapter is credited one block, the load it saves: that
             decides between workers about as busy, and never queues a prompt behind a longer
             line (on a slow engine the wait would cost more than the load)."""
-            credit = cached[member.name] * self.block_size
+            credit = reachable[member.name] * self.block_size
             if self.adapters.holds(member.name, adapter):
                 credit += self.block_size
             return member.outstanding_tokens - credit
 
-        # Where the prompt's prefill would be done first: the longest cached prefix wins unless
-        # it sits behind more queued work than it saves. Ties: the longer prefix, fewer requests.
+        # Where the prompt's prefill would be done first: the longest reachable prefix wins unless
+        # it sits behind more queued work than it saves. Ties: the longer prefix in the engine
+        # itself, fewer requests.
         best = min(
             candidates,
             key=lambda member: (tokens_ahead(member), -cached[member.name], member.inflight, random.random()),
         )
-        self._remember(best.name, hashes)
+        self._remember(best.name, hashes, member_host(best) if self.shared_pool else "")
         self.adapters.sent(best.name, adapter)
         return best
 
-    def _remember(self, member_name: str, hashes: list[bytes]) -> None:
-        for block_hash in hashes:
-            holders = self._holders.setdefault(block_hash, set())
-            holders.add(member_name)
-            self._holders.move_to_end(block_hash)
-        while len(self._holders) > self.capacity:
-            self._holders.popitem(last=False)
+    def _remember(self, member_name: str, hashes: list[bytes], pool_host: str = "") -> None:
+        """``member_name`` was sent ``hashes`` (and stores them in ``pool_host``'s pool)."""
+        indexes = [(self._holders, member_name)] + ([(self._pooled_on, pool_host)] if pool_host else [])
+        for index, holder in indexes:
+            for block_hash in hashes:
+                index.setdefault(block_hash, set()).add(holder)
+                index.move_to_end(block_hash)
+            while len(index) > self.capacity:
+                index.popitem(last=False)
 
     def describe(self) -> str:
-        return f"{self.name}(block_size={self.block_size}, load_factor={self.load_factor:g})"
+        pool = ", host KV pool" if self.shared_pool else ""
+        return f"{self.name}(block_size={self.block_size}, load_factor={self.load_factor:g}{pool})"
+
+
+def member_host(member: "PoolMember") -> str:
+    """The host a worker runs on, as its KV channel's address names it ("" before it listens)."""
+    return member.kv_endpoint.rsplit(":", 1)[0] if ":" in member.kv_endpoint else ""
+
+
+def _leading(hashes: list[bytes], index: "OrderedDict[bytes, set[str]]", holder: str) -> int:
+    """How many leading blocks of ``hashes`` ``index`` lists ``holder`` for."""
+    count = 0
+    for block_hash in hashes:
+        if holder not in index.get(block_hash, ()):
+            break
+        count += 1
+    return count

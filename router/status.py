@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from duet.worker_runtime.worker_api import WorkerStatus
-from duet.kv_transfer.metrics import transfer_totals
+from duet.kv_transfer.metrics import PoolTotals, pool_totals, transfer_totals
 from duet.router.encoding import EncodeStep
 from duet.router.lifecycle import Move, Usage
 from duet.router.metrics import RouterMetrics
@@ -107,7 +107,9 @@ class ClusterView:
     async def status(self) -> pb.ClusterStatus:
         """The cluster as ``duet status`` shows it; request and migration counts are every
         front door's."""
-        pools = await asyncio.gather(*(self._pool_status(pool) for pool in self.pools))
+        pools_and_kv_pools = await asyncio.gather(*(self._pool_status(pool) for pool in self.pools))
+        pools = [pool for pool, _ in pools_and_kv_pools]
+        kv_pools = [totals for _, counted in pools_and_kv_pools for totals in counted]
         front_ends = await self.front_doors() if self.front_doors is not None else [self.front_door(self.index)]
         _add_migrations(pools, front_ends)
         return pb.ClusterStatus(
@@ -126,6 +128,7 @@ class ClusterView:
             # Each front door indexes the images it used of the shared folder: an image two of
             # them used is held in both counts.
             encoder_caches=_sum_by_model([counts for door in front_ends for counts in door.encoder_caches]),
+            kv_pools=_kv_pools(kv_pools),
             control_plane_pid=os.getpid() if not self.forwards_status else 0,
             deployment_id=self.deployment_id,
         )
@@ -165,9 +168,11 @@ class ClusterView:
         model = f"{pool.model} " if len(self.served_models) > 1 else ""
         return f"{model}{pool.role}: {pool.policy.describe()}"
 
-    async def _pool_status(self, pool: WorkerPool) -> pb.Pool:
-        states = await asyncio.gather(*(_worker_status(pool.role, member) for member in pool.members))
-        return pb.Pool(role=pool.role, workers=states, model=pool.model or self.model)
+    async def _pool_status(self, pool: WorkerPool) -> tuple[pb.Pool, list[PoolTotals]]:
+        """The pool's workers, and what each reports of its host's KV pool."""
+        reports = await asyncio.gather(*(_worker_status(pool.role, member) for member in pool.members))
+        states = [state for state, _ in reports]
+        return pb.Pool(role=pool.role, workers=states, model=pool.model or self.model), [t for _, t in reports if t]
 
 
 def _sum_by_model(counted: list[ModelCounts]) -> list[ModelCounts]:
@@ -191,6 +196,20 @@ def _encoder_cache(model: str, step: EncodeStep) -> pb.EncoderCache:
     )
 
 
+def _kv_pools(reports: list[PoolTotals]) -> list[pb.KVPool]:
+    """Each host's KV pool from its engines' reports: their lookups and evictions summed, its
+    size the largest any of them last saw."""
+    by_host: dict[str, pb.KVPool] = {}
+    for report in reports:
+        pool = by_host.setdefault(report.host, pb.KVPool(host=report.host, capacity_bytes=report.capacity_bytes))
+        pool.hits += report.hits
+        pool.misses += report.misses
+        pool.evictions += report.evictions
+        if report.bytes >= pool.bytes:
+            pool.bytes, pool.blocks = report.bytes, report.blocks
+    return [by_host[host] for host in sorted(by_host)]
+
+
 def _add_migrations(pools: list[pb.Pool], front_ends: list[pb.FrontEnd]) -> None:
     """Sum every front door's migration counts into its workers' states."""
     for pool in pools:
@@ -202,7 +221,8 @@ def _add_migrations(pools: list[pb.Pool], front_ends: list[pb.FrontEnd]) -> None
                 worker.migrations_in_replay += counted.in_replay
 
 
-async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
+async def _worker_status(role: str, member: PoolMember) -> tuple[pb.WorkerState, PoolTotals | None]:
+    """A worker's state, and what its engine reports of its host's KV pool (None: no pool)."""
     router_side = {
         "name": member.name,
         "role": role,
@@ -212,16 +232,17 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
         "cpu_core": -1 if member.cpu_core is None else member.cpu_core,
     }
     if member.state not in ("ready", "draining"):  # starting, dead or being replaced
-        return pb.WorkerState(error=member.error, **router_side)
+        return pb.WorkerState(error=member.error, **router_side), None
     try:
         status: WorkerStatus = await asyncio.wait_for(member.engine.status(), _STATUS_TIMEOUT_S)
     except Exception as error:
-        return pb.WorkerState(error=f"unreachable: {type(error).__name__}: {error}", **router_side)
+        return pb.WorkerState(error=f"unreachable: {type(error).__name__}: {error}", **router_side), None
     if "SIMULATED" in status.state:  # say so wherever a simulated engine serves
         router_side["state"] = f"{member.state} (SIMULATED engine)"
     metrics = status.engine_metrics
     transfers = transfer_totals(metrics)
-    return pb.WorkerState(
+    kv_pool = pool_totals(metrics)
+    state = pb.WorkerState(
         **router_side,
         kv_endpoint=member.kv_endpoint,
         requests_served=status.requests_served,
@@ -237,3 +258,6 @@ async def _worker_status(role: str, member: PoolMember) -> pb.WorkerState:
         lora_adapter_reads=status.adapter_loads.get("read", 0),
         lora_adapter_activations=status.adapter_loads.get("activated", 0),
     )
+    if kv_pool is not None:
+        state.kv_pool_host, state.kv_pool_hits, state.kv_pool_misses = kv_pool.host, kv_pool.hits, kv_pool.misses
+    return state, kv_pool

@@ -8,6 +8,7 @@ between them, the gRPC server on a free loopback port).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -39,15 +40,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def duet_config() -> DuetConfig:
+def duet_config() -> Iterator[DuetConfig]:
     """The embedded default, with the metrics endpoint on a free port (several may run), batch
-    jobs kept in a temporary folder (not the user's), and vLLM's hermes tool-call parser."""
+    jobs and the host KV pool kept in temporary folders (not the user's: a test then knows what
+    the pool held before it), and vLLM's hermes tool-call parser."""
     data = load_config().model_dump()
     data["server"]["metrics_port"] = 0
     data["server"]["batches"]["directory"] = tempfile.mkdtemp(prefix="duet-test-batches-")
+    kv_pool = tempfile.mkdtemp(prefix="duet-test-kv-pool-", dir="/dev/shm")
+    data["kv_pool"]["directory"] = kv_pool
     # tool_choice "auto" needs a parser; hermes reads any tokenizer (tests/test_api_parity.py).
     data["api"]["tool_call_parser"] = "hermes"
-    return parse_config(data)
+    yield parse_config(data)
+    shutil.rmtree(kv_pool, ignore_errors=True)  # host memory
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -21,9 +24,11 @@ from duet.router.client import DuetClient, build_request
 def colocated(running_deployment) -> Iterator[tuple[Deployment, DuetClient]]:
     data = load_config(COLOCATED_CONFIG_PATH).model_dump()
     data["server"]["metrics_port"] = 0
+    data["kv_pool"]["directory"] = tempfile.mkdtemp(prefix="duet-test-kv-pool-", dir="/dev/shm")
     with running_deployment(parse_config(data)) as deployment:
         with DuetClient(f"127.0.0.1:{deployment.port}") as client:
             yield deployment, client
+    shutil.rmtree(data["kv_pool"]["directory"], ignore_errors=True)
 
 
 def _worker_states(deployment: Deployment) -> list[Any]:
@@ -112,3 +117,34 @@ def test_each_colocated_engine_computes_on_its_own_core(colocated):
     for process in engines:
         by_core = process["cpu_s_by_core"]
         assert by_core.get(process["affinity"], 0.0) > 0.9 * sum(by_core.values()), process
+
+
+def test_a_prefix_one_engine_computed_is_loaded_by_the_other_from_the_host_pool(colocated, reference):
+    """The host KV pool is every engine's on the host: the engine that did not compute a prefix
+    loads it from there on its first request for it (its own cache and host tier never held it)."""
+    deployment, client = colocated
+    directory = Path(deployment.config.kv_pool.directory)
+    prompt = [random.Random(540).randrange(3, 700) for _ in range(1000)]  # 7 whole 128-token blocks
+    request = build_request(prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
+    expected = reference.greedy([prompt], max_tokens=12, ignore_eos=True)[0]
+    pool_hits = "vllm:kv_offload_tiering_chunk_hits_total{tier=1:HostPoolTier}"
+    loaded = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+    before = {w.name: w for w in _worker_states(deployment)}
+    ids, last = client.generate_ids(request, timeout=120)
+    assert ids == expected
+    computed_by = last.usage.decode_worker
+    deadline = time.monotonic() + 20
+    while sum(1 for _ in directory.rglob("*.bin")) < 7:  # stored after the request, in the background
+        assert time.monotonic() < deadline, "the prompt's blocks never reached the pool"
+        time.sleep(0.1)
+    for _ in range(30):  # routing between two idle workers breaks ties at random
+        ids, last = client.generate_ids(request, timeout=120)
+        assert ids == expected
+        if last.usage.decode_worker != computed_by:
+            break
+    else:
+        pytest.fail(f"30 requests in a row went to {computed_by}")
+    other = {w.name: w for w in _worker_states(deployment)}[last.usage.decode_worker]
+    was = before[other.name].engine_metrics
+    assert other.engine_metrics.get(pool_hits, 0) - was.get(pool_hits, 0) == 7
+    assert other.engine_metrics.get(loaded, 0) - was.get(loaded, 0) == 7 * 128

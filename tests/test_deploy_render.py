@@ -374,6 +374,14 @@ def test_a_cpu_plan_pins_cores_and_asks_for_no_gpus(tmp_path: Path):
     config = yaml.safe_load(_by_kind(documents)["ConfigMap"]["data"]["duet.yaml"])
     assert (config["prefill"]["cpu_cores"], config["decode"]["cpu_cores"]) == ([0], [1])
     assert config["model"]["path"] == "builtin"
+    # The host KV pool: a memory-backed volume at its directory in each prefill pod (a pod's
+    # /dev/shm is 64 MiB), counted in the pod's memory; decode pods have none.
+    prefill, decode = (_groups(spec)[role]["template"]["spec"] for role in ("prefill", "decode"))
+    assert prefill["volumes"] == [{"name": "kv-pool", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+    assert prefill["containers"][0]["volumeMounts"] == [{"name": "kv-pool", "mountPath": config["kv_pool"]["directory"]}]
+    assert "volumes" not in decode
+    memory = [int(pod["containers"][0]["resources"]["limits"]["memory"].removesuffix("Gi")) for pod in (prefill, decode)]
+    assert memory[0] == memory[1] + 2
 
 
 # ---- bad input ------------------------------------------------------------------------------------

@@ -94,6 +94,27 @@ def test_prefix_affinity_weighs_a_cached_prefix_against_the_queue_before_it():
     assert policy.choose([holder, other], prompt) is other  # 101 against 100
 
 
+def test_with_the_host_kv_pool_a_prefix_is_reachable_from_every_worker_on_its_host():
+    """A prefix computed on one worker is in its host's pool: another worker on that host loads
+    it too, so the choice is by load; a worker on another host would compute it."""
+    policy = PrefixAffinity(block_size=4, load_factor=100.0, slack_tokens=10**6, shared_pool=True)
+    computed_it, same_host, other_host = _members(0, 0, 0)
+    computed_it.kv_endpoint, same_host.kv_endpoint, other_host.kv_endpoint = "10.0.0.1:5600", "10.0.0.1:5601", "10.0.0.2:5600"
+    prompt = list(range(40))  # ten blocks
+    assert policy.choose([computed_it], prompt) is computed_it
+    hashes = policy.block_hashes(prompt)
+    assert [policy.reachable_blocks(m, hashes) for m in (computed_it, same_host, other_host)] == [10, 10, 0]
+    # Equal load: the worker holding it in its own engine (it skips even the copy).
+    computed_it.outstanding_tokens = same_host.outstanding_tokens = 10
+    assert policy.choose([computed_it, same_host, other_host], prompt) is computed_it
+    # Busier: the same host's other worker (its pool), though the other host's is idle and the
+    # prefix is 40 tokens: 30 - 40 ahead against 10 - 40 and 0.
+    computed_it.outstanding_tokens, other_host.outstanding_tokens = 30, 0
+    assert policy.choose([computed_it, same_host, other_host], prompt) is same_host
+    # Without the pool, only the engine that computed it counts.
+    assert PrefixAffinity(block_size=4).reachable_blocks(same_host, hashes) == 0
+
+
 def test_prefix_affinity_breaks_ties_by_load():
     policy = PrefixAffinity(block_size=4, slack_tokens=0)
     a, b = _members(300, 200)

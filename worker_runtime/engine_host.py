@@ -41,7 +41,7 @@ from duet.kv_transfer.config import (
     TransferEndpoint,
     base_port,
     engine_environment,
-    kv_transfer_config,
+    engine_kv_transfer_config,
     listen_host,
 )
 from duet.kv_transfer.encoder_cache import engine_ec_config
@@ -160,7 +160,7 @@ class EngineCoreHost(WorkerHost):
             max_num_batched_tokens=self.pool.max_num_batched_tokens,
             tensor_parallel=self.pool.tensor_parallel,
             pipeline_parallel=self.pool.pipeline_parallel,
-            kv_transfer_config=kv_transfer_config(transfer, self.role, endpoint) if transfers_kv else None,  # type: ignore[arg-type]
+            kv_transfer_config=engine_kv_transfer_config(self.config, self.role, endpoint),
             ec_transfer_config=engine_ec_config(self.role, self.config, on_cpu),
         )
         self.vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()

@@ -250,7 +250,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "outstanding_prompt_tokens", "cpu_core", "migrations_out_kv", "migrations_out_replay", "migrations_in_kv", "migrations_in_replay", "lora_adapter_reads", "lora_adapter_activations")
+    __slots__ = ("name", "role", "state", "kv_endpoint", "requests_served", "requests_inflight", "kv_cache_usage", "prompt_tokens_transferred", "prompt_tokens_computed", "error", "restarts", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "outstanding_prompt_tokens", "cpu_core", "migrations_out_kv", "migrations_out_replay", "migrations_in_kv", "migrations_in_replay", "lora_adapter_reads", "lora_adapter_activations", "kv_pool_host", "kv_pool_hits", "kv_pool_misses")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,9 @@ class WorkerState(_message.Message):
     MIGRATIONS_IN_REPLAY_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_READS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_MISSES_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -297,7 +300,10 @@ class WorkerState(_message.Message):
     migrations_in_replay: int
     lora_adapter_reads: int
     lora_adapter_activations: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., outstanding_prompt_tokens: _Optional[int] = ..., cpu_core: _Optional[int] = ..., migrations_out_kv: _Optional[int] = ..., migrations_out_replay: _Optional[int] = ..., migrations_in_kv: _Optional[int] = ..., migrations_in_replay: _Optional[int] = ..., lora_adapter_reads: _Optional[int] = ..., lora_adapter_activations: _Optional[int] = ...) -> None: ...
+    kv_pool_host: str
+    kv_pool_hits: int
+    kv_pool_misses: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_transferred: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., error: _Optional[str] = ..., restarts: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., outstanding_prompt_tokens: _Optional[int] = ..., cpu_core: _Optional[int] = ..., migrations_out_kv: _Optional[int] = ..., migrations_out_replay: _Optional[int] = ..., migrations_in_kv: _Optional[int] = ..., migrations_in_replay: _Optional[int] = ..., lora_adapter_reads: _Optional[int] = ..., lora_adapter_activations: _Optional[int] = ..., kv_pool_host: _Optional[str] = ..., kv_pool_hits: _Optional[int] = ..., kv_pool_misses: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("role", "workers", "model")
@@ -310,7 +316,7 @@ class Pool(_message.Message):
     def __init__(self, role: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint", "routing", "front_ends", "control_plane_pid", "deployment_id", "lora_adapters", "models", "served_models", "encoder_caches")
+    __slots__ = ("model", "pools", "requests_served", "requests_inflight", "requests_failed", "kv_transport", "metrics_endpoint", "routing", "front_ends", "control_plane_pid", "deployment_id", "lora_adapters", "models", "served_models", "encoder_caches", "kv_pools")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +332,7 @@ class ClusterStatus(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODELS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_CACHES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOLS_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     requests_served: int
@@ -341,7 +348,26 @@ class ClusterStatus(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelRequests]
     served_models: _containers.RepeatedScalarFieldContainer[str]
     encoder_caches: _containers.RepeatedCompositeFieldContainer[EncoderCache]
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ..., served_models: _Optional[_Iterable[str]] = ..., encoder_caches: _Optional[_Iterable[_Union[EncoderCache, _Mapping]]] = ...) -> None: ...
+    kv_pools: _containers.RepeatedCompositeFieldContainer[KVPool]
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ..., served_models: _Optional[_Iterable[str]] = ..., encoder_caches: _Optional[_Iterable[_Union[EncoderCache, _Mapping]]] = ..., kv_pools: _Optional[_Iterable[_Union[KVPool, _Mapping]]] = ...) -> None: ...
+
+class KVPool(_message.Message):
+    __slots__ = ("host", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    blocks: int
+    bytes: float
+    capacity_bytes: float
+    hits: int
+    misses: int
+    evictions: int
+    def __init__(self, host: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[float] = ..., capacity_bytes: _Optional[float] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class ModelRequests(_message.Message):
     __slots__ = ("model", "requests_served", "requests_inflight", "requests_failed")

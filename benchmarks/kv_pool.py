@@ -39,8 +39,9 @@ _ENGINE_BLOCK = 128  # vLLM's KV block on CPU
 
 
 def infinite_cache_bound(prompts: list[list[int]], block: int = _ENGINE_BLOCK) -> int:
-    """Prompt tokens an engine with an unbounded prefix cache computes: a whole block whose prefix
-    came before is loaded, except that vLLM computes at least the last token's block."""
+    """Prompt tokens computed with an unbounded cache: a whole block whose prefix came before is
+    loaded, and at least a prompt's last token is computed (a KV connector may load up to it;
+    vLLM's own prefix cache stops a block short)."""
     seen: set[tuple[int, ...]] = set()
     computed = 0
     for prompt in prompts:
@@ -49,7 +50,7 @@ def infinite_cache_bound(prompts: list[list[int]], block: int = _ENGINE_BLOCK) -
         hit = 0
         while hit < len(prefixes) and prefixes[hit] in seen:
             hit += 1
-        computed += len(prompt) - min(hit, (len(prompt) - 1) // block) * block
+        computed += len(prompt) - min(hit * block, len(prompt) - 1)
         seen.update(prefixes)
     return computed
 

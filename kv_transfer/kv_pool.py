@@ -24,6 +24,7 @@ duet adds three things to vLLM's classes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -63,6 +64,15 @@ POOL_CAPACITY = "duet:kv_pool_capacity_bytes"
 POOL_EVICTIONS = "duet:kv_pool_evictions"
 # An engine sweeps the host's pool after writing this share of its capacity.
 _SWEEP_SHARE = 0.05
+
+
+def forget_engine_buffer(engine_id: str) -> None:
+    """Remove the name of an engine's host tier (vLLM's ``/dev/shm/vllm_offload_<engine id>.mmap``,
+    ``kv_pool.engine_buffer_mib``) once the engine is ready: its scheduler and worker have both
+    mapped it by then, and the kernel frees the memory when the last of them exits, however it
+    exits. Left named, every engine stopped by a signal (as duet stops them) left it behind."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/vllm_offload_{engine_id}.mmap")
 
 
 class HostCopyWorker(OffloadingWorker):

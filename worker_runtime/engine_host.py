@@ -43,6 +43,7 @@ from duet.kv_transfer.config import (
     engine_environment,
     engine_kv_transfer_config,
     listen_host,
+    pool_serves,
 )
 from duet.kv_transfer.encoder_cache import engine_ec_config
 from duet.kv_transfer.ports import PortReservation, reserve_ports
@@ -171,6 +172,10 @@ class EngineCoreHost(WorkerHost):
         # router's sockets; it returns when the engine core reports ready.
         with launch_core_engines(self.vllm_config, Executor.get_class(self.vllm_config), True, addresses) as launch:
             self._engine_processes = launch.engine_manager
+        if pool_serves(self.config, self.role):
+            from duet.kv_transfer.kv_pool import forget_engine_buffer
+
+            forget_engine_buffer(self.vllm_config.kv_transfer_config.engine_id)
 
     def engine_config(self) -> Any:
         """The vLLM engine's resolved ``VllmConfig``, which its front end in the router needs."""

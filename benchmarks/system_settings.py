@@ -64,7 +64,7 @@ _DUET = {
         "the guard at the loose SLO's TPOT (router.local_prefill_tpot_s: 0.1, as `duet plan` sets it for 100 ms)",
         config={"router": {"local_prefill_tpot_s": 0.1}},
     ),
-    "no-pool": Setting("no host KV pool (kv_pool.enabled: false)", config={"kv_pool": {"enabled": False}}),
+    "kv-pool": Setting("the host KV pool on (kv_pool.enabled: true)", config={"kv_pool": {"enabled": True}}),
     "interval-10": Setting("engine outputs merged every 10 ms (output_interval_ms: 10)", config=_every_pool(output_interval_ms=10)),
     "interval-0": Setting("every engine step's outputs sent at once (output_interval_ms: 0)", config=_every_pool(output_interval_ms=0)),
     # A vision-language model's images encoded by the prefill engines instead of an encode pool
@@ -72,7 +72,7 @@ _DUET = {
     "epd": Setting("EP+D: no encode pool, each prefill engine encodes its prompts' images (encode.replicas: 0)",
                    config={"encode": {"replicas": 0}}, swept=False),
 }
-_DUET_COLOCATED = {key: _DUET[key] for key in (DEFAULT, "no-pool", "interval-10", "interval-0")}
+_DUET_COLOCATED = {key: _DUET[key] for key in (DEFAULT, "kv-pool", "interval-10", "interval-0")}
 
 _VLLM = {
     DEFAULT: Setting("vLLM's own core binding (it keeps a core for its front end)"),

@@ -320,10 +320,12 @@ class KVPoolConfig(_Strict):
     one engine's cache and lifetime. A prompt whose prefix is in the pool loads it instead of
     computing it."""
 
-    enabled: bool = True
+    enabled: bool = False
     """Give prefill and colocated engines the pool (vLLM's OffloadingConnector; decode engines
     get their prompts' KV from prefill workers). Prefill engines get it with the nixl transport
-    only."""
+    only. Off by default: every block computed is stored, which on the serving benchmark's
+    conversation slice (no prefix reuse) cost 1.18x CPU per token and 12 points of attainment at
+    26 req/s (benchmarks/results/serve_kv_pool_cost/); turn it on where prefixes come back."""
     directory: str = "/dev/shm/duet-kv-pool"
     """Where each host's pool keeps its blocks: a file per block, named by model, KV layout and
     the block's prefix hash. On /dev/shm (tmpfs) the pool is host memory; a path on a local disk

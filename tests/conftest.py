@@ -48,7 +48,7 @@ def duet_config() -> Iterator[DuetConfig]:
     data["server"]["metrics_port"] = 0
     data["server"]["batches"]["directory"] = tempfile.mkdtemp(prefix="duet-test-batches-")
     kv_pool = tempfile.mkdtemp(prefix="duet-test-kv-pool-", dir="/dev/shm")
-    data["kv_pool"]["directory"] = kv_pool
+    data["kv_pool"].update(enabled=True, directory=kv_pool)  # off by default: the suite runs it
     # tool_choice "auto" needs a parser; hermes reads any tokenizer (tests/test_api_parity.py).
     data["api"]["tool_call_parser"] = "hermes"
     yield parse_config(data)

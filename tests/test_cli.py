@@ -42,6 +42,8 @@ def test_status_shows_pools_workers_and_requests(deployment, client):
     assert result.returncode == 0, result.stderr
     for text in ("prefill-0", "decode-0", "ready", "served"):
         assert text in result.stdout
+    # The host KV pool, once the prefill engine has reported (requests were served above).
+    assert re.search(r"KV pool on \S+: \d+ blocks \([\d.]+ of 2048 MiB\), \d+ hits / \d+ misses, \d+ evicted", result.stdout)
 
 
 def test_no_server_is_a_clear_error():

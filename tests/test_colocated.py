@@ -24,7 +24,7 @@ from duet.router.client import DuetClient, build_request
 def colocated(running_deployment) -> Iterator[tuple[Deployment, DuetClient]]:
     data = load_config(COLOCATED_CONFIG_PATH).model_dump()
     data["server"]["metrics_port"] = 0
-    data["kv_pool"]["directory"] = tempfile.mkdtemp(prefix="duet-test-kv-pool-", dir="/dev/shm")
+    data["kv_pool"].update(enabled=True, directory=tempfile.mkdtemp(prefix="duet-test-kv-pool-", dir="/dev/shm"))
     with running_deployment(parse_config(data)) as deployment:
         with DuetClient(f"127.0.0.1:{deployment.port}") as client:
             yield deployment, client

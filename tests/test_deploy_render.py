@@ -21,6 +21,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+
+from duet.config import load_config
 from kubernetes.client import ApiClient
 from yamllint import linter
 from yamllint.config import YamlLintConfig
@@ -374,8 +376,13 @@ def test_a_cpu_plan_pins_cores_and_asks_for_no_gpus(tmp_path: Path):
     config = yaml.safe_load(_by_kind(documents)["ConfigMap"]["data"]["duet.yaml"])
     assert (config["prefill"]["cpu_cores"], config["decode"]["cpu_cores"]) == ([0], [1])
     assert config["model"]["path"] == "builtin"
-    # The host KV pool: a memory-backed volume at its directory in each prefill pod (a pod's
-    # /dev/shm is 64 MiB), counted in the pod's memory; decode pods have none.
+    assert "volumes" not in _groups(spec)["prefill"]["template"]["spec"]  # no KV pool by default
+    # With the host KV pool on: a memory-backed volume at its directory in each prefill pod (a
+    # pod's /dev/shm is 64 MiB), counted in the pod's memory; decode pods have none.
+    base = load_config().model_dump()
+    base["kv_pool"]["enabled"] = True
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(base))
+    spec = _cluster_spec(_render(["--plan", str(plan), "--config", str(tmp_path / "pool.yaml")], tmp_path / "pool-cpu.yaml"))
     prefill, decode = (_groups(spec)[role]["template"]["spec"] for role in ("prefill", "decode"))
     assert prefill["volumes"] == [{"name": "kv-pool", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
     assert prefill["containers"][0]["volumeMounts"] == [{"name": "kv-pool", "mountPath": config["kv_pool"]["directory"]}]

@@ -24,17 +24,17 @@ import shutil
 import statistics
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from duet.benchmarks.prefix_affinity import Workload, mooncake_workload
+from duet.benchmarks.prefix_affinity import Workload, mooncake_workload, prefill_totals
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_pool.json"
-_SOURCE = "vllm:prompt_tokens_by_source_total{{source={}}}"
 _SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# The prefill engines' prompt tokens by where their KV came from.
+_BY_SOURCE = {source: f"vllm:prompt_tokens_by_source_total{{source={source}}}" for source in _SOURCES}
 _ENGINE_BLOCK = 128  # vLLM's KV block on CPU
 
 
@@ -82,15 +82,6 @@ def _deployment_config(pool: bool, kv_cache_gib: float, directory: str) -> Any:
     return parse_config(data, "bench kv-pool")
 
 
-async def _prefill_sources(deployment: Any) -> Counter[str]:
-    totals: Counter[str] = Counter()
-    for member in deployment.prefill.members:
-        metrics = (await member.engine.status()).engine_metrics
-        for source in _SOURCES:
-            totals[source] += int(metrics.get(_SOURCE.format(source), 0))
-    return totals
-
-
 async def _replay(deployment: Any, workload: Workload, label: str, directory: str, bound: int) -> dict[str, Any]:
     from duet.benchmarks.loadgen import connected_stubs, nearest_rank, open_loop, send_one
     from duet.cluster.placement.trace import Trace
@@ -102,7 +93,7 @@ async def _replay(deployment: Any, workload: Workload, label: str, directory: st
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     old = deployment.prefill.policy
     deployment.prefill.policy = PrefixAffinity(old.block_size, old.load_factor, shared_pool=old.shared_pool)  # empty index
-    before = await _prefill_sources(deployment)
+    before = await prefill_totals(deployment, tuple(_BY_SOURCE.values()))
     trace = Trace(
         workload.name, np.array(workload.arrival_s), np.array([len(p) for p in workload.prompts]),
         np.full(len(workload.prompts), workload.output_tokens),
@@ -111,8 +102,8 @@ async def _replay(deployment: Any, workload: Workload, label: str, directory: st
     async with connected_stubs(f"127.0.0.1:{deployment.port}", 1) as (stub,):
         records = await open_loop(trace, lambda i, s, start: send_one(stub, i, requests[i], s, start, 600.0))
     await asyncio.sleep(2.0)  # the last prefills' counts reach the front end with the next stats
-    after = await _prefill_sources(deployment)
-    counted = {source: after[source] - before[source] for source in _SOURCES}
+    after = await prefill_totals(deployment, tuple(_BY_SOURCE.values()))
+    counted = {source: int(after[key] - before[key]) for source, key in _BY_SOURCE.items()}
     ttft = sorted(r.ttft_s for r in records if not r.error)
     return {
         "run": label,

@@ -71,11 +71,12 @@ def skewed_workload(base: Workload, hot_share: float, hot_tokens: int, seed: int
     return Workload("skewed", prompts, base.arrival_s, base.output_tokens)
 
 
-async def _prefill_totals(deployment: Any) -> dict[str, float]:
+async def prefill_totals(deployment: Any, keys: tuple[str, ...] = (_HITS, _QUERIES)) -> dict[str, float]:
+    """The engine metrics ``keys`` summed over the deployment's prefill workers."""
     totals: Counter[str] = Counter()
     for member in deployment.prefill.members:
         metrics = (await member.engine.status()).engine_metrics
-        for key in (_HITS, _QUERIES):
+        for key in keys:
             totals[key] += metrics.get(key, 0.0)
     return dict(totals)
 
@@ -91,7 +92,7 @@ async def _run(
 
     await asyncio.gather(*(m.engine.reset_prefix_cache() for m in deployment.prefill.members))
     deployment.prefill.policy = policy
-    before = await _prefill_totals(deployment)
+    before = await prefill_totals(deployment)
     routed: Counter[str] = Counter()
     busiest_share: list[float] = []  # the busiest worker's share of outstanding prompt tokens
     stop = asyncio.Event()
@@ -121,7 +122,7 @@ async def _run(
     await watcher
     for record in records:
         routed[record.prefill_worker] += 1
-    after = await _prefill_totals(deployment)
+    after = await prefill_totals(deployment)
     hits, queries = after[_HITS] - before[_HITS], after[_QUERIES] - before[_QUERIES]
     ttft = sorted(r.ttft_s for r in records if not r.error)
     status = await deployment.cluster.status()

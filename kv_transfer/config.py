@@ -23,6 +23,7 @@ from typing import Any, Literal
 import os
 
 from duet.config import DuetConfig, KVPoolConfig, KVTransferConfig
+from duet.kv_transfer.metrics import POOL_TIER_TYPE
 
 Role = Literal["prefill", "decode"]
 # The roles whose engines read and fill the host KV pool (docs/concepts/kv-pool.md): decode
@@ -118,7 +119,7 @@ def pool_connector_config(pool: KVPoolConfig) -> dict[str, Any]:
             "cpu_bytes_to_use": pool.engine_buffer_mib * 2**20,
             "eviction_policy": "lru",
             "secondary_tiers": [{
-                "type": "HostPoolTier",
+                "type": POOL_TIER_TYPE,  # the tier's class in the module
                 "module_path": _POOL_MODULE,
                 "root_dir": os.path.expanduser(pool.directory),
                 "capacity_bytes": int(pool.capacity_gib * 2**30),

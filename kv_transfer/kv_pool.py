@@ -55,13 +55,7 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from duet.kv_transfer import pool_capacity
-
-# The pool's metrics, labelled by host, beside vLLM's per-tier chunk queries and hits
-# (vllm:kv_offload_tiering_chunk_queries / _hits, tier "1:HostPoolTier"): kv_transfer/metrics.py.
-POOL_BYTES = "duet:kv_pool_bytes"
-POOL_BLOCKS = "duet:kv_pool_blocks"
-POOL_CAPACITY = "duet:kv_pool_capacity_bytes"
-POOL_EVICTIONS = "duet:kv_pool_evictions"
+from duet.kv_transfer.metrics import POOL_BLOCKS, POOL_BYTES, POOL_CAPACITY, POOL_EVICTIONS
 # An engine sweeps the host's pool after writing this share of its capacity.
 _SWEEP_SHARE = 0.05
 

@@ -47,10 +47,16 @@ def transfer_totals(metrics: dict[str, float]) -> TransferTotals:
     return TransferTotals(int(transfers), nbytes, seconds, int(failures))
 
 
-# The host KV pool (kv_transfer/kv_pool.py): duet's gauges and counter, labelled by host, and
-# vLLM's chunk lookups of the pool's tier (a chunk is one KV block there).
-_POOL_CAPACITY = "duet:kv_pool_capacity_bytes"
-_POOL_TIER = "{tier=1:HostPoolTier}"
+# The host KV pool (kv_transfer/kv_pool.py records these inside the engine): duet's gauges and
+# counter, labelled by host, and vLLM's chunk lookups of the pool's tier, the first secondary
+# tier (a chunk is one KV block there). Named here, where the router reads them without
+# importing vLLM's offloading code.
+POOL_TIER_TYPE = "HostPoolTier"
+POOL_BYTES = "duet:kv_pool_bytes"
+POOL_BLOCKS = "duet:kv_pool_blocks"
+POOL_CAPACITY = "duet:kv_pool_capacity_bytes"
+POOL_EVICTIONS = "duet:kv_pool_evictions"
+_POOL_TIER = f"{{tier=1:{POOL_TIER_TYPE}}}"
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class PoolTotals:
 def pool_totals(metrics: dict[str, float]) -> PoolTotals | None:
     """The pool's figures from an engine's flattened metrics; None for an engine without one
     (or before its first report)."""
-    prefix = _POOL_CAPACITY + "{host="
+    prefix = POOL_CAPACITY + "{host="
     host = next((key[len(prefix):-1] for key in metrics if key.startswith(prefix)), None)
     if host is None:
         return None
@@ -78,10 +84,10 @@ def pool_totals(metrics: dict[str, float]) -> PoolTotals | None:
     hits = metrics.get("vllm:kv_offload_tiering_chunk_hits_total" + _POOL_TIER, 0.0)
     return PoolTotals(
         host=host,
-        blocks=int(metrics.get("duet:kv_pool_blocks" + label, 0)),
-        bytes=metrics.get("duet:kv_pool_bytes" + label, 0.0),
-        capacity_bytes=metrics[_POOL_CAPACITY + label],
+        blocks=int(metrics.get(POOL_BLOCKS + label, 0)),
+        bytes=metrics.get(POOL_BYTES + label, 0.0),
+        capacity_bytes=metrics[POOL_CAPACITY + label],
         hits=int(hits),
         misses=int(queries - hits),
-        evictions=int(metrics.get("duet:kv_pool_evictions_total" + label, 0)),
+        evictions=int(metrics.get(POOL_EVICTIONS + "_total" + label, 0)),  # a counter's sample
     )

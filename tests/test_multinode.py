@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -73,6 +74,17 @@ def test_tokens_cross_hosts_exactly(cluster: VirtualCluster, reference) -> None:
     for name in decode_workers:
         assert workers[name].kv_transfer_bytes > 0
     assert sum(workers[name].prompt_tokens_transferred for name in decode_workers) == sum(len(p) for p in PROMPTS)
+
+
+def _process_names(cluster: VirtualCluster, host: str) -> list[str]:
+    """What runs on virtual host ``host``: each process's name (its title where it set one)."""
+    names = []
+    for pid in cluster.network.pids(host):
+        try:
+            names.append(" ".join(psutil.Process(pid).cmdline()[:2])[:80])
+        except psutil.Error:
+            continue
+    return names
 
 
 def _host_of(cluster: VirtualCluster, endpoint: str) -> str:
@@ -153,15 +165,39 @@ def test_the_hosts_chaos_harness_finds_each_worker_and_its_engine(cluster: Virtu
     from duet.benchmarks.chaos_hosts import HostsProcesses
 
     processes = HostsProcesses(cluster, outage_s=30.0, connect=lambda: _client(cluster))
-    decode = processes.workers("decode")
-    with _client(cluster) as client:  # the cut-path test before this one drains one of the two
-        ready = [w.name for p in client.list_workers().pools if p.role == "decode" for w in p.workers if w.state == "ready"]
-    assert sorted(name for name, _ in decode) == sorted(ready) and ready
-    hosts = [host for _, host in decode]
-    assert len(set(hosts)) == len(hosts) and all(host.startswith("decode-") for host in hosts), decode
     assert [host for _, host in processes.workers("prefill")] == ["prefill-0"]
-    for _, host in decode:
-        engine = processes.engine_pid(host)
+    seen: list[str] = []
+
+    def each_ready_decode_worker_and_its_engine() -> list[tuple[str, str, int]] | None:
+        """The ready decode workers with their hosts and engine cores, once the harness's view
+        and the status agree. The cut-path test before this one drains one of the two decode
+        workers and moves its streams to the other; a worker the status still calls ready whose
+        engine core has just exited is marked restarting, then replaced, at the next health check
+        (cluster/health.py), and the harness must then find the replacement's."""
+        decode = processes.workers("decode")
+        with _client(cluster) as client:
+            ready = [w.name for p in client.list_workers().pools if p.role == "decode" for w in p.workers if w.state == "ready"]
+        found = []
+        for name, host in decode:
+            try:
+                found.append((name, host, processes.engine_pid(host)))
+            except RuntimeError as error:
+                seen.append(f"{error}; on it: {_process_names(cluster, host)}")
+                return None
+        if sorted(name for name, _ in decode) != sorted(ready) or not ready:
+            seen.append(f"the harness found {decode}, the status calls {ready} ready")
+            return None
+        return found
+
+    try:
+        found = wait_for(each_ready_decode_worker_and_its_engine, 120, "the harness's view and the status agreeing")
+    except AssertionError as error:
+        raise AssertionError(f"{error}; first and last looks: {seen[:1] + seen[-1:]}") from None
+    if seen:  # what the first looks saw, for the log: an engine that exited shows up here
+        print("before the view settled:", *seen[:3], sep="\n  ")
+    hosts = [host for _, host, _ in found]
+    assert len(set(hosts)) == len(hosts) and all(host.startswith("decode-") for host in hosts), found
+    for _, host, engine in found:
         assert engine in cluster.network.pids(host)
         assert all(engine not in cluster.network.pids(other) for other in cluster.network.hosts if other != host)
     # Full capacity is the status with every worker ready; the worker the cut-path test drained

@@ -16,15 +16,18 @@ duet adds three things to vLLM's classes:
   is host memory already, so two torch index operations per KV tensor do it, synchronously. On
   a GPU, vLLM's own worker runs.
 - :class:`HostPoolTier`: the file-system tier with the host's capacity (the oldest blocks
-  evicted past it, :mod:`duet.kv_transfer.pool_capacity`), a synchronous lookup (a file's
-  existence on ``/dev/shm`` takes microseconds; vLLM's asynchronous one costs every request a
-  scheduler step), and the pool's size and evictions as metrics beside vLLM's hits and queries.
+  evicted past it, :mod:`duet.kv_transfer.pool_capacity`), block files that carry a checksum
+  checked on every load (:mod:`duet.kv_transfer.pool_blocks`: a corrupt block is deleted and
+  computed, never served), a synchronous lookup (a file's existence on ``/dev/shm`` takes
+  microseconds; vLLM's asynchronous one costs every request a scheduler step), and the pool's
+  size, evictions and corrupt blocks as metrics beside vLLM's hits and queries.
 - :class:`HostTieringSpec`: vLLM's tiering spec with that worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import threading
@@ -54,8 +57,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from duet.kv_transfer import pool_capacity
-from duet.kv_transfer.metrics import POOL_BLOCKS, POOL_BYTES, POOL_CAPACITY, POOL_EVICTIONS
+from duet.kv_transfer import pool_blocks, pool_capacity
+from duet.kv_transfer.metrics import POOL_BLOCKS, POOL_BYTES, POOL_CAPACITY, POOL_CORRUPT, POOL_EVICTIONS
+
 # An engine sweeps the host's pool after writing this share of its capacity.
 _SWEEP_SHARE = 0.05
 
@@ -167,6 +171,7 @@ class HostPoolTier(FileSystemTierManager):
         self._last_sweep: pool_capacity.Sweep | None = None
         self._stored_since_sweep = 0
         self._evictions_unreported = 0
+        self._corrupt_unreported = 0
         self._host = (socket.gethostname(),)
         self._reported: tuple[pool_capacity.Sweep, int] | None = None  # the size last reported
         self._lock = threading.Lock()
@@ -184,6 +189,9 @@ class HostPoolTier(FileSystemTierManager):
             POOL_EVICTIONS: OffloadingCounterMetadata(
                 "KV blocks this engine's sweeps evicted from the host's KV pool (least recently used first).", host
             ),
+            POOL_CORRUPT: OffloadingCounterMetadata(
+                "KV blocks this engine found corrupt in the host's KV pool (their checksum failed): deleted and computed.", host
+            ),
         }
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -193,8 +201,41 @@ class HostPoolTier(FileSystemTierManager):
         pool_capacity.touch([self.file_mapper.get_file_name(key) for key in keys])
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._store_jobs.add(job_metadata.job_id)
-        super().submit_store(job_metadata)
+        """vLLM's store, with duet's block files (:mod:`duet.kv_transfer.pool_blocks`: each
+        block with its checksum) in place of vLLM's unchecked ones."""
+        job_id, keys = job_metadata.job_id, list(job_metadata.keys)
+        self._store_jobs.add(job_id)
+        if self.events is not None:
+            self._store_job_keys[job_id] = keys
+        self._job_block_counts[job_id] = len(keys)
+        paths, offsets = self._files(keys, job_metadata)
+        task = functools.partial(pool_blocks.store_blocks, paths, self._primary_kv_view, offsets, self._block_size)
+        self._pool.enqueue_store(job_id, 1, [task])
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        """vLLM's load, each block checked: one that is missing or corrupt fails the load from
+        it on, and vLLM's tier then recomputes those blocks (a corrupt one is deleted, so the
+        next lookup misses it)."""
+        job_id, keys = job_metadata.job_id, list(job_metadata.keys)
+        self._load_job_keys[job_id] = keys
+        self._job_block_counts[job_id] = len(keys)
+        paths, offsets = self._files(keys, job_metadata)
+
+        def load() -> None:
+            try:
+                pool_blocks.load_blocks(paths, self._primary_kv_view, offsets, self._block_size)
+            except pool_blocks.BlockLoadError as error:
+                self._load_progress[job_id] = error.num_succeeded  # read by vLLM's get_finished_jobs
+                with self._lock:
+                    self._corrupt_unreported += error.corrupt
+                raise
+
+        self._pool.enqueue_load(job_id, 1, [load])
+
+    def _files(self, keys: list[OffloadKey], job_metadata: TransferJob) -> tuple[list[str], list[int]]:
+        """The job's block files, and where each block sits in the primary tier's region."""
+        paths = [self.file_mapper.get_file_name(key) for key in keys]
+        return paths, [int(chunk) * self._block_size for chunk in job_metadata.chunk_ids]
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         finished = list(super().get_finished_jobs())
@@ -226,9 +267,11 @@ class HostPoolTier(FileSystemTierManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         """The pool's size when it changed (vLLM asks every engine step), and new evictions."""
         with self._lock:
-            swept, stored, evicted = self._last_sweep, self._stored_since_sweep, self._evictions_unreported
-            self._evictions_unreported = 0
-            if swept is None or (swept, stored) == self._reported:
+            swept, stored, evicted, corrupt = (
+                self._last_sweep, self._stored_since_sweep, self._evictions_unreported, self._corrupt_unreported
+            )
+            self._evictions_unreported = self._corrupt_unreported = 0
+            if swept is None or ((swept, stored) == self._reported and not corrupt):
                 return None
             self._reported = (swept, stored)
         stats = OffloadingConnectorStats()
@@ -236,6 +279,7 @@ class HostPoolTier(FileSystemTierManager):
         stats.set_gauge(POOL_BLOCKS, swept.blocks_held + stored // self.block_size_bytes, self._host)
         stats.set_gauge(POOL_CAPACITY, self._capacity_bytes, self._host)
         stats.increase_counter(POOL_EVICTIONS, evicted, self._host)
+        stats.increase_counter(POOL_CORRUPT, corrupt, self._host)
         return stats
 
     def shutdown(self) -> None:

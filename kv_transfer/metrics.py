@@ -56,6 +56,7 @@ POOL_BYTES = "duet:kv_pool_bytes"
 POOL_BLOCKS = "duet:kv_pool_blocks"
 POOL_CAPACITY = "duet:kv_pool_capacity_bytes"
 POOL_EVICTIONS = "duet:kv_pool_evictions"
+POOL_CORRUPT = "duet:kv_pool_corrupt_blocks"
 _POOL_TIER = f"{{tier=1:{POOL_TIER_TYPE}}}"
 
 

@@ -11,12 +11,14 @@ import tempfile
 import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from duet.config import COLOCATED_CONFIG_PATH, load_config, parse_config
 from duet.cluster.deployment import Deployment
+from duet.kv_transfer.metrics import POOL_CORRUPT
+from duet.kv_transfer.pool_blocks import read_block
 from duet.router.client import DuetClient, build_request
 
 
@@ -119,24 +121,34 @@ def test_each_colocated_engine_computes_on_its_own_core(colocated):
         assert by_core.get(process["affinity"], 0.0) > 0.9 * sum(by_core.values()), process
 
 
-def test_a_prefix_one_engine_computed_is_loaded_by_the_other_from_the_host_pool(colocated, reference):
-    """The host KV pool is every engine's on the host: the engine that did not compute a prefix
-    loads it from there on its first request for it (its own cache and host tier never held it)."""
-    deployment, client = colocated
-    directory = Path(deployment.config.kv_pool.directory)
-    prompt = [random.Random(540).randrange(3, 700) for _ in range(1000)]  # 7 whole 128-token blocks
+POOL_HITS = "vllm:kv_offload_tiering_chunk_hits_total{tier=1:HostPoolTier}"
+LOADED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+
+
+def _pool_files(deployment: Deployment) -> set[Path]:
+    return set(Path(deployment.config.kv_pool.directory).rglob("*.bin"))
+
+
+def _computed_then_served_by_the_other(
+    deployment: Deployment, client: DuetClient, prompt: list[int], expected: list[int],
+    between: Callable[[set[Path]], None] = lambda files: None,
+) -> tuple[Any, Any]:
+    """Send ``prompt`` until both engines have served it: the first computes it and stores its
+    whole blocks in the pool (``between`` is called with their files then); the other's first
+    request for it is the one that finds it in the pool (its own cache and host tier never held
+    it). Returns the second engine's worker state from before that request and after it."""
     request = build_request(prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
-    expected = reference.greedy([prompt], max_tokens=12, ignore_eos=True)[0]
-    pool_hits = "vllm:kv_offload_tiering_chunk_hits_total{tier=1:HostPoolTier}"
-    loaded = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+    files_before = _pool_files(deployment)
     before = {w.name: w for w in _worker_states(deployment)}
     ids, last = client.generate_ids(request, timeout=120)
     assert ids == expected
     computed_by = last.usage.decode_worker
+    blocks = len(prompt) // 128  # vLLM's KV block on CPU
     deadline = time.monotonic() + 20
-    while sum(1 for _ in directory.rglob("*.bin")) < 7:  # stored after the request, in the background
+    while len(stored := _pool_files(deployment) - files_before) < blocks:  # stored after the request, in the background
         assert time.monotonic() < deadline, "the prompt's blocks never reached the pool"
         time.sleep(0.1)
+    between(stored)
     for _ in range(30):  # routing between two idle workers breaks ties at random
         ids, last = client.generate_ids(request, timeout=120)
         assert ids == expected
@@ -144,7 +156,49 @@ def test_a_prefix_one_engine_computed_is_loaded_by_the_other_from_the_host_pool(
             break
     else:
         pytest.fail(f"30 requests in a row went to {computed_by}")
-    other = {w.name: w for w in _worker_states(deployment)}[last.usage.decode_worker]
-    was = before[other.name].engine_metrics
-    assert other.engine_metrics.get(pool_hits, 0) - was.get(pool_hits, 0) == 7
-    assert other.engine_metrics.get(loaded, 0) - was.get(loaded, 0) == 7 * 128
+    other = last.usage.decode_worker
+    return before[other], {w.name: w for w in _worker_states(deployment)}[other]
+
+
+def test_a_prefix_one_engine_computed_is_loaded_by_the_other_from_the_host_pool(colocated, reference):
+    """The host KV pool is every engine's on the host: the engine that did not compute a prefix
+    loads it from there on its first request for it."""
+    deployment, client = colocated
+    prompt = [random.Random(540).randrange(3, 700) for _ in range(1000)]  # 7 whole 128-token blocks
+    expected = reference.greedy([prompt], max_tokens=12, ignore_eos=True)[0]
+    before, after = _computed_then_served_by_the_other(deployment, client, prompt, expected)
+    assert after.engine_metrics.get(POOL_HITS, 0) - before.engine_metrics.get(POOL_HITS, 0) == 7
+    assert after.engine_metrics.get(LOADED, 0) - before.engine_metrics.get(LOADED, 0) == 7 * 128
+
+
+def test_a_corrupt_block_in_the_host_pool_is_computed_not_served(colocated, reference):
+    """A bit flipped in every pool file of a prefix (kv_transfer/pool_blocks.py checks each block
+    it loads): the other engine computes the prefix instead, its output is the reference's, the
+    corrupt files are counted and replaced by sound ones."""
+    deployment, client = colocated
+    prompt = [random.Random(541).randrange(3, 700) for _ in range(1000)]
+    expected = reference.greedy([prompt], max_tokens=12, ignore_eos=True)[0]
+    damaged: dict[Path, bytes] = {}
+
+    def flip_a_bit(files: set[Path]) -> None:
+        for path in files:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 3] ^= 0x04
+            path.write_bytes(bytes(data))
+            damaged[path] = bytes(data)
+
+    before, after = _computed_then_served_by_the_other(deployment, client, prompt, expected, between=flip_a_bit)
+    assert len(damaged) == 7
+    assert after.engine_metrics.get(LOADED, 0) == before.engine_metrics.get(LOADED, 0)  # nothing loaded
+
+    def counted_corrupt(state: Any) -> float:
+        return sum(v for k, v in state.engine_metrics.items() if k.startswith(POOL_CORRUPT + "_total"))
+
+    assert counted_corrupt(after) - counted_corrupt(before) == 7
+    deadline = time.monotonic() + 20  # the recomputed blocks are stored again
+    while not all(path.exists() and path.read_bytes() != data for path, data in damaged.items()):
+        assert time.monotonic() < deadline, "the corrupt blocks were not replaced"
+        time.sleep(0.1)
+    for path in damaged:
+        block = bytearray(path.stat().st_size - 4)
+        read_block(str(path), memoryview(block))  # raises if it does not match its checksum

@@ -552,7 +552,16 @@ class Deployment:
         members = [member for _, member in pairs]
         timeout = self.config.server.worker_start_timeout_s
         starts = [manager.start(member) for manager, member in pairs]
-        results = await asyncio.wait_for(asyncio.gather(*starts, return_exceptions=True), timeout)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*starts, return_exceptions=True), timeout)
+        except TimeoutError:  # most often a worker Ray has no room for: it waits, and says nothing
+            free = ray.available_resources()
+            waiting = ", ".join(member.name for member in members if member.state != "ready")
+            raise WorkerStartError(
+                f"workers not ready within server.worker_start_timeout_s ({timeout:g} s): {waiting}. A worker waits "
+                f"until the Ray cluster has its pool's num_cpus, num_gpus and resources free; it has "
+                f"{free.get('CPU', 0.0):g} CPU and {free.get('GPU', 0.0):g} GPU free now"
+            ) from None
         failures = [f"{m.name}: {root_cause(r)}" for m, r in zip(members, results) if isinstance(r, BaseException)]
         if failures:
             raise WorkerStartError("workers failed to start:\n  " + "\n  ".join(failures))

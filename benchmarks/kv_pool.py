@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from duet.benchmarks.prefix_affinity import Workload, mooncake_workload, prefill_totals
+from duet.benchmarks.prefix_affinity import Workload, mooncake_workload, prefill_metrics_by_worker, prefill_totals
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_pool.json"
 _SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -149,19 +149,16 @@ async def _replay(deployment: Any, workload: Workload, label: str, directory: st
 
 
 async def _tokens_by_worker(deployment: Any) -> dict[str, dict[str, float]]:
-    """Each prefill worker's prompt tokens so far, by where their KV came from."""
-    found = {}
-    for member in list(deployment.prefill.members):
-        if member.state == "ready" and member.engine is not None:
-            metrics = (await member.engine.status()).engine_metrics
-            found[member.name] = {source: metrics.get(key, 0.0) for source, key in _BY_SOURCE.items()}
-    return found
+    """Each prefill worker's prompt tokens so far, by where their KV came from (keyed by metric)."""
+    return await prefill_metrics_by_worker(deployment, tuple(_BY_SOURCE.values()))
 
 
 def _hit_rate(start: dict[str, dict[str, float]], end: dict[str, dict[str, float]], workers: list[str]) -> float:
     """The share of ``workers``' prompt tokens between two samples not computed (found in the
     engine's own cache or loaded from the pool)."""
-    tokens = {source: sum(end[w][source] - start.get(w, {}).get(source, 0.0) for w in workers) for source in _SOURCES}
+    tokens = {
+        source: sum(end[w][key] - start.get(w, {}).get(key, 0.0) for w in workers) for source, key in _BY_SOURCE.items()
+    }
     total = sum(tokens.values())
     return (total - tokens["local_compute"]) / total if total else math.nan
 

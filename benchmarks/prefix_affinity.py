@@ -71,13 +71,21 @@ def skewed_workload(base: Workload, hot_share: float, hot_tokens: int, seed: int
     return Workload("skewed", prompts, base.arrival_s, base.output_tokens)
 
 
+async def prefill_metrics_by_worker(deployment: Any, keys: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """The engine metrics ``keys`` of each of the deployment's prefill workers that has an engine."""
+    found = {}
+    for member in list(deployment.prefill.members):
+        if member.engine is not None:
+            metrics = (await member.engine.status()).engine_metrics
+            found[member.name] = {key: metrics.get(key, 0.0) for key in keys}
+    return found
+
+
 async def prefill_totals(deployment: Any, keys: tuple[str, ...] = (_HITS, _QUERIES)) -> dict[str, float]:
     """The engine metrics ``keys`` summed over the deployment's prefill workers."""
     totals: Counter[str] = Counter()
-    for member in deployment.prefill.members:
-        metrics = (await member.engine.status()).engine_metrics
-        for key in keys:
-            totals[key] += metrics.get(key, 0.0)
+    for metrics in (await prefill_metrics_by_worker(deployment, keys)).values():
+        totals.update(metrics)
     return dict(totals)
 
 

@@ -332,7 +332,7 @@ def test_a_killed_decode_worker_loses_no_state_of_a_constrained_seeded_n2_stream
 
     import ray
 
-    prompt = [random.Random(3).randrange(3, 700) for _ in range(3000)]
+    prompt = random.Random(3).choices(range(3, 700), k=3000)
     request = build_request(
         prompt_token_ids=prompt, max_tokens=160, n=2, temperature=0.9, seed=17, presence_penalty=0.8,
         frequency_penalty=0.4, structured_output=pb.StructuredOutput(regex="([a-z]{1,6} ){40,400}"),
@@ -437,7 +437,7 @@ def test_n_sequences_compute_their_prompt_once(deployment, worker_status):
     import random
 
     computed = "vllm:prompt_tokens_by_source_total{source=local_compute}"
-    prompt = [random.Random(11).randrange(3, 700) for _ in range(900)]
+    prompt = random.Random(11).choices(range(3, 700), k=900)
     before = worker_status("prefill").engine_metrics.get(computed, 0.0)
     status, reply = http_post(deployment.http_port, "/v1/completions", {
         "prompt": prompt, "max_tokens": 4, "n": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True,

@@ -90,7 +90,7 @@ def test_disaggregated_equals_colocated_for_every_feature(colocated, client):
     from duet.router.proto import duet_api_pb2 as pb
 
     _, colocated_client = colocated
-    prompt = [random.Random(4).randrange(3, 700) for _ in range(300)]
+    prompt = random.Random(4).choices(range(3, 700), k=300)
     cases = [
         dict(presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.1, min_tokens=20, logit_bias={17: 5.0}),
         dict(temperature=0.8, seed=9, n=2, min_p=0.05),
@@ -129,14 +129,29 @@ def _pool_files(deployment: Deployment) -> set[Path]:
     return set(Path(deployment.config.kv_pool.directory).rglob("*.bin"))
 
 
+class _AnyWorkerBut:
+    """A routing policy that keeps a pool's own but never chooses the worker named ``name`` while
+    another is ready: the pool tests need the engine that did not compute a prefix to serve it,
+    which a policy left to itself may never do (it may keep finding that engine the busier)."""
+
+    def __init__(self, name: str, policy: Any) -> None:
+        self.name, self.policy = name, policy
+
+    def choose(self, ready: list[Any], prompt: list[int], adapter: str = "") -> Any:
+        return self.policy.choose([m for m in ready if m.name != self.name] or ready, prompt, adapter)
+
+    def describe(self) -> str:
+        return self.policy.describe()
+
+
 def _computed_then_served_by_the_other(
     deployment: Deployment, client: DuetClient, prompt: list[int], expected: list[int],
     between: Callable[[set[Path]], None] = lambda files: None,
 ) -> tuple[Any, Any]:
-    """Send ``prompt`` until both engines have served it: the first computes it and stores its
-    whole blocks in the pool (``between`` is called with their files then); the other's first
-    request for it is the one that finds it in the pool (its own cache and host tier never held
-    it). Returns the second engine's worker state from before that request and after it."""
+    """Send ``prompt`` twice: the first engine computes it and stores its whole blocks in the pool
+    (``between`` is called with their files then); the router is then steered to the other engine,
+    whose first request for it finds it in the pool (its own cache and host tier never held it).
+    Returns the other engine's worker state from before that request and after it."""
     request = build_request(prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
     files_before = _pool_files(deployment)
     before = {w.name: w for w in _worker_states(deployment)}
@@ -149,13 +164,15 @@ def _computed_then_served_by_the_other(
         assert time.monotonic() < deadline, "the prompt's blocks never reached the pool"
         time.sleep(0.1)
     between(stored)
-    for _ in range(30):  # routing between two idle workers breaks ties at random
+    policy = deployment.decode.policy
+    deployment.decode.policy = _AnyWorkerBut(computed_by, policy)
+    try:
         ids, last = client.generate_ids(request, timeout=120)
-        assert ids == expected
-        if last.usage.decode_worker != computed_by:
-            break
-    else:
-        pytest.fail(f"30 requests in a row went to {computed_by}")
+    finally:
+        deployment.decode.policy = policy
+    assert ids == expected
+    loads = [(m.name, m.state, m.kv_usage, m.running, m.inflight) for m in deployment.decode.members]
+    assert last.usage.decode_worker != computed_by, f"(name, state, kv_usage, running, inflight): {loads}"
     other = last.usage.decode_worker
     return before[other], {w.name: w for w in _worker_states(deployment)}[other]
 
@@ -164,7 +181,7 @@ def test_a_prefix_one_engine_computed_is_loaded_by_the_other_from_the_host_pool(
     """The host KV pool is every engine's on the host: the engine that did not compute a prefix
     loads it from there on its first request for it."""
     deployment, client = colocated
-    prompt = [random.Random(540).randrange(3, 700) for _ in range(1000)]  # 7 whole 128-token blocks
+    prompt = random.Random(540).choices(range(3, 700), k=1000)  # 7 whole 128-token blocks
     expected = reference.greedy([prompt], max_tokens=12, ignore_eos=True)[0]
     before, after = _computed_then_served_by_the_other(deployment, client, prompt, expected)
     assert after.engine_metrics.get(POOL_HITS, 0) - before.engine_metrics.get(POOL_HITS, 0) == 7
@@ -176,7 +193,7 @@ def test_a_corrupt_block_in_the_host_pool_is_computed_not_served(colocated, refe
     it loads): the other engine computes the prefix instead, its output is the reference's, the
     corrupt files are counted and replaced by sound ones."""
     deployment, client = colocated
-    prompt = [random.Random(541).randrange(3, 700) for _ in range(1000)]
+    prompt = random.Random(541).choices(range(3, 700), k=1000)
     expected = reference.greedy([prompt], max_tokens=12, ignore_eos=True)[0]
     damaged: dict[Path, bytes] = {}
 

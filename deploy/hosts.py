@@ -11,7 +11,9 @@ a Ray node and nothing less:
   transport on CPU, binds to whatever the hostname resolves to), and a resolver that answers at
   once (there is no DNS server; see ``_RESOLV_CONF``);
 - its own ``/tmp/ray`` and ``~/.ray`` (Ray's session files and auth token; shared ones would mix
-  the nodes' sessions, and touch the machine's own Ray).
+  the nodes' sessions, and touch the machine's own Ray);
+- its own ``/dev/shm`` (a pod's is its own too): the host KV pool keeps its blocks there, and a
+  shared one would make every host's pool one pool.
 
 Processes start in a fresh mount and UTS namespace inside the host's network namespace, so all
 of that stays private to them. Links are shaped with ``tc`` on both ends of each veth (tbf for
@@ -89,6 +91,7 @@ class Host:
     hostname: str
     veth: str  # the root-namespace end of its link
     root: Path  # private files: hosts file, Ray's directories, process logs
+    shm: Path  # its /dev/shm: a directory of the machine's, so still memory
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
 
@@ -133,6 +136,7 @@ class HostNetwork:
                 hostname=f"{name}-{self.tag}",
                 veth=f"dv{self.tag}{i}",
                 root=self.workdir / name,
+                shm=Path("/dev/shm") / f"{PREFIX}{self.tag}-{name}",
             )
             for i, name in enumerate(names)
         }
@@ -175,6 +179,7 @@ class HostNetwork:
                 self._created.append(host.netns)
             for sub in ("ray-tmp", "ray-home", "logs"):
                 (host.root / sub).mkdir(parents=True)
+            host.shm.mkdir()
             (host.root / "hosts").write_text(hosts_file)
             (host.root / "resolv.conf").write_text(_RESOLV_CONF)
             _ip("link", "add", host.veth, "type", "veth", "peer", "name", _INNER_DEV, "netns", host.netns)
@@ -229,11 +234,11 @@ class HostNetwork:
         setup = (
             'hostname "$1" && mount --bind "$2/hosts" /etc/hosts && mount --bind "$2/resolv.conf" /etc/resolv.conf '
             '&& mount --bind "$2/ray-tmp" /tmp/ray '
-            '&& mount --bind "$2/ray-home" "$3" && shift 3 && exec "$@"'
+            '&& mount --bind "$2/ray-home" "$3" && mount --bind "$4" /dev/shm && shift 4 && exec "$@"'
         )
         wrapped = [
             "ip", "netns", "exec", host.netns, "unshare", "--mount", "--uts", "--propagation", "private",
-            "/bin/sh", "-c", setup, "sh", host.hostname, str(host.root), str(ray_home), *command,
+            "/bin/sh", "-c", setup, "sh", host.hostname, str(host.root), str(ray_home), str(host.shm), *command,
         ]
         output: IO[bytes] = open(host.root / "logs" / log, "ab")
         with output:
@@ -292,3 +297,5 @@ class HostNetwork:
             _ip("link", "del", self.bridge, check=False)
             self._bridge_made = False
         shutil.rmtree(self.workdir, ignore_errors=True)
+        for host in self.hosts.values():
+            shutil.rmtree(host.shm, ignore_errors=True)

@@ -337,6 +337,11 @@ class KVPoolConfig(_Strict):
     engine_buffer_mib: int = Field(default=128, ge=8)
     """Each engine's own host-memory tier, through which blocks pass to and from the pool (vLLM's
     primary tier): at least the blocks of the longest prompts loaded at once."""
+    fetch_across_hosts: bool = True
+    """A prefill worker fetches a prefix that another host's pool holds, and its own host's does
+    not, from an engine on that host over NIXL (vLLM's p2p tier) instead of computing it. Each
+    prefill engine listens for such fetches on the port after its KV side channel's. Prefill
+    workers only (nixl transport): colocated workers have no KV channel to address."""
 
 
 class RayConfig(_Strict):

@@ -107,9 +107,24 @@ def kv_transfer_config(
     }
 
 
-def pool_connector_config(pool: KVPoolConfig) -> dict[str, Any]:
+def pool_connector_config(pool: KVPoolConfig, peer: TransferEndpoint | None = None) -> dict[str, Any]:
     """The ``kv_transfer_config`` of the host KV pool's connector: vLLM's OffloadingConnector
-    with duet's spec and tier (kv_transfer/kv_pool.py)."""
+    with duet's spec and tier (kv_transfer/kv_pool.py), and where ``peer`` is given, vLLM's p2p
+    tier listening there: engines on other hosts fetch this host's pool blocks through it, and
+    this engine fetches theirs (a request's ``remote_kv_source``, :func:`pool_source_params`)."""
+    tiers: list[dict[str, Any]] = [{
+        "type": POOL_TIER_TYPE,  # the tier's class in the module
+        "module_path": _POOL_MODULE,
+        "root_dir": os.path.expanduser(pool.directory),
+        "capacity_bytes": int(pool.capacity_gib * 2**30),
+        # Copies within host memory: one thread each way is plenty, and every thread
+        # is one more beside the engine's forward pass on its core.
+        "n_read_threads": 1,
+        "n_write_threads": 1,
+    }]
+    if peer is not None:
+        # After the host's own pool: a block found there is never fetched from another host.
+        tiers.append({"type": "p2p", "host": peer.host, "port": peer.port, "backends": ["UCX"], "num_threads": 1})
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -118,18 +133,45 @@ def pool_connector_config(pool: KVPoolConfig) -> dict[str, Any]:
             "spec_module_path": _POOL_MODULE,
             "cpu_bytes_to_use": pool.engine_buffer_mib * 2**20,
             "eviction_policy": "lru",
-            "secondary_tiers": [{
-                "type": POOL_TIER_TYPE,  # the tier's class in the module
-                "module_path": _POOL_MODULE,
-                "root_dir": os.path.expanduser(pool.directory),
-                "capacity_bytes": int(pool.capacity_gib * 2**30),
-                # Copies within host memory: one thread each way is plenty, and every thread
-                # is one more beside the engine's forward pass on its core.
-                "n_read_threads": 1,
-                "n_write_threads": 1,
-            }],
+            "secondary_tiers": tiers,
         },
     }
+
+
+def fetches_across_hosts(config: DuetConfig) -> bool:
+    """Whether prefill engines fetch pool blocks from other hosts' engines (and serve theirs):
+    only prefill workers have a KV channel whose address the router knows."""
+    return config.kv_pool.fetch_across_hosts and pool_serves(config, "prefill")
+
+
+def _ranks(config: DuetConfig, role: str) -> int:
+    pool = getattr(config, role)
+    return pool.tensor_parallel * pool.pipeline_parallel
+
+
+def ports_per_worker(config: DuetConfig, role: str) -> int:
+    """Consecutive ports a listening worker of ``role`` reserves: one per rank for its KV side
+    channel (vLLM offsets each rank's port from the base), and after them its pool peer's."""
+    return _ranks(config, role) + (1 if role == "prefill" and fetches_across_hosts(config) else 0)
+
+
+def pool_peer_endpoint(config: DuetConfig, role: str, kv_endpoint: TransferEndpoint | str | None) -> TransferEndpoint | None:
+    """Where a worker's p2p pool tier listens, from where its KV channel does (the port after its
+    ranks'); None where its role does not fetch across hosts."""
+    if role != "prefill" or not kv_endpoint or not fetches_across_hosts(config):
+        return None
+    if isinstance(kv_endpoint, str):
+        host, port = kv_endpoint.rsplit(":", 1)
+        kv_endpoint = TransferEndpoint(host, int(port))
+    return TransferEndpoint(kv_endpoint.host, kv_endpoint.port + _ranks(config, role))
+
+
+def pool_source_params(source: str, request_id: str) -> dict[str, Any]:
+    """``kv_transfer_params`` that make a prefill engine fetch, through its p2p tier, the prompt's
+    blocks that the engine at ``source`` ("host:port") reaches (its host's pool, its own host
+    tier) and its own host's pool lacks. Blocks the source lacks are computed."""
+    host, port = source.rsplit(":", 1)
+    return {"remote_kv_source": {"remote_host": host, "remote_port": int(port), "kv_request_id": request_id}}
 
 
 def pool_serves(config: DuetConfig, role: str) -> bool:
@@ -145,7 +187,7 @@ def engine_kv_transfer_config(config: DuetConfig, role: str, endpoint: TransferE
     hand_off = kv_transfer_config(config.kv_transfer, role, endpoint) if role in _CONNECTOR_ROLE else None  # type: ignore[arg-type]
     if not pool_serves(config, role):
         return hand_off
-    pool = pool_connector_config(config.kv_pool)
+    pool = pool_connector_config(config.kv_pool, pool_peer_endpoint(config, role, endpoint))
     if hand_off is None:
         return pool
     return {

@@ -20,7 +20,7 @@ from duet.worker_runtime.engine_host import EngineCoreHost
 from duet.worker_runtime.simulated_host import SimulatedHost
 from duet.worker_runtime.images import opened_prompt
 from duet.worker_runtime.worker_api import EngineAborted, PrefillResult, SamplingSpec, logprobs_of
-from duet.kv_transfer.config import prefill_request_params
+from duet.kv_transfer.config import pool_source_params, prefill_request_params
 
 # Builds the engine's request parameters: (sampling, kv_transfer_params, delta outputs) -> params.
 ParamsFactory = Callable[[SamplingSpec, "dict[str, Any] | None", bool], Any]
@@ -35,15 +35,19 @@ async def run_prefill(
     prompt_token_ids: list[int],
     sampling: SamplingSpec,
     decode_endpoint: str | None = None,
+    pool_source: str | None = None,
 ) -> PrefillResult:
     """Prefill ``prompt_token_ids`` on ``engine`` (anything with ``AsyncLLM.generate``).
 
     ``decode_endpoint`` names the decode worker for push transports, which stream the KV to it
-    while prefill runs.
+    while prefill runs. ``pool_source`` ("host:port") names an engine on another host whose
+    pool holds the prompt's prefix: the engine's p2p tier fetches what its own host's pool lacks.
     """
     # Asking for remote decode only matters if a decode step will follow.
     wants_decode = sampling.max_tokens > 1
     transfer_params = prefill_request_params(transfer, decode_endpoint) if wants_decode else None
+    if pool_source is not None:
+        transfer_params = {**(transfer_params or {}), **pool_source_params(pool_source, request_id)}
     params = make_params(sampling.for_prefill(), transfer_params, False)
     final: Any = None
     async for output in engine.generate(

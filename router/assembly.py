@@ -7,6 +7,7 @@ process for its own front door (cluster/deployment.py) and each extra front door
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from duet.config import DuetConfig
@@ -17,7 +18,7 @@ from duet.router.auth import Gatekeeper
 from duet.router.encoding import EncodeStep
 from duet.router.lifecycle import RequestLifecycle, RetryPolicy
 from duet.router.lora_adapters import served_adapters
-from duet.kv_transfer.config import pool_serves
+from duet.kv_transfer.config import fetches_across_hosts, pool_peer_endpoint, pool_serves
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import WorkerPool
 from duet.router.rebalancer import Rebalancer
@@ -36,6 +37,7 @@ def set_policies(config: DuetConfig, prefill: WorkerPool, decode: WorkerPool, en
         "prefix_affinity": lambda: PrefixAffinity(
             router.prefix_block_size or engine_block_size, router.load_factor, adapters_held=_adapters_held(config),
             shared_pool=prefill.role == "prefill" and pool_serves(config, "prefill"),
+            peer_endpoint=partial(pool_peer_endpoint, config, "prefill") if fetches_across_hosts(config) else None,
         ),
     }
     prefill.policy = prefill_policies[router.prefill_policy]()

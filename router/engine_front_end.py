@@ -194,12 +194,14 @@ class EngineFrontEnd:
     # ---- requests ---------------------------------------------------------------------------
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None,
+        pool_source: str | None = None,
     ) -> PrefillResult:
         return await self._one_output(
             request_id,
             lambda: run_prefill(
-                self.engine, _vllm_params, self.transfer, self.name, request_id, prompt_token_ids, sampling, decode_endpoint
+                self.engine, _vllm_params, self.transfer, self.name, request_id, prompt_token_ids, sampling,
+                decode_endpoint, pool_source,
             ),
         )
 

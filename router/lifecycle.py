@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Callable
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PositionLogprobs, PrefillResult, SamplingSpec
 from duet.router.encoding import EncodeStep
 from duet.router.local_prefill import LocalPrefillGuard
+from duet.router.policies import PrefixAffinity
 from duet.router.pools import NoWorkerAvailable, PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
 from duet.router.worker_engines import EngineLost, EngineRejected, Migrated, MigrationTicket
@@ -451,7 +452,8 @@ class RequestLifecycle:
                     round_.prefill_worker = prefill_worker.name
                     guard.queued_behind(assigned_to, request_id, prefill_worker.outstanding_tokens)
                     result = await self._prefill(
-                        prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None
+                        prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None,
+                        self._pool_source(prefill_worker, round_),
                     )
             guard.first_token(assigned_to, request_id)
             yield DecodeChunk(
@@ -526,14 +528,28 @@ class RequestLifecycle:
         round_.decode_worker = decode_worker.name
         return decode_worker
 
-    async def _prefill(self, worker: PoolMember, round_: _Round, decode_endpoint: str | None) -> PrefillResult:
+    def _pool_source(self, worker: PoolMember, round_: _Round) -> str | None:
+        """The engine on another host whose pool ``worker`` should fetch the round's prefix from
+        (router/policies.py: PrefixAffinity.kv_source), or None."""
+        assert self.prefill_pool is not None
+        policy = self.prefill_pool.policy
+        if not isinstance(policy, PrefixAffinity):
+            return None
+        source = policy.kv_source(worker, round_.prompt_token_ids, round_.sampling.lora_name)
+        return str(source) if source is not None else None
+
+    async def _prefill(
+        self, worker: PoolMember, round_: _Round, decode_endpoint: str | None, pool_source: str | None = None
+    ) -> PrefillResult:
         assert self.prefill_pool is not None
         engine = _engine_of(self.prefill_pool, worker)
         alone, started = worker.outstanding_tokens == 0, time.perf_counter()
         worker.inflight += 1
         worker.outstanding_tokens += round_.context_tokens
         try:
-            result = await engine.prefill(round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint)
+            result = await engine.prefill(
+                round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint, pool_source
+            )
             if alone:  # nothing queued with it: what a prompt costs (the guard's estimate)
                 self.local_prefill_guard.prefilled(round_.context_tokens, time.perf_counter() - started)
             return result

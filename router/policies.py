@@ -32,12 +32,18 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from duet.kv_transfer.config import TransferEndpoint
     from duet.router.pools import PoolMember
 
 
 # How much more KV-cache usage (a share of the cache) a decode worker that holds a request's LoRA
 # adapter may have than the least loaded one, and still be chosen for the adapter.
 _ADAPTER_KV_SLACK = 0.05
+# Fetch plans PrefixAffinity keeps for prefills not yet started (one per request in the router's
+# hands; the oldest go first should a request never reach its prefill).
+_PENDING_FETCHES = 4096
 
 
 class AdapterMemory:
@@ -143,7 +149,10 @@ class PrefixAffinity:
     host's pool, which every worker on that host reads: each block sent to a worker is reachable
     from every worker on its host (the host of its KV channel), and the choice among them comes
     down to load. A worker holding the prefix in its own engine still wins a tie (it skips even
-    the copy from the pool).
+    the copy from the pool). Where another host's pool holds more of the prompt than the chosen
+    worker reaches (``peer_endpoint``: pools reachable across hosts), the worker is told to fetch
+    it from an engine on that host (:meth:`kv_source`); that does not sway the choice, since
+    every worker off that host would fetch it alike.
     """
 
     name = "prefix_affinity"
@@ -151,9 +160,12 @@ class PrefixAffinity:
     def __init__(
         self, block_size: int, load_factor: float = 1.5, slack_tokens: int = 2048, capacity: int = 200_000,
         adapters_held: int = 4, shared_pool: bool = False,
+        peer_endpoint: "Callable[[str], TransferEndpoint | None] | None" = None,
     ) -> None:
         self.block_size = block_size
         self.shared_pool = shared_pool
+        # A worker's p2p pool tier, from its KV endpoint (None: pools are not reachable across hosts).
+        self.peer_endpoint = peer_endpoint if shared_pool else None
         self.load_factor = load_factor
         self.slack_tokens = slack_tokens
         self.capacity = capacity
@@ -162,6 +174,9 @@ class PrefixAffinity:
         # Block hash -> the workers sent it, and (shared_pool) the hosts whose pools it went to.
         self._holders: OrderedDict[bytes, set[str]] = OrderedDict()
         self._pooled_on: OrderedDict[bytes, set[str]] = OrderedDict()
+        # (worker, the prompt's last block hash) -> the engine it was told to fetch from, until
+        # the request's prefill asks (kv_source).
+        self._fetches: OrderedDict[tuple[str, bytes], TransferEndpoint] = OrderedDict()
 
     def block_hashes(self, prompt: list[int], adapter: str = "") -> list[bytes]:
         """The prompt's block hashes; a LoRA adapter's prefix is another cache entry than the
@@ -218,15 +233,45 @@ class PrefixAffinity:
             candidates,
             key=lambda member: (tokens_ahead(member), -cached[member.name], member.inflight, random.random()),
         )
-        self._remember(best.name, hashes, member_host(best) if self.shared_pool else "")
+        fetched = self._plan_fetch(best, ready, hashes)
+        # Blocks fetched from another host are not stored in this host's pool (vLLM's tiers store
+        # what the engine computed); the ones after them are.
+        self._remember(best.name, hashes, member_host(best) if self.shared_pool else "", pooled_from=fetched)
         self.adapters.sent(best.name, adapter)
         return best
 
-    def _remember(self, member_name: str, hashes: list[bytes], pool_host: str = "") -> None:
-        """``member_name`` was sent ``hashes`` (and stores them in ``pool_host``'s pool)."""
-        indexes = [(self._holders, member_name)] + ([(self._pooled_on, pool_host)] if pool_host else [])
-        for index, holder in indexes:
-            for block_hash in hashes:
+    def _plan_fetch(self, chosen: "PoolMember", ready: "list[PoolMember]", hashes: list[bytes]) -> int:
+        """Where another host's pool holds a longer prefix of ``hashes`` than ``chosen`` reaches,
+        note an engine on that host for :meth:`kv_source`; returns how many blocks it holds (0:
+        no fetch)."""
+        if self.peer_endpoint is None or not hashes:
+            return 0
+        here, most, source = member_host(chosen), self.reachable_blocks(chosen, hashes), None
+        for member in ready:
+            host = member_host(member)
+            if host and host != here and (blocks := _leading(hashes, self._pooled_on, host)) > most:
+                most, source = blocks, self.peer_endpoint(member.kv_endpoint)
+        if source is None:
+            return 0
+        self._fetches[(chosen.name, hashes[-1])] = source
+        while len(self._fetches) > _PENDING_FETCHES:
+            self._fetches.popitem(last=False)
+        return most
+
+    def kv_source(self, member: "PoolMember", prompt: list[int], adapter: str = "") -> "TransferEndpoint | None":
+        """The engine on another host that ``member``, just chosen for ``prompt``, should fetch
+        the prompt's prefix from (its p2p pool tier), or None to use only its own host's pool."""
+        hashes = self.block_hashes(prompt, adapter)
+        return self._fetches.pop((member.name, hashes[-1]), None) if hashes else None
+
+    def _remember(self, member_name: str, hashes: list[bytes], pool_host: str = "", pooled_from: int = 0) -> None:
+        """``member_name`` was sent ``hashes`` (and stores those from ``pooled_from`` on in
+        ``pool_host``'s pool)."""
+        indexes = [(self._holders, member_name, hashes)]
+        if pool_host:
+            indexes.append((self._pooled_on, pool_host, hashes[pooled_from:]))
+        for index, holder, stored in indexes:
+            for block_hash in stored:
                 index.setdefault(block_hash, set()).add(holder)
                 index.move_to_end(block_hash)
             while len(index) > self.capacity:

@@ -90,8 +90,13 @@ class WorkerEngine(Protocol):
     """What the router needs of a worker's engine."""
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None
-    ) -> PrefillResult: ...
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None,
+        pool_source: str | None = None,
+    ) -> PrefillResult:
+        """The prompt's first token, its KV kept for (or, with ``decode_endpoint``, pushed to) a
+        decode worker; ``pool_source`` ("host:port") is an engine on another host whose pool
+        holds the prompt's prefix (vLLM's p2p tier fetches it from there)."""
+        ...
 
     def decode(
         self,
@@ -151,8 +156,10 @@ class ActorEngine:
         self.channel = channel
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, decode_endpoint: str | None,
+        pool_source: str | None = None,
     ) -> PrefillResult:
+        # A SIMULATED engine has no KV pool: ``pool_source`` has nothing to fetch into.
         queue = self.channel.subscribe(request_id)
         try:
             self._send(["prefill", request_id, prompt_token_ids, sampling_to_wire(sampling), decode_endpoint])

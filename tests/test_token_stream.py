@@ -57,7 +57,7 @@ class _ScriptedWorker:
         self.aborted: list[str] = []
         self.release = asyncio.Event()
 
-    async def prefill(self, request_id, prompt_token_ids, sampling, decode_endpoint) -> PrefillResult:
+    async def prefill(self, request_id, prompt_token_ids, sampling, decode_endpoint, pool_source=None) -> PrefillResult:
         if request_id == "boom":
             raise ValueError("no such thing")
         return PrefillResult(prompt_token_ids[-1] + 1, "t", len(prompt_token_ids), {"at": decode_endpoint}, None, "w")

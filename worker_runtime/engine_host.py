@@ -44,6 +44,7 @@ from duet.kv_transfer.config import (
     engine_kv_transfer_config,
     listen_host,
     pool_serves,
+    ports_per_worker,
 )
 from duet.kv_transfer.encoder_cache import engine_ec_config
 from duet.kv_transfer.ports import PortReservation, reserve_ports
@@ -136,10 +137,8 @@ class EngineCoreHost(WorkerHost):
         transfers_kv = self.role not in ("colocated", "encode")
         endpoint = None
         if transfers_kv and self.role in TRANSPORTS[transfer.transport].listening_roles:
-            # vLLM offsets each rank's port from the base: one port per rank.
-            ranks = self.pool.tensor_parallel * self.pool.pipeline_parallel
             host = listen_host(transfer)
-            self._ports = reserve_ports(host, base_port(transfer), ranks)
+            self._ports = reserve_ports(host, base_port(transfer), ports_per_worker(self.config, self.role))
             endpoint = TransferEndpoint(host, self._ports.base_port)
             self.kv_endpoint = str(endpoint)
         on_cpu = is_cpu_only()

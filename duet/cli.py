@@ -332,8 +332,8 @@ def _print_status(status: pb.ClusterStatus) -> None:
     for kv_pool in status.kv_pools:
         console.print(
             f"KV pool on {kv_pool.host}: {kv_pool.blocks} blocks ({kv_pool.bytes / 2**20:.1f} of "
-            f"{kv_pool.capacity_bytes / 2**20:.0f} MiB), {kv_pool.hits} hits / {kv_pool.misses} misses, "
-            f"{kv_pool.evictions} evicted"
+            f"{kv_pool.capacity_bytes / 2**20:.0f} MiB), {kv_pool.hits} hits / {kv_pool.misses} misses"
+            f"{f' ({kv_pool.fetched} fetched from other hosts)' if kv_pool.fetched else ''}, {kv_pool.evictions} evicted"
         )
     if status.deployment_id:
         console.print(f"deployment: {status.deployment_id}")

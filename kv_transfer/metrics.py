@@ -58,6 +58,7 @@ POOL_CAPACITY = "duet:kv_pool_capacity_bytes"
 POOL_EVICTIONS = "duet:kv_pool_evictions"
 POOL_CORRUPT = "duet:kv_pool_corrupt_blocks"
 _POOL_TIER = f"{{tier=1:{POOL_TIER_TYPE}}}"
+_PEER_TIER = "{tier=2:p2p}"  # vLLM's p2p tier, after the pool (kv_transfer/config.py)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class PoolTotals:
     hits: int  # block lookups that found the block in the pool (after the engine's own cache missed)
     misses: int
     evictions: int  # blocks this engine's sweeps evicted
+    fetched: int = 0  # blocks it fetched from other hosts' pools (its p2p tier's hits)
 
 
 def pool_totals(metrics: dict[str, float]) -> PoolTotals | None:
@@ -91,4 +93,5 @@ def pool_totals(metrics: dict[str, float]) -> PoolTotals | None:
         hits=int(hits),
         misses=int(queries - hits),
         evictions=int(metrics.get(POOL_EVICTIONS + "_total" + label, 0)),  # a counter's sample
+        fetched=int(metrics.get("vllm:kv_offload_tiering_chunk_hits_total" + _PEER_TIER, 0.0)),
     )

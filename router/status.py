@@ -205,6 +205,7 @@ def _kv_pools(reports: list[PoolTotals]) -> list[pb.KVPool]:
         pool.hits += report.hits
         pool.misses += report.misses
         pool.evictions += report.evictions
+        pool.fetched += report.fetched
         if report.bytes >= pool.bytes:
             pool.bytes, pool.blocks = report.bytes, report.blocks
     return [by_host[host] for host in sorted(by_host)]

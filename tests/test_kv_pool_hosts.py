@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 
+from duet.config import load_config, parse_config
 from duet.deploy.hosts import HostsUnavailable, LinkShape
 from duet.deploy.virtual_cluster import VirtualCluster, serve_on_hosts
+from duet.kv_transfer.config import TransferEndpoint, engine_kv_transfer_config, ports_per_worker, pool_peer_endpoint
 from duet.router.client import build_request
 
 PLAN = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "two-prefill-hosts-cpu.yaml"
@@ -42,12 +44,12 @@ def cluster() -> Iterator[VirtualCluster]:
         pytest.skip(f"network namespaces cannot be created here: {error}")
 
 
-def _transferred(client: Any) -> dict[str, int]:
-    """Prompt tokens each prefill worker has loaded instead of computing (pool or peer)."""
-    return {
-        worker.name: worker.prompt_tokens_transferred
-        for pool in client.status().pools if pool.role == "prefill" for worker in pool.workers
-    }
+def _transferred(client: Any) -> tuple[dict[str, int], int]:
+    """Prompt tokens each prefill worker has loaded instead of computing (pool or peer), and the
+    blocks every host's pool fetched from another's."""
+    status = client.status()
+    loaded = {worker.name: worker.prompt_tokens_transferred for pool in status.pools if pool.role == "prefill" for worker in pool.workers}
+    return loaded, sum(kv_pool.fetched for kv_pool in status.kv_pools)
 
 
 def test_a_prefix_pooled_on_one_host_is_fetched_by_the_other(cluster: VirtualCluster, reference) -> None:
@@ -81,6 +83,42 @@ def test_a_prefix_pooled_on_one_host_is_fetched_by_the_other(cluster: VirtualClu
             pytest.fail(f"the prompt was sent again to {computed_on} five times over: no fetch to test")
         after = _transferred(client)
     fetched_by = second.usage.prefill_worker
-    assert after[fetched_by] - before[fetched_by] == 7 * BLOCK, (
+    (loaded_before, fetched_before), (loaded_after, fetched_after) = before, after
+    assert loaded_after[fetched_by] - loaded_before[fetched_by] == 7 * BLOCK, (
         f"{fetched_by} on {hosts[fetched_by]} did not load the prefix {computed_on} computed on {hosts[computed_on]}"
     )
+    assert fetched_after - fetched_before == 7  # duet status: "7 fetched from other hosts"
+
+
+def _config(**kv_pool: Any) -> Any:
+    data = load_config().model_dump()
+    data["kv_pool"].update(enabled=True, **kv_pool)
+    data["prefill"]["tensor_parallel"] = 2
+    return parse_config(data)
+
+
+def test_a_prefill_engine_listens_for_other_hosts_after_its_kv_channel():
+    """The p2p tier comes after the host's pool (a block found on the host is never fetched) and
+    listens on the port after the engine's ranks' side-channel ports, which the worker reserves
+    with them; the router finds it from the worker's KV endpoint the same way."""
+    config = _config()
+    assert ports_per_worker(config, "prefill") == 3  # two ranks, then the peer
+    assert ports_per_worker(config, "decode") == 1
+    endpoint = TransferEndpoint("10.0.0.7", 5600)
+    assert pool_peer_endpoint(config, "prefill", "10.0.0.7:5600") == TransferEndpoint("10.0.0.7", 5602)
+    engine = engine_kv_transfer_config(config, "prefill", endpoint)
+    assert engine is not None
+    pool = engine["kv_connector_extra_config"]["connectors"][1]
+    tiers = pool["kv_connector_extra_config"]["secondary_tiers"]
+    assert [tier["type"] for tier in tiers] == ["HostPoolTier", "p2p"]
+    assert (tiers[1]["host"], tiers[1]["port"]) == ("10.0.0.7", 5602)
+
+
+def test_without_fetches_across_hosts_there_is_no_peer_tier():
+    config = _config(fetch_across_hosts=False)
+    assert ports_per_worker(config, "prefill") == 2
+    assert pool_peer_endpoint(config, "prefill", "10.0.0.7:5600") is None
+    engine = engine_kv_transfer_config(config, "prefill", TransferEndpoint("10.0.0.7", 5600))
+    assert engine is not None
+    tiers = engine["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]["secondary_tiers"]
+    assert [tier["type"] for tier in tiers] == ["HostPoolTier"]

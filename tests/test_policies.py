@@ -336,3 +336,47 @@ def test_decode_workers_holding_the_adapter_are_preferred_within_the_load_guard(
     assert policy.choose([a, b], [1], "lora-x") is b  # the holder, within the guard
     b.running = 2  # ... but not with two sequences more than a
     assert policy.choose([a, b], [1], "lora-x") is a
+
+
+def test_a_prefix_pooled_on_another_host_is_fetched_from_an_engine_there():
+    """Pools reachable across hosts: the worker chosen for a prompt is told to fetch it from an
+    engine on the host whose pool holds more of it than the worker reaches (that engine's p2p
+    tier, the port after its KV channel's), and only then; the choice itself is by load."""
+    policy = PrefixAffinity(
+        block_size=4, load_factor=100.0, slack_tokens=10**6, shared_pool=True,
+        peer_endpoint=lambda kv_endpoint: f"peer-of-{kv_endpoint}",  # type: ignore[arg-type,return-value]
+    )
+    computed_it, other_host, third_host = _members(0, 0, 0)
+    computed_it.kv_endpoint, other_host.kv_endpoint, third_host.kv_endpoint = "10.0.0.1:5600", "10.0.0.2:5600", "10.0.0.3:5600"
+    prompt = list(range(40))  # ten blocks
+    assert policy.choose([computed_it], prompt) is computed_it
+    assert policy.kv_source(computed_it, prompt) is None  # computed there: nothing to fetch
+    computed_it.outstanding_tokens = 100  # busy: the idle host gets the prompt
+    assert policy.choose([computed_it, other_host], prompt) is other_host
+    assert policy.kv_source(other_host, prompt) == "peer-of-10.0.0.1:5600"
+    assert policy.kv_source(other_host, prompt) is None  # one fetch per choice
+    # The fetched blocks are not in the other host's pool (vLLM stores what an engine computed):
+    # a third worker there would still fetch them. Its engine holds them, though.
+    hashes = policy.block_hashes(prompt)
+    assert policy.cached_blocks(other_host.name, hashes) == 10
+    assert policy.reachable_blocks(third_host, hashes) == 0
+    # A longer prompt on the second host: its engine holds the first ten blocks, the two after
+    # them are computed and pooled there, so that host's pool holds more of it than the first
+    # host's, and a worker on a third host fetches it from the second.
+    longer = prompt + list(range(100, 108))
+    assert policy.choose([computed_it, other_host], longer) is other_host
+    assert policy.kv_source(other_host, longer) is None  # its engine holds the ten blocks
+    other_host.outstanding_tokens = 100
+    assert policy.choose([computed_it, other_host, third_host], longer) is third_host
+    assert policy.kv_source(third_host, longer) == "peer-of-10.0.0.2:5600"
+
+
+def test_without_pools_across_hosts_no_fetch_is_planned():
+    policy = PrefixAffinity(block_size=4, load_factor=100.0, slack_tokens=10**6, shared_pool=True)
+    computed_it, other_host = _members(0, 0)
+    computed_it.kv_endpoint, other_host.kv_endpoint = "10.0.0.1:5600", "10.0.0.2:5600"
+    prompt = list(range(40))
+    policy.choose([computed_it], prompt)
+    computed_it.outstanding_tokens = 100
+    assert policy.choose([computed_it, other_host], prompt) is other_host
+    assert policy.kv_source(other_host, prompt) is None

@@ -352,7 +352,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_inflight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., kv_transport: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., routing: _Optional[_Iterable[str]] = ..., front_ends: _Optional[_Iterable[_Union[FrontEnd, _Mapping]]] = ..., control_plane_pid: _Optional[int] = ..., deployment_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelRequests, _Mapping]]] = ..., served_models: _Optional[_Iterable[str]] = ..., encoder_caches: _Optional[_Iterable[_Union[EncoderCache, _Mapping]]] = ..., kv_pools: _Optional[_Iterable[_Union[KVPool, _Mapping]]] = ...) -> None: ...
 
 class KVPool(_message.Message):
-    __slots__ = ("host", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions")
+    __slots__ = ("host", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "fetched")
     HOST_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +360,7 @@ class KVPool(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
     host: str
     blocks: int
     bytes: float
@@ -367,7 +368,8 @@ class KVPool(_message.Message):
     hits: int
     misses: int
     evictions: int
-    def __init__(self, host: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[float] = ..., capacity_bytes: _Optional[float] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    fetched: int
+    def __init__(self, host: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[float] = ..., capacity_bytes: _Optional[float] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., fetched: _Optional[int] = ...) -> None: ...
 
 class ModelRequests(_message.Message):
     __slots__ = ("model", "requests_served", "requests_inflight", "requests_failed")

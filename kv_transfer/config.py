@@ -23,7 +23,7 @@ from typing import Any, Literal
 import os
 
 from duet.config import DuetConfig, KVPoolConfig, KVTransferConfig
-from duet.kv_transfer.metrics import POOL_TIER_TYPE
+from duet.kv_transfer.metrics import POOL_PEER_TIER_TYPE, POOL_TIER_TYPE
 
 Role = Literal["prefill", "decode"]
 # The roles whose engines read and fill the host KV pool (docs/concepts/kv-pool.md): decode
@@ -31,6 +31,7 @@ Role = Literal["prefill", "decode"]
 # scheduler directly (worker_runtime/kv_migration.py), which a connector beside it would hide.
 POOL_ROLES = ("prefill", "colocated")
 _POOL_MODULE = "duet.kv_transfer.kv_pool"
+_PEER_MODULE = "duet.kv_transfer.pool_peers"
 
 _CONNECTOR_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -124,7 +125,10 @@ def pool_connector_config(pool: KVPoolConfig, peer: TransferEndpoint | None = No
     }]
     if peer is not None:
         # After the host's own pool: a block found there is never fetched from another host.
-        tiers.append({"type": "p2p", "host": peer.host, "port": peer.port, "backends": ["UCX"], "num_threads": 1})
+        tiers.append({
+            "type": POOL_PEER_TIER_TYPE, "module_path": _PEER_MODULE,  # vLLM's p2p tier (kv_transfer/pool_peers.py)
+            "host": peer.host, "port": peer.port, "backends": ["UCX"], "num_threads": 1,
+        })
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",

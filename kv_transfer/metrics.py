@@ -52,13 +52,14 @@ def transfer_totals(metrics: dict[str, float]) -> TransferTotals:
 # tier (a chunk is one KV block there). Named here, where the router reads them without
 # importing vLLM's offloading code.
 POOL_TIER_TYPE = "HostPoolTier"
+POOL_PEER_TIER_TYPE = "HostPeerTier"  # after it: fetches from other hosts' pools
 POOL_BYTES = "duet:kv_pool_bytes"
 POOL_BLOCKS = "duet:kv_pool_blocks"
 POOL_CAPACITY = "duet:kv_pool_capacity_bytes"
 POOL_EVICTIONS = "duet:kv_pool_evictions"
 POOL_CORRUPT = "duet:kv_pool_corrupt_blocks"
 _POOL_TIER = f"{{tier=1:{POOL_TIER_TYPE}}}"
-_PEER_TIER = "{tier=2:p2p}"  # vLLM's p2p tier, after the pool (kv_transfer/config.py)
+_PEER_TIER = f"{{tier=2:{POOL_PEER_TIER_TYPE}}}"
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def test_a_prefill_engine_listens_for_other_hosts_after_its_kv_channel():
     assert engine is not None
     pool = engine["kv_connector_extra_config"]["connectors"][1]
     tiers = pool["kv_connector_extra_config"]["secondary_tiers"]
-    assert [tier["type"] for tier in tiers] == ["HostPoolTier", "p2p"]
+    assert [tier["type"] for tier in tiers] == ["HostPoolTier", "HostPeerTier"]
     assert (tiers[1]["host"], tiers[1]["port"]) == ("10.0.0.7", 5602)
 
 

@@ -613,6 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     from duet.benchmarks.kv_transfer import register_command as register_bench_transfer
     from duet.benchmarks.kv_pool import register_command as register_bench_kv_pool
     from duet.benchmarks.kv_pool_cost import register_command as register_bench_kv_pool_cost
+    from duet.benchmarks.kv_pool_hosts import register_command as register_bench_kv_pool_hosts
     from duet.benchmarks.local_prefill import register_command as register_bench_local_prefill
     from duet.benchmarks.batch_jobs import register_command as register_bench_batch
     from duet.benchmarks.lora_affinity import register_command as register_bench_lora_affinity
@@ -642,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_batch(benches)  # bench batch
     register_bench_kv_pool(benches)  # bench kv-pool
     register_bench_kv_pool_cost(benches)  # bench kv-pool-cost
+    register_bench_kv_pool_hosts(benches)  # bench kv-pool-hosts
     register_bench_lora_affinity(benches)  # bench lora-affinity
     register_bench_multi_model(benches)  # bench multi-model
     register_bench_images(benches)  # bench images

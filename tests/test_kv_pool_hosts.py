@@ -4,47 +4,36 @@ prefill worker over the network (vLLM's p2p tier, kv_pool.fetch_across_hosts).
 Virtual hosts on one machine (deploy/hosts.py), each with its own /dev/shm and so its own pool:
 the two-prefill-host plan (deploy/examples/two-prefill-hosts-cpu.yaml) puts a prefill worker on
 each of two hosts. A prompt computed on one host is sent again while that host's worker is busy
-with a longer prompt (so the router sends it to the other); the other must load the prefix's
-seven blocks from the first host and generate exactly what a colocated engine does.
+with a longer prompt (so the router sends it to the other: benchmarks/kv_pool_hosts.py's
+trial); the other must load the prefix's seven blocks from the first host and generate exactly
+what a colocated engine does.
 """
 
 from __future__ import annotations
 
 import random
-import threading
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from duet.benchmarks.kv_pool_hosts import BLOCK, MAX_TOKENS, PLAN, SETTINGS, fetch_trial
 from duet.config import load_config, parse_config
 from duet.deploy.hosts import HostsUnavailable, LinkShape
 from duet.deploy.virtual_cluster import VirtualCluster, serve_on_hosts
 from duet.kv_transfer.config import TransferEndpoint, engine_kv_transfer_config, ports_per_worker, pool_peer_endpoint
-from duet.router.client import build_request
-
-PLAN = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "two-prefill-hosts-cpu.yaml"
-BLOCK = 128  # vLLM's KV block on CPU: the pool keeps whole blocks
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[VirtualCluster]:
-    settings = {
-        "kv_transfer": {"transport": "nixl"},
-        "kv_pool": {"enabled": True},
-        "router": {"prefill_policy": "prefix_affinity"},
-    }
     try:
-        with serve_on_hosts(settings, LinkShape(rate_mbit=1000), plan=PLAN) as running:
+        with serve_on_hosts(SETTINGS, LinkShape(rate_mbit=1000), plan=PLAN) as running:
             yield running
     except HostsUnavailable as error:
         pytest.skip(f"network namespaces cannot be created here: {error}")
 
 
-def _transferred(client: Any) -> tuple[dict[str, int], int]:
+def _loaded(client: Any) -> tuple[dict[str, int], int]:
     """Prompt tokens each prefill worker has loaded instead of computing (pool or peer), and the
     blocks every host's pool fetched from another's."""
     status = client.status()
@@ -60,32 +49,18 @@ def test_a_prefix_pooled_on_one_host_is_fetched_by_the_other(cluster: VirtualClu
         for attempt in range(5):  # the busy worker's prompt may be done before the second one arrives
             rng = random.Random(700 + attempt)
             prompt = rng.choices(range(3, 700), k=7 * BLOCK + 40)  # seven whole blocks
-            longer = prompt + rng.choices(range(3, 700), k=2000)  # its prefix: routed to the same worker
-            expected = reference.greedy([prompt], MAX_TOKENS, ignore_eos=True)[0]
-
-            def send(tokens: list[int]) -> tuple[list[int], Any]:
-                return client.generate_ids(build_request(prompt_token_ids=tokens, max_tokens=MAX_TOKENS, ignore_eos=True), timeout=120)
-
-            ids, first = send(prompt)
-            assert ids == expected
-            computed_on = first.usage.prefill_worker
-            time.sleep(1.0)  # its blocks reach its host's pool in the background
-            before = _transferred(client)
-            busy = threading.Thread(target=send, args=(longer,))
-            busy.start()
-            time.sleep(0.15)
-            ids, second = send(prompt)
-            busy.join()
-            assert ids == expected, "the fetched prefix gave other tokens than a colocated engine"
-            if second.usage.prefill_worker != computed_on:
+            loaded_before, fetched_before = _loaded(client)
+            trial = fetch_trial(client, prompt, rng.choices(range(3, 700), k=2000), fetched=True)
+            if trial.worker != trial.busy_worker:
                 break
         else:
-            pytest.fail(f"the prompt was sent again to {computed_on} five times over: no fetch to test")
-        after = _transferred(client)
-    fetched_by = second.usage.prefill_worker
-    (loaded_before, fetched_before), (loaded_after, fetched_after) = before, after
-    assert loaded_after[fetched_by] - loaded_before[fetched_by] == 7 * BLOCK, (
-        f"{fetched_by} on {hosts[fetched_by]} did not load the prefix {computed_on} computed on {hosts[computed_on]}"
+            pytest.fail("the prompt was sent again to the worker that computed it five times over: no fetch to test")
+        loaded_after, fetched_after = _loaded(client)
+    expected = reference.greedy([prompt], MAX_TOKENS, ignore_eos=True)[0]
+    assert trial.expected == expected
+    assert trial.token_ids == expected, "the fetched prefix gave other tokens than a colocated engine"
+    assert loaded_after[trial.worker] - loaded_before[trial.worker] == 7 * BLOCK, (
+        f"{trial.worker} on {hosts[trial.worker]} did not load the prefix {trial.busy_worker} computed on {hosts[trial.busy_worker]}"
     )
     assert fetched_after - fetched_before == 7  # duet status: "7 fetched from other hosts"
 

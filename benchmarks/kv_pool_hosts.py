@@ -3,8 +3,9 @@
 
 The two-prefill-host plan (deploy/examples/two-prefill-hosts-cpu.yaml: a prefill worker on each
 of two virtual hosts, each host with its own /dev/shm and so its own pool, the decode worker on
-a third) runs with the pool on and ``prefix_affinity``, once per link speed. Each round makes
-two trials, in alternating order (this machine's speed moves within minutes):
+a third) runs with the pool and its fetches across hosts on and ``prefix_affinity``, once per
+link speed. Each round makes two trials, in alternating order (this machine's speed moves
+within minutes):
 
 - **fetched**: a prompt is computed on one prefill worker, then sent again while that worker
   is busy with a longer prompt that shares it (affinity sends that one there), so the router
@@ -33,7 +34,7 @@ PLAN = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "two-prefil
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_pool_hosts.json"
 SETTINGS = {
     "kv_transfer": {"transport": "nixl"},
-    "kv_pool": {"enabled": True},
+    "kv_pool": {"enabled": True, "fetch_across_hosts": True},
     "router": {"prefill_policy": "prefix_affinity"},
 }
 BLOCK = 128  # vLLM's KV block on CPU: the pool keeps whole blocks

@@ -337,11 +337,15 @@ class KVPoolConfig(_Strict):
     engine_buffer_mib: int = Field(default=128, ge=8)
     """Each engine's own host-memory tier, through which blocks pass to and from the pool (vLLM's
     primary tier): at least the blocks of the longest prompts loaded at once."""
-    fetch_across_hosts: bool = True
+    fetch_across_hosts: bool = False
     """A prefill worker fetches a prefix that another host's pool holds, and its own host's does
-    not, from an engine on that host over NIXL (vLLM's p2p tier) instead of computing it. Each
-    prefill engine listens for such fetches on the port after its KV side channel's. Prefill
-    workers only (nixl transport): colocated workers have no KV channel to address."""
+    not, from an engine on that host over NIXL (vLLM's p2p tier) instead of computing it
+    (router.prefill_policy prefix_affinity chooses the source). Each prefill engine listens for
+    such fetches on the port after its KV side channel's. Prefill workers only (nixl transport):
+    colocated workers have no KV channel to address. Off by default: with the built-in model a
+    fetch took longer than computing the prompt, 1.44x at 1 Gbit/s and 7.9x at 100 Mbit/s
+    (benchmarks/results/kv_pool_hosts.json); it pays where a block crosses the link faster than
+    the engine computes it (large models, fast links)."""
 
 
 class RayConfig(_Strict):

@@ -67,7 +67,7 @@ def test_a_prefix_pooled_on_one_host_is_fetched_by_the_other(cluster: VirtualClu
 
 def _config(**kv_pool: Any) -> Any:
     data = load_config().model_dump()
-    data["kv_pool"].update(enabled=True, **kv_pool)
+    data["kv_pool"].update({"enabled": True, "fetch_across_hosts": True, **kv_pool})
     data["prefill"]["tensor_parallel"] = 2
     return parse_config(data)
 

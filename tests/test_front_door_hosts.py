@@ -134,15 +134,19 @@ def test_front_door_killed_mid_stream_loses_no_request(cluster: VirtualCluster, 
         stream.start()
     for stream in [*streams, *http_streams]:
         assert stream.started.wait(120), "a stream got no token"
+    # The victim's streams still well short of their end (under load, the first may be nearly
+    # done by the time the last has started: one finished before the kill in a CI run).
+    in_flight = [stream for stream in streams[0::2] if len(stream.tokens) < MAX_TOKENS - 40]
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
     for stream in streams:
         stream.join(600)
     drained_s = time.monotonic() - killed_at
     assert [s.error for s in streams] == [None] * STREAMS, "a stream ended in an error"
+    assert in_flight, "every stream on the killed front door was done before it died: nothing resumed"
+    assert all(s.client.resumes for s in in_flight), "the streams on the killed front door did not resume on the other"
     resumed = sum(s.client.resumes for s in streams)
     pause_s = max(s.longest_gap_s for s in streams if s.client.resumes)
-    assert resumed >= STREAMS // 2, "the streams on the killed front door did not resume on the other"
     for stream, want in zip(streams, expected):
         assert stream.tokens == want, "a stream differs from the colocated engine"
     for stream in http_streams:

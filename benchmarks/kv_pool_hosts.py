@@ -16,7 +16,8 @@ within minutes):
 Each trial's figure is the second request's TTFT (the router's, prefill and first token); a
 trial whose second request went to the busy worker after all is made again. The fetched
 trial's tokens must equal its first request's (the prefix computed on one host, loaded on the
-other). tests/test_kv_pool_hosts.py runs :func:`fetch_trial` once.
+other), and the hosts' pools must count every block fetched: this run is the cross-host pool's
+end-to-end check (tests/test_kv_pool_hosts.py says why it is not in the suite).
 """
 
 from __future__ import annotations

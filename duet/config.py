@@ -339,9 +339,10 @@ class KVPoolConfig(_Strict):
     primary tier): at least the blocks of the longest prompts loaded at once."""
     fetch_across_hosts: bool = False
     """A prefill worker fetches a prefix that another host's pool holds, and its own host's does
-    not, from an engine on that host over NIXL (vLLM's p2p tier) instead of computing it
-    (router.prefill_policy prefix_affinity chooses the source). Each prefill engine listens for
-    such fetches on the port after its KV side channel's. Prefill workers only (nixl transport):
+    not, from an engine on that host over NIXL (vLLM's p2p tier) instead of computing it. Needs
+    router.prefill_policy prefix_affinity, which knows which host holds a prefix and names the
+    source (with another policy this does nothing). Each prefill engine listens for such fetches
+    on the port after its KV side channel's. Prefill workers only (nixl transport):
     colocated workers have no KV channel to address. Off by default: with the built-in model a
     fetch took longer than computing the prompt, 1.44x at 1 Gbit/s and 7.9x at 100 Mbit/s
     (benchmarks/results/kv_pool_hosts.json); it pays where a block crosses the link faster than

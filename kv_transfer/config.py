@@ -32,6 +32,8 @@ Role = Literal["prefill", "decode"]
 POOL_ROLES = ("prefill", "colocated")
 _POOL_MODULE = "duet.kv_transfer.kv_pool"
 _PEER_MODULE = "duet.kv_transfer.pool_peers"
+# Seconds a prefill engine waits for another host's engine to take up a fetch (the p2p handshake).
+POOL_PEER_HANDSHAKE_TIMEOUT_S = 5
 
 _CONNECTOR_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -144,8 +146,22 @@ def pool_connector_config(pool: KVPoolConfig, peer: TransferEndpoint | None = No
 
 def fetches_across_hosts(config: DuetConfig) -> bool:
     """Whether prefill engines fetch pool blocks from other hosts' engines (and serve theirs):
-    only prefill workers have a KV channel whose address the router knows."""
-    return config.kv_pool.fetch_across_hosts and pool_serves(config, "prefill")
+    only prefill workers have a KV channel whose address the router knows, and only
+    ``prefix_affinity`` knows which host's pool holds a prefix (without it, the peer tier
+    would run in every prefill engine for nothing)."""
+    return (
+        config.kv_pool.fetch_across_hosts and pool_serves(config, "prefill")
+        and config.router.prefill_policy == "prefix_affinity"
+    )
+
+
+def pool_peer_environment(config: DuetConfig, role: str) -> dict[str, str]:
+    """Environment of an engine of ``role``'s p2p pool tier: how long it waits for another
+    host's engine to answer before it computes the prompt instead (vLLM's default, 30 s, is
+    what every prompt sent to an unreachable source would wait)."""
+    if role != "prefill" or not fetches_across_hosts(config):
+        return {}
+    return {"VLLM_P2P_HANDSHAKE_TIMEOUT_S": str(POOL_PEER_HANDSHAKE_TIMEOUT_S)}
 
 
 def _ranks(config: DuetConfig, role: str) -> int:

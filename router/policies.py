@@ -242,18 +242,22 @@ class PrefixAffinity:
 
     def _plan_fetch(self, chosen: "PoolMember", ready: "list[PoolMember]", hashes: list[bytes]) -> int:
         """Where another host's pool holds a longer prefix of ``hashes`` than ``chosen`` reaches,
-        note an engine on that host for :meth:`kv_source`; returns how many blocks it holds (0:
-        no fetch)."""
+        note the least busy engine on that host (any of them reads its pool, and each answers a
+        fetch only between its own steps) for :meth:`kv_source`; returns how many blocks that
+        host holds (0: no fetch)."""
         if self.peer_endpoint is None or not hashes:
             return 0
-        here, most, source = member_host(chosen), self.reachable_blocks(chosen, hashes), None
-        for member in ready:
-            host = member_host(member)
-            if host and host != here and (blocks := _leading(hashes, self._pooled_on, host)) > most:
-                most, source = blocks, self.peer_endpoint(member.kv_endpoint)
-        if source is None:
+        here, most, best_host = member_host(chosen), self.reachable_blocks(chosen, hashes), ""
+        for host in {member_host(member) for member in ready} - {"", here}:
+            if (blocks := _leading(hashes, self._pooled_on, host)) > most:
+                most, best_host = blocks, host
+        if not best_host:
             return 0
-        self._fetches[(chosen.name, hashes[-1])] = source
+        source = min((m for m in ready if member_host(m) == best_host), key=lambda m: (m.outstanding_tokens, m.inflight))
+        endpoint = self.peer_endpoint(source.kv_endpoint)
+        if endpoint is None:
+            return 0
+        self._fetches[(chosen.name, hashes[-1])] = endpoint
         while len(self._fetches) > _PENDING_FETCHES:
             self._fetches.popitem(last=False)
         return most
@@ -261,6 +265,8 @@ class PrefixAffinity:
     def kv_source(self, member: "PoolMember", prompt: list[int], adapter: str = "") -> "TransferEndpoint | None":
         """The engine on another host that ``member``, just chosen for ``prompt``, should fetch
         the prompt's prefix from (its p2p pool tier), or None to use only its own host's pool."""
+        if not self._fetches:  # no fetch planned (always so without pools across hosts)
+            return None
         hashes = self.block_hashes(prompt, adapter)
         return self._fetches.pop((member.name, hashes[-1]), None) if hashes else None
 

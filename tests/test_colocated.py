@@ -211,7 +211,13 @@ def test_a_corrupt_block_in_the_host_pool_is_computed_not_served(colocated, refe
     def counted_corrupt(state: Any) -> float:
         return sum(v for k, v in state.engine_metrics.items() if k.startswith(POOL_CORRUPT + "_total"))
 
-    assert counted_corrupt(after) - counted_corrupt(before) == 7
+    def newly_counted() -> float:  # the engine counts them in its next stats report
+        return counted_corrupt({w.name: w for w in _worker_states(deployment)}[after.name]) - counted_corrupt(before)
+
+    deadline = time.monotonic() + 10
+    while (counted := newly_counted()) < 7 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert counted == 7
     deadline = time.monotonic() + 20  # the recomputed blocks are stored again
     while not all(path.exists() and path.read_bytes() != data for path, data in damaged.items()):
         assert time.monotonic() < deadline, "the corrupt blocks were not replaced"

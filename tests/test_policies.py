@@ -380,3 +380,18 @@ def test_without_pools_across_hosts_no_fetch_is_planned():
     computed_it.outstanding_tokens = 100
     assert policy.choose([computed_it, other_host], prompt) is other_host
     assert policy.kv_source(other_host, prompt) is None
+
+
+def test_a_fetch_is_planned_from_the_least_busy_engine_on_the_host_holding_the_prefix():
+    """Any engine on a host reads its pool, and each answers fetches between its own steps."""
+    policy = PrefixAffinity(
+        block_size=4, load_factor=100.0, slack_tokens=10**6, shared_pool=True,
+        peer_endpoint=lambda kv_endpoint: f"peer-of-{kv_endpoint}",  # type: ignore[arg-type,return-value]
+    )
+    computed_it, its_neighbour, elsewhere = _members(0, 0, 0)
+    computed_it.kv_endpoint, its_neighbour.kv_endpoint, elsewhere.kv_endpoint = "10.0.0.1:5600", "10.0.0.1:5602", "10.0.0.2:5600"
+    prompt = list(range(40))
+    assert policy.choose([computed_it], prompt) is computed_it
+    computed_it.outstanding_tokens, its_neighbour.outstanding_tokens = 500, 400  # both busier than the other host
+    assert policy.choose([computed_it, its_neighbour, elsewhere], prompt) is elsewhere
+    assert policy.kv_source(elsewhere, prompt) == "peer-of-10.0.0.1:5602"

@@ -43,6 +43,7 @@ from duet.kv_transfer.config import (
     engine_environment,
     engine_kv_transfer_config,
     listen_host,
+    pool_peer_environment,
     pool_serves,
     ports_per_worker,
 )
@@ -144,6 +145,7 @@ class EngineCoreHost(WorkerHost):
         on_cpu = is_cpu_only()
         core = self.cpu_core if on_cpu else None
         env = engine_environment(transfer, endpoint, core) if transfers_kv else {}
+        env.update(pool_peer_environment(self.config, self.role))
         if not transfers_kv and core is not None:
             # Without a KV connector nothing else pins a one-process engine: duet's plugin does
             # (kv_transfer/vllm_plugin.py).

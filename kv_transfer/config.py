@@ -67,6 +67,12 @@ class TransferEndpoint:
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @classmethod
+    def parse(cls, text: str) -> "TransferEndpoint":
+        """The endpoint ``str`` wrote ("host:port")."""
+        host, port = text.rsplit(":", 1)
+        return cls(host, int(port))
+
 
 def listen_host(settings: KVTransferConfig) -> str:
     """The address a worker's KV channel listens on and peers connect to: the configured one,
@@ -181,8 +187,7 @@ def pool_peer_endpoint(config: DuetConfig, role: str, kv_endpoint: TransferEndpo
     if role != "prefill" or not kv_endpoint or not fetches_across_hosts(config):
         return None
     if isinstance(kv_endpoint, str):
-        host, port = kv_endpoint.rsplit(":", 1)
-        kv_endpoint = TransferEndpoint(host, int(port))
+        kv_endpoint = TransferEndpoint.parse(kv_endpoint)
     return TransferEndpoint(kv_endpoint.host, kv_endpoint.port + _ranks(config, role))
 
 
@@ -190,8 +195,8 @@ def pool_source_params(source: str, request_id: str) -> dict[str, Any]:
     """``kv_transfer_params`` that make a prefill engine fetch, through its p2p tier, the prompt's
     blocks that the engine at ``source`` ("host:port") reaches (its host's pool, its own host
     tier) and its own host's pool lacks. Blocks the source lacks are computed."""
-    host, port = source.rsplit(":", 1)
-    return {"remote_kv_source": {"remote_host": host, "remote_port": int(port), "kv_request_id": request_id}}
+    peer = TransferEndpoint.parse(source)
+    return {"remote_kv_source": {"remote_host": peer.host, "remote_port": peer.port, "kv_request_id": request_id}}
 
 
 def pool_serves(config: DuetConfig, role: str) -> bool:
@@ -249,8 +254,8 @@ def _peer(endpoint: str | None, what: str) -> Any:
 
     if not endpoint:
         raise ValueError(f"the nccl transport needs the receiving decode worker's address before {what}")
-    host, port = endpoint.rsplit(":", 1)
-    return PeerAddress(host, int(port))
+    peer = TransferEndpoint.parse(endpoint)
+    return PeerAddress(peer.host, peer.port)
 
 
 def prefill_request_params(settings: KVTransferConfig, decode_endpoint: str | None) -> dict[str, Any]:

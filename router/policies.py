@@ -233,21 +233,21 @@ class PrefixAffinity:
             candidates,
             key=lambda member: (tokens_ahead(member), -cached[member.name], member.inflight, random.random()),
         )
-        fetched = self._plan_fetch(best, ready, hashes)
+        fetched = self._plan_fetch(best, ready, hashes, reachable[best.name])
         # Blocks fetched from another host are not stored in this host's pool (vLLM's tiers store
         # what the engine computed); the ones after them are.
         self._remember(best.name, hashes, member_host(best) if self.shared_pool else "", pooled_from=fetched)
         self.adapters.sent(best.name, adapter)
         return best
 
-    def _plan_fetch(self, chosen: "PoolMember", ready: "list[PoolMember]", hashes: list[bytes]) -> int:
-        """Where another host's pool holds a longer prefix of ``hashes`` than ``chosen`` reaches,
-        note the least busy engine on that host (any of them reads its pool, and each answers a
-        fetch only between its own steps) for :meth:`kv_source`; returns how many blocks that
-        host holds (0: no fetch)."""
+    def _plan_fetch(self, chosen: "PoolMember", ready: "list[PoolMember]", hashes: list[bytes], reached: int) -> int:
+        """Where another host's pool holds a longer prefix of ``hashes`` than the ``reached``
+        blocks ``chosen`` reaches, note the least busy engine on that host (any of them reads its
+        pool, and each answers a fetch only between its own steps) for :meth:`kv_source`;
+        returns how many blocks that host holds (0: no fetch)."""
         if self.peer_endpoint is None or not hashes:
             return 0
-        here, most, best_host = member_host(chosen), self.reachable_blocks(chosen, hashes), ""
+        here, most, best_host = member_host(chosen), reached, ""
         for host in {member_host(member) for member in ready} - {"", here}:
             if (blocks := _leading(hashes, self._pooled_on, host)) > most:
                 most, best_host = blocks, host

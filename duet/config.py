@@ -346,7 +346,14 @@ class KVPoolConfig(_Strict):
     colocated workers have no KV channel to address. Off by default: with the built-in model a
     fetch took longer than computing the prompt, 1.44x at 1 Gbit/s and 7.9x at 100 Mbit/s
     (benchmarks/results/kv_pool_hosts.json); it pays where a block crosses the link faster than
-    the engine computes it (large models, fast links)."""
+    the engine computes it (large models, fast links). Whether each planned fetch is made is
+    ``fetch_when``'s."""
+    fetch_when: Literal["faster", "always"] = "faster"
+    """With fetch_across_hosts, which planned fetches are made. ``faster``: those the router
+    predicts to be faster than computing the same tokens, from its own timings of both (prefills
+    it computed, and fetches from each host, on workers with nothing else queued); the first
+    fetch from a host is made to measure it, and while fetches from a host are declined one in
+    16 is made to measure again. ``always``: every one (to measure fetching itself)."""
 
 
 class RayConfig(_Strict):

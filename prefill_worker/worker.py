@@ -72,6 +72,7 @@ async def run_prefill(
         first_logprobs=logprobs_of(completion.logprobs),
         prompt_logprobs=logprobs_of(final.prompt_logprobs),
         stop_reason=None if handing_over else completion.stop_reason,
+        cached_tokens=final.num_cached_tokens or 0,
     )
 
 

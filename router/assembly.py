@@ -83,6 +83,7 @@ def request_service(
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         local_prefill_queue_tokens=config.router.local_prefill_queue_tokens,
         local_prefill_tpot_s=config.router.local_prefill_tpot_s,
+        fetch_when=config.kv_pool.fetch_when,
     )
     lifecycle.on_move = cluster.moved
     if encode is not None:

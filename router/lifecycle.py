@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Callable
 from duet.worker_runtime.worker_api import DecodeChunk, FinishReason, PositionLogprobs, PrefillResult, SamplingSpec
 from duet.router.encoding import EncodeStep
 from duet.router.local_prefill import LocalPrefillGuard
+from duet.router.pool_fetch import FetchChoice, FetchWhen, PlannedFetch
 from duet.router.policies import PrefixAffinity
 from duet.router.pools import NoWorkerAvailable, PoolMember, WorkerPool
 from duet.router.validation import ValidatedRequest
@@ -239,6 +240,7 @@ class RequestLifecycle:
         local_prefill_max_tokens: int = 0,
         local_prefill_queue_tokens: int = 0,
         local_prefill_tpot_s: float | None = None,
+        fetch_when: FetchWhen = "faster",
     ) -> None:
         self.prefill_pool = prefill
         self.decode_pool = decode
@@ -251,6 +253,8 @@ class RequestLifecycle:
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
         # ... and then only while the decode worker's streams stay inside this TPOT target.
         self.local_prefill_guard = LocalPrefillGuard(local_prefill_tpot_s)
+        # Whether a prefix another host's KV pool holds is fetched or computed, per request.
+        self.pool_fetches = FetchChoice(fetch_when, self.local_prefill_guard.prompt_cost)
         # The decode rounds in flight, by the engines' request id: where each runs, to move them.
         self._decoding: dict[str, Decoding] = {}
         # Told of every request that continued on another decode worker (status, metrics).
@@ -453,7 +457,7 @@ class RequestLifecycle:
                     guard.queued_behind(assigned_to, request_id, prefill_worker.outstanding_tokens)
                     result = await self._prefill(
                         prefill_worker, round_, decode_worker.kv_endpoint if self.prefill_pushes_kv else None,
-                        self._pool_source(prefill_worker, round_),
+                        self._pool_fetch(prefill_worker, round_),
                     )
             guard.first_token(assigned_to, request_id)
             yield DecodeChunk(
@@ -528,18 +532,22 @@ class RequestLifecycle:
         round_.decode_worker = decode_worker.name
         return decode_worker
 
-    def _pool_source(self, worker: PoolMember, round_: _Round) -> str | None:
-        """The engine on another host whose pool ``worker`` should fetch the round's prefix from
-        (router/policies.py: PrefixAffinity.kv_source), or None."""
+    def _pool_fetch(self, worker: PoolMember, round_: _Round) -> PlannedFetch | None:
+        """The prefix ``worker`` fetches for the round from another host's pool, where one is
+        planned (router/policies.py: PrefixAffinity.kv_source) and fetching it is chosen over
+        computing it (router/pool_fetch.py); None: the worker computes what its host lacks."""
         assert self.prefill_pool is not None
         policy = self.prefill_pool.policy
         if not isinstance(policy, PrefixAffinity):
             return None
-        source = policy.kv_source(worker, round_.prompt_token_ids, round_.sampling.lora_name)
-        return str(source) if source is not None else None
+        plan = policy.kv_source(worker, round_.prompt_token_ids, round_.sampling.lora_name)
+        if plan is None or self.pool_fetches.take(plan, round_.context_tokens):
+            return plan
+        policy.computed_instead(worker, round_.prompt_token_ids, round_.sampling.lora_name)
+        return None
 
     async def _prefill(
-        self, worker: PoolMember, round_: _Round, decode_endpoint: str | None, pool_source: str | None = None
+        self, worker: PoolMember, round_: _Round, decode_endpoint: str | None, fetch: PlannedFetch | None = None
     ) -> PrefillResult:
         assert self.prefill_pool is not None
         engine = _engine_of(self.prefill_pool, worker)
@@ -548,10 +556,15 @@ class RequestLifecycle:
         worker.outstanding_tokens += round_.context_tokens
         try:
             result = await engine.prefill(
-                round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint, pool_source
+                round_.request_id, round_.prompt_token_ids, round_.sampling, decode_endpoint,
+                str(fetch.source) if fetch is not None else None,
             )
-            if alone:  # nothing queued with it: what a prompt costs (the guard's estimate)
-                self.local_prefill_guard.prefilled(round_.context_tokens, time.perf_counter() - started)
+            if alone:  # nothing queued with it: what computing a prompt costs (the guard's estimate), or fetching one
+                seconds, computed = time.perf_counter() - started, round_.context_tokens - result.cached_tokens
+                if fetch is None:
+                    self.local_prefill_guard.prefilled(computed, seconds)
+                else:
+                    self.pool_fetches.timed(fetch.source_host, result.cached_tokens - fetch.reached_tokens, computed, seconds)
             return result
         except (EngineLost, EngineRejected) as error:
             raise self._worker_failure(self.prefill_pool, worker, engine, error) from error

@@ -31,6 +31,8 @@ import random
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
 
+from duet.router.pool_fetch import PlannedFetch
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -174,9 +176,9 @@ class PrefixAffinity:
         # Block hash -> the workers sent it, and (shared_pool) the hosts whose pools it went to.
         self._holders: OrderedDict[bytes, set[str]] = OrderedDict()
         self._pooled_on: OrderedDict[bytes, set[str]] = OrderedDict()
-        # (worker, the prompt's last block hash) -> the engine it was told to fetch from, until
-        # the request's prefill asks (kv_source).
-        self._fetches: OrderedDict[tuple[str, bytes], TransferEndpoint] = OrderedDict()
+        # (worker, the prompt's last block hash) -> the fetch planned for it, until the request's
+        # prefill asks (kv_source).
+        self._fetches: OrderedDict[tuple[str, bytes], PlannedFetch] = OrderedDict()
 
     def block_hashes(self, prompt: list[int], adapter: str = "") -> list[bytes]:
         """The prompt's block hashes; a LoRA adapter's prefix is another cache entry than the
@@ -242,9 +244,10 @@ class PrefixAffinity:
 
     def _plan_fetch(self, chosen: "PoolMember", ready: "list[PoolMember]", hashes: list[bytes], reached: int) -> int:
         """Where another host's pool holds a longer prefix of ``hashes`` than the ``reached``
-        blocks ``chosen`` reaches, note the least busy engine on that host (any of them reads its
-        pool, and each answers a fetch only between its own steps) for :meth:`kv_source`;
-        returns how many blocks that host holds (0: no fetch)."""
+        blocks ``chosen`` reaches, plan a fetch from the least busy engine on that host (any of
+        them reads its pool, and each answers a fetch only between its own steps) for
+        :meth:`kv_source`; returns how many blocks that host holds (0: no fetch). Whether the
+        fetch is made is the router's choice when the prefill starts (router/pool_fetch.py)."""
         if self.peer_endpoint is None or not hashes:
             return 0
         here, most, best_host = member_host(chosen), reached, ""
@@ -257,18 +260,25 @@ class PrefixAffinity:
         endpoint = self.peer_endpoint(source.kv_endpoint)
         if endpoint is None:
             return 0
-        self._fetches[(chosen.name, hashes[-1])] = endpoint
+        plan = PlannedFetch(endpoint, best_host, reached * self.block_size, (most - reached) * self.block_size)
+        self._fetches[(chosen.name, hashes[-1])] = plan
         while len(self._fetches) > _PENDING_FETCHES:
             self._fetches.popitem(last=False)
         return most
 
-    def kv_source(self, member: "PoolMember", prompt: list[int], adapter: str = "") -> "TransferEndpoint | None":
-        """The engine on another host that ``member``, just chosen for ``prompt``, should fetch
-        the prompt's prefix from (its p2p pool tier), or None to use only its own host's pool."""
+    def kv_source(self, member: "PoolMember", prompt: list[int], adapter: str = "") -> "PlannedFetch | None":
+        """The fetch planned for ``member``, just chosen for ``prompt``: an engine on another
+        host (its p2p pool tier) holding the prompt's prefix; None to use only its own host's pool."""
         if not self._fetches:  # no fetch planned (always so without pools across hosts)
             return None
         hashes = self.block_hashes(prompt, adapter)
         return self._fetches.pop((member.name, hashes[-1]), None) if hashes else None
+
+    def computed_instead(self, member: "PoolMember", prompt: list[int], adapter: str = "") -> None:
+        """``member`` computes the prefix planned to be fetched for ``prompt`` (the router chose
+        not to fetch it): its host's pool will hold those blocks too."""
+        if self.shared_pool and (host := member_host(member)):
+            self._remember(member.name, self.block_hashes(prompt, adapter), host)
 
     def _remember(self, member_name: str, hashes: list[bytes], pool_host: str = "", pooled_from: int = 0) -> None:
         """``member_name`` was sent ``hashes`` (and stores those from ``pooled_from`` on in

@@ -1,10 +1,13 @@
 """What computing a prompt adds to an engine step, fitted to the prefills the router times.
 
 The router times a prompt from its call to the prefill worker until its first token, on a
-worker with nothing else queued. That time is ``fixed + linear x tokens + quadratic x tokens^2``:
-the fixed part is the engine step's own overhead (scheduling, sampling, the Python around the
-forward pass, about 8 ms on one CPU core for the built-in model) and the call's round trip; the
-quadratic part is attention over the prompt. A prompt that joins a decode engine's step adds
+worker with nothing else queued, counting the tokens the engine computed (a prompt's tokens less
+those found in its prefix cache or loaded from a KV pool; a prompt fetched from another host's
+pool is timed as a fetch instead: router/pool_fetch.py). That time is
+``fixed + linear x tokens + quadratic x tokens^2``: the fixed part is the engine step's own
+overhead (scheduling, sampling, the Python around the forward pass, about 8 ms on one CPU core
+for the built-in model) and the call's round trip; the quadratic part is attention over the
+prompt. A prompt that joins a decode engine's step adds
 only the parts that grow with its length: that step pays its fixed overhead anyway. Dividing the
 whole time by the tokens, as the guard did until 2026-12-05, charged a 400-token prompt about
 twice its stall (the profile in ``cluster/placement/examples/cpu-hosts/tiny-cpu-core.profile.yaml``:
@@ -35,8 +38,8 @@ class PromptCost:
 
     def __init__(self) -> None:
         self._timings: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
-        # (linear, quadratic) seconds per token and per token squared; None until a fit holds.
-        self._growth: tuple[float, float] | None = None
+        # (fixed, linear, quadratic): seconds, per token and per token squared; None until a fit holds.
+        self._fit: tuple[float, float, float] | None = None
 
     @property
     def known(self) -> bool:
@@ -45,15 +48,23 @@ class PromptCost:
     def timed(self, tokens: int, seconds: float) -> None:
         """A prompt of ``tokens`` took ``seconds`` to its first token, nothing queued with it."""
         self._timings.append((tokens, seconds))
-        self._growth = self._fitted()
+        self._fit = self._fitted()
 
     def stall_s(self, tokens: int) -> float:
         """Seconds a prompt of ``tokens`` adds to the step that computes it (0 before any
         timing: callers check :attr:`known`)."""
-        if self._growth is None:
+        if self._fit is None:
             return tokens * self._seconds_per_token()
-        linear, quadratic = self._growth
+        _, linear, quadratic = self._fit
         return tokens * linear + tokens * tokens * quadratic
+
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds a prefill worker with nothing else queued takes to compute a prompt of
+        ``tokens`` to its first token: the fit's fixed part and growth (before a fit, the
+        timings' seconds per token)."""
+        if self._fit is None:
+            return tokens * self._seconds_per_token()
+        return self._fit[0] + self.stall_s(tokens)
 
     def at_least_s(self, tokens: int) -> float:
         """How long ``tokens`` of queued prompts take at the least: the timings' seconds per token,
@@ -65,7 +76,7 @@ class PromptCost:
         tokens = sum(timing[0] for timing in self._timings)
         return sum(timing[1] for timing in self._timings) / tokens if tokens else 0.0
 
-    def _fitted(self) -> tuple[float, float] | None:
+    def _fitted(self) -> tuple[float, float, float] | None:
         if len(self._timings) < _MIN_SAMPLES:
             return None
         tokens = np.array([timing[0] for timing in self._timings], dtype=float)
@@ -74,7 +85,7 @@ class PromptCost:
             return None
         for columns in ((np.ones_like(tokens), tokens, tokens * tokens), (np.ones_like(tokens), tokens)):
             coefficients = np.linalg.lstsq(np.stack(columns, axis=1), seconds, rcond=None)[0]
-            growth = (float(coefficients[1]), float(coefficients[2]) if len(coefficients) == 3 else 0.0)
-            if min(growth) >= 0.0:
-                return growth
+            linear, quadratic = float(coefficients[1]), float(coefficients[2]) if len(coefficients) == 3 else 0.0
+            if min(linear, quadratic) >= 0.0:
+                return max(0.0, float(coefficients[0])), linear, quadratic
         return None

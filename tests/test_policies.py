@@ -3,16 +3,19 @@ load figures are set directly)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import ExitStack
 
 import pytest
 
-from duet.router.lifecycle import RequestLifecycle
+from duet.router.lifecycle import RequestLifecycle, _Round
 from duet.router.local_prefill import LocalPrefillGuard
+from duet.router.pool_fetch import PROBE_EVERY, FetchChoice, PlannedFetch
 from duet.router.prompt_cost import PromptCost
 from duet.router.policies import LeastKvLoad, LeastPromptTokens, LeastRequests, PrefixAffinity
 from duet.router.pools import PoolMember, WorkerPool
+from duet.worker_runtime.worker_api import PrefillResult, SamplingSpec
 
 
 def _members(*outstanding: int) -> list[PoolMember]:
@@ -353,7 +356,7 @@ def test_a_prefix_pooled_on_another_host_is_fetched_from_an_engine_there():
     assert policy.kv_source(computed_it, prompt) is None  # computed there: nothing to fetch
     computed_it.outstanding_tokens = 100  # busy: the idle host gets the prompt
     assert policy.choose([computed_it, other_host], prompt) is other_host
-    assert policy.kv_source(other_host, prompt) == "peer-of-10.0.0.1:5600"
+    assert policy.kv_source(other_host, prompt) == PlannedFetch("peer-of-10.0.0.1:5600", "10.0.0.1", 0, 40)  # type: ignore[arg-type]
     assert policy.kv_source(other_host, prompt) is None  # one fetch per choice
     # The fetched blocks are not in the other host's pool (vLLM stores what an engine computed):
     # a third worker there would still fetch them. Its engine holds them, though.
@@ -368,7 +371,8 @@ def test_a_prefix_pooled_on_another_host_is_fetched_from_an_engine_there():
     assert policy.kv_source(other_host, longer) is None  # its engine holds the ten blocks
     other_host.outstanding_tokens = 100
     assert policy.choose([computed_it, other_host, third_host], longer) is third_host
-    assert policy.kv_source(third_host, longer) == "peer-of-10.0.0.2:5600"
+    # The third host reaches none of it; the second host's pool holds all twelve blocks.
+    assert policy.kv_source(third_host, longer) == PlannedFetch("peer-of-10.0.0.2:5600", "10.0.0.2", 0, 48)  # type: ignore[arg-type]
 
 
 def test_without_pools_across_hosts_no_fetch_is_planned():
@@ -394,4 +398,83 @@ def test_a_fetch_is_planned_from_the_least_busy_engine_on_the_host_holding_the_p
     assert policy.choose([computed_it], prompt) is computed_it
     computed_it.outstanding_tokens, its_neighbour.outstanding_tokens = 500, 400  # both busier than the other host
     assert policy.choose([computed_it, its_neighbour, elsewhere], prompt) is elsewhere
-    assert policy.kv_source(elsewhere, prompt) == "peer-of-10.0.0.1:5602"
+    assert policy.kv_source(elsewhere, prompt).source == "peer-of-10.0.0.1:5602"  # type: ignore[union-attr]
+
+
+def _timed_cost(seconds_per_token: float) -> PromptCost:
+    """Prefills timed at ``seconds_per_token`` plus 10 ms: a line the fit recovers."""
+    cost = PromptCost()
+    for tokens in [200, 400, 800, 1600] * 2:
+        cost.timed(tokens, 0.01 + seconds_per_token * tokens)
+    return cost
+
+
+def test_a_fetch_is_made_while_it_is_faster_than_computing_and_probed_after():
+    """The first fetch from a host is made to time it; then a fetch is made only where its
+    tokens are predicted to arrive faster than computing them, with one probe in PROBE_EVERY."""
+    cost = _timed_cost(1e-4)  # 0.1 ms per token computed
+    assert cost.prefill_s(1000) == pytest.approx(0.11)
+    choice = FetchChoice("faster", cost)
+    plan = PlannedFetch("peer", "10.0.0.1", reached_tokens=0, tokens=2048)  # type: ignore[arg-type]
+    assert choice.take(plan, 2100)  # nothing timed from 10.0.0.1 yet: fetch, and measure it
+    # Fetched in 0.5 s, of which the 52 computed tokens took 15 ms: 0.24 ms per token fetched,
+    # against 0.1 ms per token computed.
+    choice.timed("10.0.0.1", 2048, 52, 0.5)
+    assert choice.token_s["10.0.0.1"] == pytest.approx((0.5 - 0.0152) / 2048)
+    choice.timed("10.0.0.1", 0, 2100, 0.1)  # the source had lost the blocks: nothing learnt of the link
+    assert choice.token_s["10.0.0.1"] == pytest.approx((0.5 - 0.0152) / 2048)
+    decisions = [choice.take(plan, 2100) for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]  # the probes
+    # A probe finds the link faster (say the source was idle): fetching from there again.
+    choice.timed("10.0.0.1", 2048, 52, 0.05)
+    choice.timed("10.0.0.1", 2048, 52, 0.05)
+    assert choice.take(plan, 2100) and choice.take(plan, 2100)
+    other = PlannedFetch("peer", "10.0.0.9", reached_tokens=0, tokens=2048)  # type: ignore[arg-type]
+    assert choice.take(other, 2100)  # hosts are timed apart
+
+
+class _ScriptedPrefill:
+    """A prefill engine that answers after ``seconds``, noting the pool source it was given:
+    the router's timing and choice are what is tested, not an engine."""
+
+    def __init__(self, seconds: float, cached_tokens: int) -> None:
+        self.seconds, self.cached_tokens = seconds, cached_tokens
+        self.sources: list[str | None] = []
+
+    async def prefill(self, request_id, prompt_token_ids, sampling, decode_endpoint, pool_source=None) -> PrefillResult:
+        self.sources.append(pool_source)
+        await asyncio.sleep(self.seconds)
+        return PrefillResult(1, "t", len(prompt_token_ids), None, None, "prefill-0", cached_tokens=self.cached_tokens)
+
+
+def test_the_router_times_a_fetched_prefill_as_a_fetch_and_a_computed_one_as_a_prompt():
+    """A fetched prefill sets the host's fetch rate and leaves the prompt cost alone (its time
+    is the link's and the source's, not the engine's); ``always`` fetches whatever that rate."""
+    lifecycle = RequestLifecycle(WorkerPool("prefill"), WorkerPool("decode"), fetch_when="always")
+    lifecycle.local_prefill_guard.prompt_cost = cost = _timed_cost(1e-4)
+    lifecycle.pool_fetches.prompt_cost = cost
+    engine = _ScriptedPrefill(0.2, cached_tokens=2048)
+    worker = PoolMember("prefill-0", actor=None)
+    worker.engine = engine
+    plan = PlannedFetch("10.0.0.1:5602", "10.0.0.1", reached_tokens=0, tokens=2048)  # type: ignore[arg-type]
+    round_ = _Round("r1", list(range(2100)), SamplingSpec(max_tokens=2))
+    before = cost.prefill_s(2100)
+    asyncio.run(lifecycle._prefill(worker, round_, None, plan))
+    assert engine.sources == ["10.0.0.1:5602"]
+    assert cost.prefill_s(2100) == before
+    assert lifecycle.pool_fetches.token_s["10.0.0.1"] == pytest.approx((0.2 - cost.prefill_s(52)) / 2048, rel=0.25)
+    assert all(lifecycle.pool_fetches.take(plan, 2100) for _ in range(PROBE_EVERY))  # always: slower or not
+    engine.cached_tokens = 0
+    asyncio.run(lifecycle._prefill(worker, _Round("r2", list(range(2100)), SamplingSpec(max_tokens=2)), None))
+    assert engine.sources[-1] is None and cost.prefill_s(2100) != before  # computed: timed as a prompt
+
+
+def test_a_prefill_is_timed_by_the_tokens_its_engine_computed():
+    """Tokens found in the engine's prefix cache or loaded from a pool cost no compute: a prompt
+    cost fitted to whole prompts would take a cache hit for a fast engine."""
+    lifecycle = RequestLifecycle(WorkerPool("prefill"), WorkerPool("decode"))
+    worker = PoolMember("prefill-0", actor=None)
+    worker.engine = _ScriptedPrefill(0.06, cached_tokens=1500)
+    asyncio.run(lifecycle._prefill(worker, _Round("r1", list(range(2100)), SamplingSpec(max_tokens=2)), None))
+    # 600 tokens computed in about 0.06 s: 0.1 ms a token, not 0.03 (2,100 tokens).
+    assert lifecycle.local_prefill_guard.prompt_cost.at_least_s(1000) == pytest.approx(0.1, rel=0.3)

@@ -96,7 +96,7 @@ def test_channel_carries_requests_and_answers_to_their_requests_only(run_loop):
         prefilled, failed = channel.subscribe("p"), channel.subscribe("boom")
         channel.send(["prefill", "p", [5, 6], spec, "decode-0"])
         channel.send(["prefill", "boom", [5], spec, None])
-        assert await asyncio.wait_for(prefilled.get(), 10) == ["p", "prefilled", 7, "t", 2, {"at": "decode-0"}, None, "w", None, None, None]
+        assert await asyncio.wait_for(prefilled.get(), 10) == ["p", "prefilled", 7, "t", 2, {"at": "decode-0"}, None, "w", None, None, None, 0]
         answer = await asyncio.wait_for(failed.get(), 10)
         assert answer[1] == "failed" and "no such thing" in answer[2]
 

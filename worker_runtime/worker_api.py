@@ -257,6 +257,9 @@ class PrefillResult:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # What stopped it when prefill finished it: the stop string or stop token (None: EOS).
     stop_reason: int | str | None = None
+    # Prompt tokens the engine did not compute: found in its prefix cache or loaded (the host's KV
+    # pool, another host's); the router times prefills by the tokens computed.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

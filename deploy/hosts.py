@@ -243,7 +243,14 @@ class HostNetwork:
         ]
         output: IO[bytes] = open(host.root / "logs" / log, "ab")
         with output:
-            process = subprocess.Popen(wrapped, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+            # A process group of its own (a Ctrl-C at the terminal does not reach it), in this
+            # session: a session of its own would be an autogroup of its own (the kernel's
+            # sched_autogroup), and the kernel then shares a core between hosts by group, not by
+            # thread. Engines of two hosts pinned to one core then starved one another: a decode
+            # engine sharing a core with a prefill engine whose NIXL progress thread spun got no
+            # CPU for seconds, missed its health pings and was replaced, its requests waiting
+            # (tests/test_kv_pool_hosts.py's hang, docs/concepts/kv-pool.md).
+            process = subprocess.Popen(wrapped, env=env, stdout=output, stderr=subprocess.STDOUT, process_group=0)
         host.processes.append(process)
         return process
 

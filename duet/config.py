@@ -351,9 +351,9 @@ class KVPoolConfig(_Strict):
     fetch_when: Literal["faster", "always"] = "faster"
     """With fetch_across_hosts, which planned fetches are made. ``faster``: those the router
     predicts to be faster than computing the same tokens, from its own timings of both (prefills
-    it computed, and fetches from each host, on workers with nothing else queued); the first
-    fetch from a host is made to measure it, and while fetches from a host are declined one in
-    16 is made to measure again. ``always``: every one (to measure fetching itself)."""
+    it computed, and fetches from each host, on workers with nothing else queued); fetches from
+    a host are made until one is timed, and while fetches from a host are declined one in 16 is
+    made to measure again. ``always``: every one (to measure fetching itself)."""
 
 
 class RayConfig(_Strict):

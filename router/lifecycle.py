@@ -562,9 +562,9 @@ class RequestLifecycle:
             if alone:  # nothing queued with it: what computing a prompt costs (the guard's estimate), or fetching one
                 seconds, computed = time.perf_counter() - started, round_.context_tokens - result.cached_tokens
                 if fetch is None:
-                    self.local_prefill_guard.prefilled(computed, seconds)
+                    self.local_prefill_guard.prefilled(round_.context_tokens, seconds, computed)
                 else:
-                    self.pool_fetches.timed(fetch.source_host, result.cached_tokens - fetch.reached_tokens, computed, seconds)
+                    self.pool_fetches.timed(fetch, result.cached_tokens - fetch.reached_tokens, computed, seconds)
             return result
         except (EngineLost, EngineRejected) as error:
             raise self._worker_failure(self.prefill_pool, worker, engine, error) from error

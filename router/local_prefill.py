@@ -104,10 +104,12 @@ class LocalPrefillGuard:
         # The streams each decode worker is relaying, by request id.
         self._streams: dict[str, dict[str, _Stream]] = {}
 
-    def prefilled(self, prompt_tokens: int, seconds: float) -> None:
-        """A prefill worker with nothing else queued computed ``prompt_tokens`` in ``seconds``."""
-        if prompt_tokens >= _COST_MIN_TOKENS and seconds > 0:
-            self.prompt_cost.timed(prompt_tokens, seconds)
+    def prefilled(self, prompt_tokens: int, seconds: float, computed_tokens: int | None = None) -> None:
+        """A prefill worker with nothing else queued took ``seconds`` over a prompt of
+        ``prompt_tokens``, of which its engine computed ``computed_tokens`` (default: all)."""
+        computed = prompt_tokens if computed_tokens is None else computed_tokens
+        if computed >= _COST_MIN_TOKENS and seconds > 0:
+            self.prompt_cost.timed(computed, seconds, prompt_tokens)
 
     def stream_assigned(self, worker: str, request_id: str, max_tokens: int) -> None:
         """``request_id`` will decode on ``worker`` (its prompt computed there or on a prefill

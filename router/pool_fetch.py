@@ -16,8 +16,9 @@ large model on GPUs over RDMA is the other way round. So the router measures bot
 
 With ``kv_pool.fetch_when: faster`` a planned fetch is made where its blocks are predicted to
 arrive in at most :data:`_MARGIN` of the time computing them takes, and where either side is not
-measured yet (the first fetch from a host measures it). While fetches from a host are declined,
-one in :data:`PROBE_EVERY` is made anyway, so a link or a source that became faster is followed.
+measured yet (fetches from a host are made until one is timed: one whose worker had nothing else
+queued). While fetches from a host are declined, one in :data:`PROBE_EVERY` is made anyway, so
+a link or a source that became faster is followed.
 ``always`` makes every planned fetch (to measure fetching itself: ``duet bench kv-pool-hosts``).
 """
 
@@ -91,16 +92,18 @@ class FetchChoice:
         computed = _computed_tokens(plan, prompt_tokens)
         return fetch_s, self.prompt_cost.prefill_s(computed + plan.tokens) - self.prompt_cost.prefill_s(computed)
 
-    def timed(self, source_host: str, fetched_tokens: int, computed_tokens: int, seconds: float) -> None:
-        """A worker with nothing else queued fetched ``fetched_tokens`` from ``source_host`` (what
-        its engine loaded beyond its own host's reach) and computed ``computed_tokens`` in
+    def timed(self, plan: PlannedFetch, fetched_tokens: int, computed_tokens: int, seconds: float) -> None:
+        """A worker with nothing else queued fetched ``fetched_tokens`` of ``plan`` (what its
+        engine loaded beyond its own host's reach) and computed ``computed_tokens`` in
         ``seconds`` to its first token. A fetch that loaded nothing (the source had lost the
-        blocks) tells nothing of the link."""
-        if not self.prompt_cost.known or fetched_tokens <= 0:
+        blocks, or did not answer) counts its time beyond computing against the tokens planned:
+        a source that costs time and gives nothing is not asked again soon."""
+        if not self.prompt_cost.known:
             return
-        sample = max(0.0, seconds - self.prompt_cost.prefill_s(max(1, computed_tokens))) / fetched_tokens
-        previous = self.token_s.get(source_host)
-        self.token_s[source_host] = sample if previous is None else (1 - _SMOOTHING) * previous + _SMOOTHING * sample
+        beyond = max(0.0, seconds - self.prompt_cost.prefill_s(max(1, computed_tokens)))
+        sample = beyond / (fetched_tokens if fetched_tokens > 0 else plan.tokens)
+        previous = self.token_s.get(plan.source_host)
+        self.token_s[plan.source_host] = sample if previous is None else (1 - _SMOOTHING) * previous + _SMOOTHING * sample
 
 
 def _computed_tokens(plan: PlannedFetch, prompt_tokens: int) -> int:

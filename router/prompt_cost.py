@@ -37,7 +37,9 @@ class PromptCost:
     """Seconds a prompt of ``tokens`` stalls an engine step, from ``timed`` prefills."""
 
     def __init__(self) -> None:
-        self._timings: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
+        self._timings: deque[tuple[int, float]] = deque(maxlen=_WINDOW)  # (tokens computed, seconds)
+        # (the whole prompt's tokens, seconds): a queue counts whole prompts, cached parts included.
+        self._prompts: deque[tuple[int, float]] = deque(maxlen=_WINDOW)
         # (fixed, linear, quadratic): seconds, per token and per token squared; None until a fit holds.
         self._fit: tuple[float, float, float] | None = None
 
@@ -45,16 +47,18 @@ class PromptCost:
     def known(self) -> bool:
         return bool(self._timings)
 
-    def timed(self, tokens: int, seconds: float) -> None:
-        """A prompt of ``tokens`` took ``seconds`` to its first token, nothing queued with it."""
+    def timed(self, tokens: int, seconds: float, prompt_tokens: int | None = None) -> None:
+        """A prompt whose engine computed ``tokens`` of its ``prompt_tokens`` (default: all) took
+        ``seconds`` to its first token, nothing queued with it."""
         self._timings.append((tokens, seconds))
+        self._prompts.append((prompt_tokens or tokens, seconds))
         self._fit = self._fitted()
 
     def stall_s(self, tokens: int) -> float:
         """Seconds a prompt of ``tokens`` adds to the step that computes it (0 before any
         timing: callers check :attr:`known`)."""
         if self._fit is None:
-            return tokens * self._seconds_per_token()
+            return tokens * _per_token(self._timings)
         _, linear, quadratic = self._fit
         return tokens * linear + tokens * tokens * quadratic
 
@@ -63,18 +67,15 @@ class PromptCost:
         ``tokens`` to its first token: the fit's fixed part and growth (before a fit, the
         timings' seconds per token)."""
         if self._fit is None:
-            return tokens * self._seconds_per_token()
+            return tokens * _per_token(self._timings)
         return self._fit[0] + self.stall_s(tokens)
 
     def at_least_s(self, tokens: int) -> float:
-        """How long ``tokens`` of queued prompts take at the least: the timings' seconds per token,
-        fixed overheads included (each queued prompt pays its own; the stall, which a decode step
-        adds to its own fixed overhead, does not)."""
-        return tokens * self._seconds_per_token()
-
-    def _seconds_per_token(self) -> float:
-        tokens = sum(timing[0] for timing in self._timings)
-        return sum(timing[1] for timing in self._timings) / tokens if tokens else 0.0
+        """How long ``tokens`` of queued prompts (whole prompts, as a queue counts them) take at the
+        least: the timings' seconds per whole prompt's token, fixed overheads included (each
+        queued prompt pays its own; the stall, which a decode step adds to its own fixed
+        overhead, does not)."""
+        return tokens * _per_token(self._prompts)
 
     def _fitted(self) -> tuple[float, float, float] | None:
         if len(self._timings) < _MIN_SAMPLES:
@@ -83,9 +84,30 @@ class PromptCost:
         seconds = np.array([timing[1] for timing in self._timings])
         if tokens.max() < _MIN_SPREAD * tokens.min():
             return None
-        for columns in ((np.ones_like(tokens), tokens, tokens * tokens), (np.ones_like(tokens), tokens)):
-            coefficients = np.linalg.lstsq(np.stack(columns, axis=1), seconds, rcond=None)[0]
-            linear, quadratic = float(coefficients[1]), float(coefficients[2]) if len(coefficients) == 3 else 0.0
-            if min(linear, quadratic) >= 0.0:
-                return max(0.0, float(coefficients[0])), linear, quadratic
+        for growth in ((tokens, tokens * tokens), (tokens,)):
+            fit = _least_squares(tokens, seconds, growth, fixed=True)
+            if fit is not None and fit[0] < 0.0:  # growth fits, the fixed part comes out negative
+                fit = _least_squares(tokens, seconds, growth, fixed=False)
+            if fit is not None:
+                return fit
         return None
+
+
+def _least_squares(
+    tokens: "np.ndarray", seconds: "np.ndarray", growth: tuple["np.ndarray", ...], fixed: bool
+) -> tuple[float, float, float] | None:
+    """(fixed, linear, quadratic) fitted with the ``growth`` columns (and a constant, if
+    ``fixed``); None where a part that grows with the prompt comes out negative."""
+    columns = ((np.ones_like(tokens),) if fixed else ()) + growth
+    coefficients = [float(c) for c in np.linalg.lstsq(np.stack(columns, axis=1), seconds, rcond=None)[0]]
+    constant = coefficients.pop(0) if fixed else 0.0
+    linear, quadratic = coefficients[0], coefficients[1] if len(coefficients) > 1 else 0.0
+    if min(linear, quadratic) < 0.0:
+        return None
+    return constant, linear, quadratic
+
+
+def _per_token(timings: "deque[tuple[int, float]]") -> float:
+    """Seconds per token over ``timings`` (total over total)."""
+    tokens = sum(timing[0] for timing in timings)
+    return sum(timing[1] for timing in timings) / tokens if tokens else 0.0

@@ -363,15 +363,15 @@ def test_a_prefix_pooled_on_another_host_is_fetched_from_an_engine_there():
     hashes = policy.block_hashes(prompt)
     assert policy.cached_blocks(other_host.name, hashes) == 10
     assert policy.reachable_blocks(third_host, hashes) == 0
-    # A longer prompt on the second host: its engine holds the first ten blocks, the two after
-    # them are computed and pooled there, so that host's pool holds more of it than the first
-    # host's, and a worker on a third host fetches it from the second.
+    # A longer prompt on the second host: its engine holds the first ten blocks and computes the
+    # two after them. The router counts all twelve as in that host's pool (the ten fetched ones
+    # are in its engine, which serves a peer's lookup from its own tiers too), so a worker on a
+    # third host fetches the whole prompt from the second.
     longer = prompt + list(range(100, 108))
     assert policy.choose([computed_it, other_host], longer) is other_host
     assert policy.kv_source(other_host, longer) is None  # its engine holds the ten blocks
     other_host.outstanding_tokens = 100
     assert policy.choose([computed_it, other_host, third_host], longer) is third_host
-    # The third host reaches none of it; the second host's pool holds all twelve blocks.
     assert policy.kv_source(third_host, longer) == PlannedFetch("peer-of-10.0.0.2:5600", "10.0.0.2", 0, 48)  # type: ignore[arg-type]
 
 
@@ -419,18 +419,21 @@ def test_a_fetch_is_made_while_it_is_faster_than_computing_and_probed_after():
     assert choice.take(plan, 2100)  # nothing timed from 10.0.0.1 yet: fetch, and measure it
     # Fetched in 0.5 s, of which the 52 computed tokens took 15 ms: 0.24 ms per token fetched,
     # against 0.1 ms per token computed.
-    choice.timed("10.0.0.1", 2048, 52, 0.5)
-    assert choice.token_s["10.0.0.1"] == pytest.approx((0.5 - 0.0152) / 2048)
-    choice.timed("10.0.0.1", 0, 2100, 0.1)  # the source had lost the blocks: nothing learnt of the link
+    choice.timed(plan, 2048, 52, 0.5)
     assert choice.token_s["10.0.0.1"] == pytest.approx((0.5 - 0.0152) / 2048)
     decisions = [choice.take(plan, 2100) for _ in range(2 * PROBE_EVERY)]
     assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]  # the probes
     # A probe finds the link faster (say the source was idle): fetching from there again.
-    choice.timed("10.0.0.1", 2048, 52, 0.05)
-    choice.timed("10.0.0.1", 2048, 52, 0.05)
+    choice.timed(plan, 2048, 52, 0.05)
+    choice.timed(plan, 2048, 52, 0.05)
     assert choice.take(plan, 2100) and choice.take(plan, 2100)
     other = PlannedFetch("peer", "10.0.0.9", reached_tokens=0, tokens=2048)  # type: ignore[arg-type]
     assert choice.take(other, 2100)  # hosts are timed apart
+    # A source that gave nothing (it had lost the blocks, or did not answer for 5 s): its time
+    # beyond computing counts against the tokens planned, and fetching from it stops.
+    choice.timed(other, 0, 2100, 5.2)
+    choice.timed(other, 0, 2100, 5.2)
+    assert not choice.take(other, 2100)
 
 
 class _ScriptedPrefill:
@@ -453,7 +456,7 @@ def test_the_router_times_a_fetched_prefill_as_a_fetch_and_a_computed_one_as_a_p
     lifecycle = RequestLifecycle(WorkerPool("prefill"), WorkerPool("decode"), fetch_when="always")
     lifecycle.local_prefill_guard.prompt_cost = cost = _timed_cost(1e-4)
     lifecycle.pool_fetches.prompt_cost = cost
-    engine = _ScriptedPrefill(0.2, cached_tokens=2048)
+    engine = _ScriptedPrefill(0.5, cached_tokens=2048)
     worker = PoolMember("prefill-0", actor=None)
     worker.engine = engine
     plan = PlannedFetch("10.0.0.1:5602", "10.0.0.1", reached_tokens=0, tokens=2048)  # type: ignore[arg-type]
@@ -462,11 +465,13 @@ def test_the_router_times_a_fetched_prefill_as_a_fetch_and_a_computed_one_as_a_p
     asyncio.run(lifecycle._prefill(worker, round_, None, plan))
     assert engine.sources == ["10.0.0.1:5602"]
     assert cost.prefill_s(2100) == before
-    assert lifecycle.pool_fetches.token_s["10.0.0.1"] == pytest.approx((0.2 - cost.prefill_s(52)) / 2048, rel=0.25)
-    assert all(lifecycle.pool_fetches.take(plan, 2100) for _ in range(PROBE_EVERY))  # always: slower or not
+    assert lifecycle.pool_fetches.token_s["10.0.0.1"] == pytest.approx((0.5 - cost.prefill_s(52)) / 2048, rel=0.25)
+    fetch_s, compute_s = lifecycle.pool_fetches.predicted_s(plan, 2100)
+    assert fetch_s > 2 * compute_s  # slower than computing by far ...
+    assert all(lifecycle.pool_fetches.take(plan, 2100) for _ in range(PROBE_EVERY))  # ... and always fetched
     engine.cached_tokens = 0
     asyncio.run(lifecycle._prefill(worker, _Round("r2", list(range(2100)), SamplingSpec(max_tokens=2)), None))
-    assert engine.sources[-1] is None and cost.prefill_s(2100) != before  # computed: timed as a prompt
+    assert engine.sources[-1] is None and cost.prefill_s(2100) > before  # computed (0.5 s): timed as a prompt
 
 
 def test_a_prefill_is_timed_by_the_tokens_its_engine_computed():
@@ -474,7 +479,10 @@ def test_a_prefill_is_timed_by_the_tokens_its_engine_computed():
     cost fitted to whole prompts would take a cache hit for a fast engine."""
     lifecycle = RequestLifecycle(WorkerPool("prefill"), WorkerPool("decode"))
     worker = PoolMember("prefill-0", actor=None)
-    worker.engine = _ScriptedPrefill(0.06, cached_tokens=1500)
+    worker.engine = _ScriptedPrefill(0.3, cached_tokens=1500)
     asyncio.run(lifecycle._prefill(worker, _Round("r1", list(range(2100)), SamplingSpec(max_tokens=2)), None))
-    # 600 tokens computed in about 0.06 s: 0.1 ms a token, not 0.03 (2,100 tokens).
-    assert lifecycle.local_prefill_guard.prompt_cost.at_least_s(1000) == pytest.approx(0.1, rel=0.3)
+    cost = lifecycle.local_prefill_guard.prompt_cost
+    # 600 tokens computed in about 0.3 s: a prompt computed whole costs 0.5 ms a token, not 0.14 ...
+    assert cost.stall_s(1000) == pytest.approx(0.5, rel=0.2)
+    # ... while a queue, which counts whole prompts, moves at 2,100 tokens in 0.3 s.
+    assert cost.at_least_s(2100) == pytest.approx(0.3, rel=0.2)

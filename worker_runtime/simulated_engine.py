@@ -61,6 +61,7 @@ class _Output:
     finished: bool
     kv_transfer_params: dict[str, Any] | None = None
     prompt_logprobs: None = None
+    num_cached_tokens: int = 0  # a SIMULATED engine keeps no prefix cache
 
 
 @dataclass

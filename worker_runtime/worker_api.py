@@ -258,7 +258,8 @@ class PrefillResult:
     # What stopped it when prefill finished it: the stop string or stop token (None: EOS).
     stop_reason: int | str | None = None
     # Prompt tokens the engine did not compute: found in its prefix cache or loaded (the host's KV
-    # pool, another host's); the router times prefills by the tokens computed.
+    # pool, another host's); the router times prefills by the tokens computed. (The channel
+    # sends the fields in order: router and workers run the same duet.)
     cached_tokens: int = 0
 
 
